@@ -1,0 +1,1 @@
+"""YAML tier stacks shipped with kvtier."""

@@ -1,0 +1,1 @@
+"""The vLLM KV connector (filled in by the connector work)."""

@@ -1,0 +1,8 @@
+"""Eviction, admission, promotion/prefetch and offload policies, chosen by name in YAML."""
+
+from .base import (ADMISSION, EVICTION, OFFLOAD, PROMOTION, AdmissionPolicy, EvictionPolicy,
+                   OffloadPolicy, PromotionPolicy, RequestInfo)
+from . import lru  # noqa: F401  (registers)
+
+__all__ = ["ADMISSION", "EVICTION", "OFFLOAD", "PROMOTION", "AdmissionPolicy", "EvictionPolicy",
+           "OffloadPolicy", "PromotionPolicy", "RequestInfo"]

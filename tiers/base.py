@@ -1,0 +1,251 @@
+"""The Tier protocol (scheduler-side surface, the same for every medium) and a slot-based base.
+
+Control plane only: which key lives in which slot, reference counts, the eviction cursor.
+Bytes move through each tier's data-plane object (see cpu_pool.py, io_engines.py).
+
+Block life in a slot tier: free -> allocate() -> pending (pinned, invisible to lookup; bytes
+being written) -> commit() -> resident (visible; evictable when ref_cnt == 0) -> evict() -> free.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+
+from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
+
+_FREE, _PENDING, _RESIDENT = 0, 1, 2
+
+
+class TierFull(RuntimeError):
+    """Not enough free slots; evict first."""
+
+
+class BlockView(NamedTuple):
+    """Read-only view of one block, the shape vLLM's KVCacheBlock offers."""
+
+    block_id: int
+    ref_cnt: int
+    block_hash: bytes | None
+    is_null: bool = False
+
+
+@runtime_checkable
+class TierProtocol(Protocol):
+    name: str
+
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def num_used(self) -> int: ...
+    def lookup(self, keys: Sequence[bytes]) -> int: ...
+    def get_block(self, block_id: int) -> BlockView: ...
+    def touch(self, block_ids: Sequence[int]) -> None: ...
+    def free_blocks(self, block_ids: Sequence[int]) -> None: ...
+    def iter_free_blocks(self, after: BlockView | int | None = None) -> Iterator[BlockView]: ...
+    def allocate(self, keys: Sequence[bytes]) -> list[int]: ...
+    def evict(self, block_ids: Sequence[int]) -> list[bytes]: ...
+
+
+class SlotTier:
+    """Fixed-size slots, a key index, reference counts and an eviction policy.
+
+    Subclasses (CPU, NVMe) add a data plane and may persist commits/evictions
+    through `_on_commit` / `_on_evict`.
+    """
+
+    kind = "slots"
+
+    def __init__(self, name: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"tier {name!r}: capacity must hold at least one block of {block_bytes} bytes")
+        self.name = name
+        self.block_bytes = block_bytes
+        self._cap = capacity_blocks
+        self.eviction = eviction
+        self._slot_of: dict[bytes, int] = {}
+        self._key_of: list[bytes | None] = [None] * capacity_blocks
+        self._ref = [0] * capacity_blocks
+        self._state = bytearray(capacity_blocks)
+        self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
+        self._pending: set[int] = set()
+
+    # ---- sizes -------------------------------------------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return self._cap
+
+    @property
+    def num_used(self) -> int:
+        """Resident + pending slots."""
+        return self._cap - len(self._free)
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._slot_of)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def occupancy(self) -> float:
+        return self.num_used / self._cap
+
+    # ---- lookups -----------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the prefix of `keys` resident here. No side effects."""
+        d = self._slot_of
+        n = 0
+        for k in keys:
+            if k not in d:
+                break
+            n += 1
+        return n
+
+    def find(self, key: bytes) -> int | None:
+        return self._slot_of.get(key)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slot_of
+
+    def keys(self) -> list[bytes]:
+        return list(self._slot_of)
+
+    def get_block(self, block_id: int) -> BlockView:
+        return BlockView(block_id, self._ref[block_id], self._key_of[block_id], False)
+
+    # ---- reference counts --------------------------------------------------------------
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Pin: a block with ref_cnt > 0 is never yielded by the cursor nor evicted."""
+        ref, st = self._ref, self._state
+        for b in block_ids:
+            if st[b] == _FREE:
+                raise KeyError(f"tier {self.name!r}: touch of free slot {b}")
+            ref[b] += 1
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        ref = self._ref
+        for b in block_ids:
+            if ref[b] <= 0:
+                raise ValueError(f"tier {self.name!r}: free_blocks on slot {b} with ref_cnt {ref[b]}")
+            ref[b] -= 1
+
+    def hit(self, block_ids: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+        """Record a use (reorders the eviction cursor)."""
+        self.eviction.on_hit(block_ids, info)
+
+    # ---- the cursor --------------------------------------------------------------------
+    def iter_free_blocks(self, after: BlockView | int | None = None) -> Iterator[BlockView]:
+        """Evictable blocks (resident, ref_cnt == 0) in eviction order.
+
+        Resumes after `after` while that block is still evictable; otherwise restarts
+        from the head.
+        """
+        start = after.block_id if isinstance(after, BlockView) else after
+        if start is not None and (self._state[start] != _RESIDENT or self._ref[start] != 0):
+            start = None
+        ref, keys = self._ref, self._key_of
+        for s in self.eviction.victims(start):
+            if ref[s] == 0:
+                yield BlockView(s, 0, keys[s], False)
+
+    def iter_free_slots(self) -> Iterator[int]:
+        """Fast path of iter_free_blocks for the engine: slot ids only."""
+        ref = self._ref
+        for s in self.eviction.victims(None):
+            if ref[s] == 0:
+                yield s
+
+    # ---- allocation --------------------------------------------------------------------
+    def allocate(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[int]:
+        """Reserve a pinned, invisible slot per key; commit() publishes them."""
+        if len(keys) > len(self._free):
+            raise TierFull(f"tier {self.name!r}: {len(keys)} blocks asked, {len(self._free)} slots free")
+        slots = []
+        for k in keys:
+            if k in self._slot_of:
+                raise ValueError(f"tier {self.name!r}: key {k.hex()} is already resident")
+            s = self._free.pop()
+            self._state[s] = _PENDING
+            self._key_of[s] = k
+            self._ref[s] = 1
+            self._pending.add(s)
+            slots.append(s)
+        return slots
+
+    def commit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+        """Pending -> resident: visible to lookup, evictable once unpinned."""
+        for s in slots:
+            if self._state[s] != _PENDING:
+                raise ValueError(f"tier {self.name!r}: commit of slot {s} that is not pending")
+        self._on_commit(slots)
+        keys = []
+        for s in slots:
+            k = self._key_of[s]
+            old = self._slot_of.get(k)
+            if old is not None:  # a twin committed meanwhile: keep the old one
+                self._release(s)
+                continue
+            self._pending.discard(s)
+            self._state[s] = _RESIDENT
+            self._slot_of[k] = s
+            self._ref[s] -= 1
+            keys.append(s)
+        if keys:
+            self.eviction.on_insert(keys, [self._key_of[s] for s in keys], info)
+
+    def abort(self, slots: Sequence[int]) -> None:
+        """Pending -> free (the write failed or was cancelled)."""
+        for s in slots:
+            if self._state[s] == _PENDING:
+                self._release(s)
+
+    def _release(self, s: int) -> None:
+        self._pending.discard(s)
+        self._state[s] = _FREE
+        self._key_of[s] = None
+        self._ref[s] = 0
+        self._free.append(s)
+
+    def evict(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Drop resident, unpinned blocks; returns their keys."""
+        for s in block_ids:
+            if self._state[s] != _RESIDENT:
+                raise ValueError(f"tier {self.name!r}: evict of slot {s} that is not resident")
+            if self._ref[s]:
+                raise ValueError(f"tier {self.name!r}: evict of pinned slot {s} (ref_cnt {self._ref[s]})")
+        self._on_evict(block_ids)
+        out = []
+        for s in block_ids:
+            k = self._key_of[s]
+            del self._slot_of[k]
+            self.eviction.on_remove(s, k)
+            self._release(s)
+            out.append(k)
+        return out
+
+    def _restore(self, entries: Sequence[tuple[int, bytes]]) -> None:
+        """Mark (slot, key) pairs resident at open time (persistent tiers), oldest first."""
+        slots, keys = [], []
+        for s, k in entries:
+            self._state[s] = _RESIDENT
+            self._key_of[s] = k
+            self._slot_of[k] = s
+            slots.append(s)
+            keys.append(k)
+        self._free = [s for s in range(self._cap - 1, -1, -1) if self._state[s] == _FREE]
+        if slots:
+            self.eviction.on_insert(slots, keys)
+
+    # ---- persistence hooks -------------------------------------------------------------
+    def _on_commit(self, slots: Sequence[int]) -> None:
+        pass
+
+    def _on_evict(self, slots: Sequence[int]) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "capacity_blocks": self._cap,
+                "resident_blocks": len(self._slot_of), "pending_blocks": len(self._pending),
+                "block_bytes": self.block_bytes, "occupancy": round(self.occupancy, 4),
+                "eviction": self.eviction.name}

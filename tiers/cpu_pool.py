@@ -1,0 +1,78 @@
+"""CPU DRAM data plane: one preallocated, pre-touched, page-aligned pool of block slots.
+
+Pinned (page-locked, CUDA-registered) when CUDA is present, plain anonymous memory otherwise.
+Copies are batched `torch._foreach_copy_` over cached per-slot views.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from typing import Sequence
+
+import torch
+
+from .handles import DoneHandle, IOHandle, IOResult
+
+log = logging.getLogger("kvtier.cpu")
+
+PAGE = mmap.PAGESIZE
+
+
+def cuda_available() -> bool:
+    try:
+        return torch.cuda.is_available()
+    except Exception:  # pragma: no cover - broken driver
+        return False
+
+
+class CpuPool:
+    """`num_slots` x `block_bytes` of host memory; `views[i]` is slot i as a uint8 tensor."""
+
+    def __init__(self, num_slots: int, block_bytes: int, pin: str | bool = "auto") -> None:
+        self.num_slots = num_slots
+        self.block_bytes = block_bytes
+        total = num_slots * block_bytes
+        want_pin = cuda_available() if pin == "auto" else bool(pin)
+        self.pinned = False
+        self._mmap = None
+        if want_pin and cuda_available():
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            self.pinned = True
+        else:
+            if want_pin:
+                log.warning("cpu pool: pinned memory asked but CUDA is not available; using plain memory")
+            self._mmap = mmap.mmap(-1, max(total, PAGE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.buffer = torch.frombuffer(self._mmap, dtype=torch.uint8, count=total)
+        self.buffer.zero_()  # pre-touch every page now, not on the first copy
+        self.views: list[torch.Tensor] = list(self.buffer.view(num_slots, block_bytes).unbind(0))
+        log.info("cpu pool: %d slots x %d B = %d MiB, %s", num_slots, block_bytes, total >> 20,
+                 "pinned" if self.pinned else "pageable")
+
+    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor]) -> IOHandle:
+        """Copy `srcs[i]` (block_bytes each, any dtype viewed as bytes) into slot `slots[i]`."""
+        views = self.views
+        dst = [views[s] for s in slots]
+        torch._foreach_copy_(dst, [_as_bytes(t) for t in srcs])
+        return DoneHandle(IOResult(ok=[True] * len(dst), nbytes=len(dst) * self.block_bytes))
+
+    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor]) -> IOHandle:
+        views = self.views
+        torch._foreach_copy_([_as_bytes(t) for t in dsts], [views[s] for s in slots])
+        return DoneHandle(IOResult(ok=[True] * len(slots), nbytes=len(slots) * self.block_bytes))
+
+    def close(self) -> None:
+        self.views = []
+        self.buffer = None  # type: ignore[assignment]
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:  # a view is still alive somewhere; the GC will unmap
+                pass
+            self._mmap = None
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.uint8:
+        return t.reshape(-1) if t.dim() != 1 else t
+    return t.reshape(-1).view(torch.uint8)
