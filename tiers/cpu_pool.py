@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -17,6 +19,31 @@ from .handles import DoneHandle, IOHandle, IOResult
 log = logging.getLogger("kvtier.cpu")
 
 PAGE = mmap.PAGESIZE
+PARALLEL_MIN_BYTES = 8 << 20  # below this one thread copies; above, the batch is split
+
+_copy_pool: ThreadPoolExecutor | None = None
+
+
+def _copier() -> ThreadPoolExecutor:
+    global _copy_pool
+    if _copy_pool is None:
+        _copy_pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvtier-copy")
+    return _copy_pool
+
+
+def copy_blocks(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], block_bytes: int) -> None:
+    """`dsts[i].copy_(srcs[i])` for all i; large batches split across the cores (torch drops the GIL)."""
+    n = len(dsts)
+    workers = min(os.cpu_count() or 1, n)
+    if workers <= 1 or n * block_bytes < PARALLEL_MIN_BYTES:
+        torch._foreach_copy_(list(dsts), list(srcs))
+        return
+    step = (n + workers - 1) // workers
+    futs = [_copier().submit(torch._foreach_copy_, list(dsts[i:i + step]), list(srcs[i:i + step]))
+            for i in range(step, n, step)]
+    torch._foreach_copy_(list(dsts[:step]), list(srcs[:step]))
+    for f in futs:
+        f.result()
 
 
 def cuda_available() -> bool:
@@ -53,12 +80,12 @@ class CpuPool:
         """Copy `srcs[i]` (block_bytes each, any dtype viewed as bytes) into slot `slots[i]`."""
         views = self.views
         dst = [views[s] for s in slots]
-        torch._foreach_copy_(dst, [_as_bytes(t) for t in srcs])
+        copy_blocks(dst, [_as_bytes(t) for t in srcs], self.block_bytes)
         return DoneHandle(IOResult(ok=[True] * len(dst), nbytes=len(dst) * self.block_bytes))
 
     def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor]) -> IOHandle:
         views = self.views
-        torch._foreach_copy_([_as_bytes(t) for t in dsts], [views[s] for s in slots])
+        copy_blocks([_as_bytes(t) for t in dsts], [views[s] for s in slots], self.block_bytes)
         return DoneHandle(IOResult(ok=[True] * len(slots), nbytes=len(slots) * self.block_bytes))
 
     def close(self) -> None:

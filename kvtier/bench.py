@@ -1,0 +1,99 @@
+"""`kvtier bench`: tier throughput printed next to this machine's own limits, measured in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import torch
+
+from .units import parse_size
+
+
+def _median_gbps(fn: Callable[[], None], nbytes: int, repeat: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def memcpy_limit(total: int, repeat: int) -> float:
+    """One contiguous copy of `total` bytes (torch uses every core): the memory-copy limit."""
+    a = torch.ones(total, dtype=torch.uint8)
+    b = torch.zeros(total, dtype=torch.uint8)
+    return _median_gbps(lambda: b.copy_(a), total, repeat)
+
+
+def bench_cpu(block_bytes: int, total: int, repeat: int) -> list[dict]:
+    from kvtier.policies.lru import LRU
+    from kvtier.tiers.cpu import CpuTier
+    from kvtier.tiers.cpu_pool import CpuPool
+
+    n = max(1, total // block_bytes)
+    total = n * block_bytes
+    tier = CpuTier("cpu", n, block_bytes, LRU(n))
+    staging = CpuPool(n, block_bytes, pin="auto")
+    staging.buffer.fill_(0x5A)
+    slots = tier.allocate([i.to_bytes(8, "big") for i in range(n)])
+    srcs = staging.views
+    try:
+        limit = memcpy_limit(total, repeat)
+        put = _median_gbps(lambda: tier.write(slots, srcs).wait(), total, repeat)
+        get = _median_gbps(lambda: tier.read(slots, srcs).wait(), total, repeat)
+        assert torch.equal(tier.view(slots[-1]), staging.views[-1])
+    finally:
+        tier.close()
+        staging.close()
+    lim = "memcpy (one contiguous copy, all cores)"
+    return [{"what": "cpu put", "block_bytes": block_bytes, "ours_gbps": put, "limit_gbps": limit,
+             "ratio": put / limit, "limit": lim},
+            {"what": "cpu get", "block_bytes": block_bytes, "ours_gbps": get, "limit_gbps": limit,
+             "ratio": get / limit, "limit": lim}]
+
+
+def bench_nvme(directory: str, block_bytes: int, total: int, repeat: int) -> list[dict]:
+    from .bench_nvme import run_nvme_bench
+
+    n = max(1, total // block_bytes)
+    r = run_nvme_bench(directory, block_bytes, n, repeat=repeat)
+    rows = []
+    for what, ours, limit in (("nvme spill (write)", "spill_gbps", "limit_write_gbps"),
+                              ("nvme restore (read)", "restore_gbps", "limit_read_gbps")):
+        rows.append({"what": what, "block_bytes": block_bytes, "ours_gbps": r[ours], "limit_gbps": r[limit],
+                     "ratio": r[ours] / r[limit] if r[limit] else 0.0,
+                     "limit": f"O_DIRECT sequential {'write' if 'write' in limit else 'read'}, same bytes",
+                     "engine": r.get("engine")})
+    return rows
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    sizes = [parse_size(s) for s in str(args.sizes).split(",") if s.strip()]
+    total = parse_size(args.total)
+    rows: list[dict] = []
+    notes = [f"torch threads: {torch.get_num_threads()}"]
+    for bb in sizes:
+        rows += bench_cpu(bb, total, args.repeat)
+    if not args.skip_nvme:
+        directory = args.dir
+        if directory is None:
+            from .config import load_config
+            cfg = load_config(args.config)
+            nv = [t for t in cfg.tiers if t.kind == "nvme"]
+            directory = nv[0].path if nv else None
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=directory and _mkdir(directory)) as d:
+            for bb in sizes:
+                rows += bench_nvme(d, bb, total, args.repeat)
+        notes.append(f"nvme files under {directory or tempfile.gettempdir()}")
+    return {"repeat": args.repeat, "total_bytes": total, "rows": rows, "notes": notes}
+
+
+def _mkdir(path: str) -> str:
+    import os
+    os.makedirs(path, exist_ok=True)
+    return path

@@ -1,0 +1,247 @@
+"""YAML tier-stack configuration: schema, defaults, and validation with errors that name the field."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .units import parse_size
+
+DEFAULT_CONFIG = "cpu-nvme.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the source, the field and the cause."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _size(v: Any) -> int:
+    try:
+        return parse_size(v)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+
+
+class PolicyConfig(_Model):
+    """Policies by registry name; `params` go to the classes' constructors."""
+
+    eviction: str = "lru"
+    admission: str = "all"
+    promotion: str = "inclusive"
+    offload: str = "lazy"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known(self) -> "PolicyConfig":
+        from kvtier.policies import ADMISSION, EVICTION, OFFLOAD, PROMOTION
+        for field, reg in (("eviction", EVICTION), ("admission", ADMISSION),
+                           ("promotion", PROMOTION), ("offload", OFFLOAD)):
+            name = getattr(self, field)
+            if name not in reg.classes and reg.classes:
+                raise ValueError(f"{field}: unknown policy {name!r}; known: {', '.join(reg.names())}")
+        return self
+
+
+class TierConfig(_Model):
+    name: str
+    kind: Literal["gpu", "cpu", "nvme"]
+    capacity: int | None = None  # bytes
+    capacity_blocks: int | None = None
+    # cpu
+    pin: Literal["auto", True, False] = "auto"
+    # nvme
+    path: str | None = None
+    io: Literal["auto", "posix", "kvikio"] = "auto"
+    io_threads: int = Field(default=4, ge=1, le=64)
+    on_fingerprint_mismatch: Literal["refuse", "namespace"] = "refuse"
+    # per-tier policy overrides
+    eviction: str | None = None
+    admission: str | None = None
+
+    @field_validator("capacity", mode="before")
+    @classmethod
+    def _cap(cls, v: Any) -> Any:
+        return None if v is None else _size(v)
+
+    @field_validator("capacity_blocks")
+    @classmethod
+    def _capb(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "TierConfig":
+        if self.kind == "nvme" and not self.path:
+            raise ValueError(f"tier {self.name!r}: kind nvme needs a path")
+        if self.kind != "gpu" and self.capacity is None and self.capacity_blocks is None:
+            raise ValueError(f"tier {self.name!r}: give capacity (e.g. 2GiB) or capacity_blocks")
+        if self.capacity is not None and self.capacity_blocks is not None:
+            raise ValueError(f"tier {self.name!r}: give capacity or capacity_blocks, not both")
+        return self
+
+    def blocks(self, block_bytes: int) -> int:
+        if self.capacity_blocks is not None:
+            return self.capacity_blocks
+        n = (self.capacity or 0) // block_bytes
+        if n <= 0:
+            raise ConfigError(f"tiers[{self.name}].capacity: {self.capacity} bytes holds no block of {block_bytes} bytes")
+        return n
+
+
+class StackConfig(_Model):
+    block_bytes: int = 262144
+    block_tokens: int = 512
+    model: str = "unknown"
+    dtype: str = "unknown"
+    layout: str = "unknown"
+    rank: int = 0
+    tiers: list[TierConfig]
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    source: str = Field(default="<dict>", exclude=True)
+
+    @field_validator("block_bytes", mode="before")
+    @classmethod
+    def _bb(cls, v: Any) -> int:
+        n = _size(v)
+        if n <= 0:
+            raise ValueError("must be > 0")
+        return n
+
+    @model_validator(mode="after")
+    def _tiers(self) -> "StackConfig":
+        if not self.tiers:
+            raise ValueError("tiers: at least one tier is needed")
+        names = [t.name for t in self.tiers]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"tiers: duplicate tier names {sorted(dup)}")
+        order = {"gpu": 0, "cpu": 1, "nvme": 2}
+        ranks = [order[t.kind] for t in self.tiers]
+        if ranks != sorted(ranks):
+            raise ValueError("tiers: list them fastest first (gpu, cpu, nvme)")
+        if sum(t.kind == "gpu" for t in self.tiers) > 1:
+            raise ValueError("tiers: at most one gpu tier")
+        return self
+
+    def storage_tiers(self) -> list[TierConfig]:
+        """The tiers kvtier owns (the gpu tier is vLLM's block pool)."""
+        return [t for t in self.tiers if t.kind != "gpu"]
+
+    def fingerprint(self, **overrides: Any) -> dict[str, Any]:
+        from . import FORMAT_VERSION
+        fp = {"block_bytes": self.block_bytes, "block_tokens": self.block_tokens, "model": self.model,
+              "dtype": self.dtype, "layout": self.layout, "rank": self.rank, "format_version": FORMAT_VERSION}
+        fp.update(overrides)
+        return fp
+
+
+def _format_validation(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        got = e.get("input")
+        scalar = e["type"] not in ("extra_forbidden", "missing") and isinstance(got, (str, int, float, bool))
+        lines.append(f"{loc}: {msg}" + (f" (got {got!r})" if scalar else ""))
+    return f"{source}: invalid configuration\n  " + "\n  ".join(lines)
+
+
+def parse_config(data: Any, source: str = "<dict>", check_env: bool = True) -> StackConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        cfg = StackConfig.model_validate({**data, "source": source})
+    except ValidationError as e:
+        raise ConfigError(_format_validation(e, source)) from None
+    for t in cfg.tiers:
+        if t.path:
+            t.path = expand_path(t.path)
+    if check_env:
+        check_environment(cfg)
+    return cfg
+
+
+_VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
+
+
+def expand_path(value: str) -> str:
+    """Expand ~, $VAR, ${VAR} and ${VAR:-default}."""
+    def sub(m: re.Match) -> str:
+        name = m.group(1) or m.group(3)
+        return os.environ.get(name) or (m.group(2) or "")
+    return os.path.expanduser(_VAR.sub(sub, value))
+
+
+def load_config(path: str | os.PathLike | None = None, check_env: bool = True) -> StackConfig:
+    """Load a YAML stack; None or a bare shipped name ('cpu-nvme') loads an embedded config."""
+    text, source = _read(path)
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{source}:{where} not valid YAML: {getattr(e, 'problem', e)}") from None
+    return parse_config(data, source, check_env)
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.name for p in resources.files("kvtier.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def _read(path: str | os.PathLike | None) -> tuple[str, str]:
+    if path is None:
+        path = DEFAULT_CONFIG
+    p = Path(path)
+    if p.is_file():
+        return p.read_text(), str(p)
+    name = p.name if p.name.endswith(".yaml") else p.name + ".yaml"
+    if len(p.parts) == 1 and name in shipped_configs():
+        return resources.files("kvtier.configs").joinpath(name).read_text(), f"<shipped {name}>"
+    if p.exists():
+        raise ConfigError(f"{p}: not a regular file")
+    raise ConfigError(f"{p}: no such config file (shipped configs: {', '.join(shipped_configs())})")
+
+
+def check_environment(cfg: StackConfig) -> None:
+    """Checks that need the machine: nvme paths writable, capacities that fit the disk."""
+    for i, t in enumerate(cfg.tiers):
+        if t.kind != "nvme":
+            continue
+        field = f"tiers.{i}.path"
+        p = Path(t.path)
+        probe = p
+        while not probe.exists():
+            probe = probe.parent
+        if not probe.is_dir():
+            raise ConfigError(f"{cfg.source}: {field}: {probe} is not a directory")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ConfigError(f"{cfg.source}: {field}: {probe} is not writable (EACCES)")
+        need = t.blocks(cfg.block_bytes) * _stride(cfg.block_bytes)
+        have = _existing_bytes(p)
+        free = shutil.disk_usage(probe).free
+        if need - have > free:
+            raise ConfigError(f"{cfg.source}: tiers.{i}.capacity: {need} bytes asked for {t.name!r} but only "
+                              f"{free} bytes free on the disk of {probe}")
+
+
+def _stride(block_bytes: int) -> int:
+    return (block_bytes + 4095) // 4096 * 4096
+
+
+def _existing_bytes(p: Path) -> int:
+    if not p.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in p.glob("*.data") if f.is_file())

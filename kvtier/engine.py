@@ -1,0 +1,64 @@
+"""The policy engine: turns the policies' answers into decisions over the tiers' cursors.
+
+It never touches bytes (that is the stack's data plane) and never reaches into a tier's
+internals: victims come from `iter_free_blocks`, in the order the eviction policy keeps.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from typing import Any, Sequence
+
+from kvtier.policies import ADMISSION, EVICTION, PROMOTION, AdmissionPolicy, EvictionPolicy, RequestInfo
+from kvtier.policies.base import _NO_INFO
+
+from .config import StackConfig, TierConfig
+
+
+def _params(cfg: StackConfig, name: str) -> dict[str, Any]:
+    p = cfg.policy.params.get(name, {})
+    return p if isinstance(p, dict) else {}
+
+
+def make_eviction(cfg: StackConfig, tcfg: TierConfig, capacity: int) -> EvictionPolicy:
+    name = tcfg.eviction or cfg.policy.eviction
+    return EVICTION.get(name)(capacity, **_params(cfg, name))
+
+
+class PolicyEngine:
+    """Admission per tier, promotion, and victim selection for a stack of slot tiers."""
+
+    def __init__(self, cfg: StackConfig, tiers: Sequence[Any]) -> None:
+        self.tiers = list(tiers)
+        storage = cfg.storage_tiers()
+        self.admission: list[AdmissionPolicy] = []
+        for t in storage:
+            name = t.admission or cfg.policy.admission
+            self.admission.append(ADMISSION.get(name)(**_params(cfg, name)))
+        self.promotion = PROMOTION.get(cfg.policy.promotion)(**_params(cfg, cfg.policy.promotion))
+
+    def victims(self, tier_index: int, n: int) -> list[int]:
+        """Up to `n` evictable slots of a tier, head of its cursor first."""
+        if n <= 0:
+            return []
+        return list(islice(self.tiers[tier_index].iter_free_slots(), n))
+
+    def admit(self, tier_index: int, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[bool]:
+        return self.admission[tier_index].admit(keys, info)
+
+    def on_evict(self, tier_index: int, keys: Sequence[bytes]) -> None:
+        adm = self.admission[tier_index]
+        for k in keys:
+            adm.on_evict(k)
+
+    def promote_target(self, hit_tier: int) -> int | None:
+        return self.promotion.target(hit_tier, len(self.tiers))
+
+    @property
+    def inclusive(self) -> bool:
+        return self.promotion.inclusive
+
+    def describe(self) -> dict:
+        return {"eviction": [t.eviction.name for t in self.tiers],
+                "admission": [a.name for a in self.admission],
+                "promotion": self.promotion.name}

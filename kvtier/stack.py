@@ -1,0 +1,343 @@
+"""TierStack: storage tiers (CPU, NVMe) under one policy engine, driven without vLLM.
+
+Control decisions come from the PolicyEngine; bytes move through each tier's data plane.
+Public surface: lookup / match (side-effect free), get / put (bytes in and out, with
+promotion and write-back demotion), flush, and the lease API plan / commit / release.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvtier.policies.base import RequestInfo, _NO_INFO
+from kvtier.tiers.base import SlotTier
+
+from .config import StackConfig, load_config
+from .engine import PolicyEngine, make_eviction
+from .leases import Lease, LeaseTable
+from .metrics import StackMetrics
+
+log = logging.getLogger("kvtier.stack")
+
+
+@dataclass
+class Match:
+    """Where each block of a matched prefix lives: parallel lists, prefix order."""
+
+    tier: list[int]
+    slot: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.tier)
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """Runs of consecutive blocks in one tier: (tier, start, end)."""
+        out: list[tuple[int, int, int]] = []
+        for i, t in enumerate(self.tier):
+            if out and out[-1][0] == t:
+                out[-1] = (t, out[-1][1], i + 1)
+            else:
+                out.append((t, i, i + 1))
+        return out
+
+    def per_tier(self, num_tiers: int) -> list[int]:
+        counts = [0] * num_tiers
+        for t in self.tier:
+            counts[t] += 1
+        return counts
+
+
+def build_tier(cfg: StackConfig, index: int, with_data: bool, fingerprint: dict | None) -> SlotTier:
+    t = cfg.storage_tiers()[index]
+    cap = t.blocks(cfg.block_bytes)
+    eviction = make_eviction(cfg, t, cap)
+    if t.kind == "cpu":
+        from kvtier.tiers.cpu import CpuTier
+        return CpuTier(t.name, cap, cfg.block_bytes, eviction, pin=t.pin, with_data=with_data)
+    if t.kind == "nvme":
+        from kvtier.tiers.nvme import NvmeTier
+        return NvmeTier(t.name, t.path, cap, cfg.block_bytes, eviction, io=t.io,
+                        fingerprint=fingerprint or cfg.fingerprint(), on_mismatch=t.on_fingerprint_mismatch,
+                        with_data=with_data, io_threads=t.io_threads)
+    raise ValueError(f"tier {t.name!r}: kind {t.kind!r} is not a storage tier")
+
+
+class TierStack:
+    def __init__(self, cfg: StackConfig, tiers: Sequence[SlotTier], with_data: bool = True,
+                 lease_timeout_s: float = 60.0) -> None:
+        self.cfg = cfg
+        self.tiers = list(tiers)
+        self.with_data = with_data
+        self.block_bytes = cfg.block_bytes
+        self.engine = PolicyEngine(cfg, self.tiers)
+        self.metrics = StackMetrics()
+        self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
+        self._index = [t._slot_of for t in self.tiers]  # read-only fast path for lookups
+        self._names = [t.name for t in self.tiers]
+
+    @classmethod
+    def from_config(cls, cfg: StackConfig | str | None = None, with_data: bool = True,
+                    fingerprint: dict | None = None, **kw: Any) -> "TierStack":
+        if not isinstance(cfg, StackConfig):
+            cfg = load_config(cfg)
+        tiers: list[SlotTier] = []
+        try:
+            for i in range(len(cfg.storage_tiers())):
+                tiers.append(build_tier(cfg, i, with_data, fingerprint))
+        except BaseException:
+            for t in tiers:
+                _close(t)
+            raise
+        return cls(cfg, tiers, with_data, **kw)
+
+    # ---- control plane: lookups ----------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the prefix of `keys` present in some tier. No side effects."""
+        idx = self._index
+        n = 0
+        for k in keys:
+            for d in idx:
+                if k in d:
+                    break
+            else:
+                break
+            n += 1
+        return n
+
+    def match(self, keys: Sequence[bytes]) -> Match:
+        """Where each block of the present prefix lives (the topmost copy)."""
+        tier_l: list[int] = []
+        slot_l: list[int] = []
+        idx = self._index
+        for k in keys:
+            for ti, d in enumerate(idx):
+                s = d.get(k)
+                if s is not None:
+                    tier_l.append(ti)
+                    slot_l.append(s)
+                    break
+            else:
+                break
+        return Match(tier_l, slot_l)
+
+    # ---- leases ----------------------------------------------------------------------------
+    def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
+        for ti, s in blocks:
+            self.tiers[ti].touch((s,))
+
+    def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
+        for ti, s in blocks:
+            self.tiers[ti].free_blocks((s,))
+
+    def plan(self, request_id: str, keys: Sequence[bytes], start: int = 0) -> Lease:
+        """Match keys[start:] and pin the matched blocks under a lease (idempotent per range)."""
+        keys = keys[start:]
+        lease = self.leases.get(request_id, start, keys)
+        if lease is not None:
+            return lease
+        m = self.match(keys)
+        self.metrics.lookups += 1
+        self.metrics.lookup_blocks += len(keys)
+        return self.leases.take(request_id, start, keys, list(zip(m.tier, m.slot)))
+
+    def commit(self, request_id: str, num_blocks: int) -> Lease | None:
+        return self.leases.commit(request_id, num_blocks)
+
+    def release(self, request_id: str) -> int:
+        return self.leases.release(request_id)
+
+    abort = release
+
+    # ---- data plane ------------------------------------------------------------------------
+    def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor] | None = None,
+            info: RequestInfo = _NO_INFO) -> int:
+        """Serve the present prefix of `keys` into `dsts`; returns blocks served.
+
+        A block that fails verification ends the prefix there (it and the rest are misses).
+        Blocks served from a lower tier are promoted as the promotion policy says.
+        """
+        m = self.match(keys)
+        n = m.num_blocks
+        blocks = list(zip(m.tier, m.slot))
+        self._pin(blocks)
+        try:
+            if self.with_data and dsts is not None and n:
+                n = self._read_prefix(m, dsts)
+            served_tier = m.tier[:n]
+            for ti, start, end in Match(served_tier, m.slot[:n]).segments():
+                self.tiers[ti].hit(m.slot[start:end], info)
+                self.metrics.hits[self._names[ti]] += end - start
+        finally:
+            self._unpin(blocks)
+        self.metrics.misses += len(keys) - n
+        self._promote(keys, m, n, dsts, info)
+        return n
+
+    def _read_prefix(self, m: Match, dsts: Sequence[torch.Tensor]) -> int:
+        handles = []
+        for ti, start, end in m.segments():
+            handles.append((ti, start, self.tiers[ti].read(m.slot[start:end], dsts[start:end])))
+        served = m.num_blocks
+        for ti, start, h in handles:
+            r = h.wait()
+            name = self._names[ti]
+            self.metrics.bytes_read[name] += r.nbytes
+            for j, ok in enumerate(r.ok):
+                if not ok:
+                    self.metrics.corrupt[name] += 1
+                    served = min(served, start + j)
+        return served
+
+    def _promote(self, keys: Sequence[bytes], m: Match, n: int, dsts, info: RequestInfo) -> None:
+        by_target: dict[int, list[int]] = {}
+        for i in range(n):
+            ti = m.tier[i]
+            if ti == 0:
+                continue
+            tgt = self.engine.promote_target(ti)
+            if tgt is not None and tgt < ti:
+                by_target.setdefault(tgt, []).append(i)
+        for tgt, idxs in by_target.items():
+            pkeys = [keys[i] for i in idxs]
+            srcs = [dsts[i] for i in idxs] if (self.with_data and dsts is not None) else None
+            if self.with_data and srcs is None:
+                continue  # nothing read, nothing to copy up
+            stored = self._store(tgt, pkeys, srcs, info, admit=False)
+            self.metrics.promoted[self._names[tgt]] += stored
+            if not self.engine.inclusive:
+                for i in idxs:
+                    ti = m.tier[i]
+                    s = self.tiers[ti].find(keys[i])
+                    if s is not None and self.tiers[ti].get_block(s).ref_cnt == 0:
+                        self._evict(ti, [s])
+
+    def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor] | None = None,
+            info: RequestInfo = _NO_INFO) -> int:
+        """Store blocks that no tier holds yet into the top tier; returns blocks stored."""
+        idx = self._index
+        new = [i for i, k in enumerate(keys) if not any(k in d for d in idx)]
+        if not new:
+            return 0
+        nkeys = [keys[i] for i in new]
+        nsrcs = [srcs[i] for i in new] if srcs is not None else None
+        return self._store(0, nkeys, nsrcs, info)
+
+    def _store(self, ti: int, keys: Sequence[bytes], srcs: Sequence[torch.Tensor] | None,
+               info: RequestInfo, admit: bool = True) -> int:
+        tier = self.tiers[ti]
+        name = self._names[ti]
+        if admit:
+            verdict = self.engine.admit(ti, keys, info)
+            keep = [i for i, a in enumerate(verdict) if a and keys[i] not in tier]
+            self.metrics.not_admitted[name] += sum(1 for a in verdict if not a)
+        else:
+            keep = [i for i, k in enumerate(keys) if k not in tier]
+        if not keep:
+            return 0
+        step = tier.capacity_blocks
+        if len(keep) > step:  # larger than the tier: the earlier blocks of the batch go down first
+            return sum(self._store(ti, [keys[i] for i in keep[j:j + step]],
+                                   [srcs[i] for i in keep[j:j + step]] if srcs is not None else None,
+                                   info, admit=False) for j in range(0, len(keep), step))
+        self._make_room(ti, len(keep))
+        room = min(len(keep), tier.num_free_slots)
+        if room < len(keep):
+            self.metrics.dropped_full[name] += len(keep) - room
+            log.debug("tier %s: %d blocks dropped, every other block is pinned", name, len(keep) - room)
+            keep = keep[:room]
+        if not keep:
+            return 0
+        slots = tier.allocate([keys[i] for i in keep], info)
+        if self.with_data:
+            if srcs is None:
+                raise ValueError("put without data on a stack built with data")
+            res = tier.write(slots, [srcs[i] for i in keep]).wait()
+            self.metrics.bytes_written[name] += res.nbytes
+            good = [s for s, ok in zip(slots, res.ok) if ok]
+            bad = [s for s, ok in zip(slots, res.ok) if not ok]
+            if bad:
+                log.warning("tier %s: %d block writes failed: %s", name, len(bad), "; ".join(res.errors[:3]))
+                tier.abort(bad)
+            slots = good
+        tier.commit(slots, info)
+        self.metrics.stored[name] += len(slots)
+        return len(slots)
+
+    def _make_room(self, ti: int, n: int) -> None:
+        tier = self.tiers[ti]
+        need = n - tier.num_free_slots
+        if need <= 0:
+            return
+        victims = self.engine.victims(ti, need)
+        if not victims:
+            return
+        if ti + 1 < len(self.tiers):
+            self._demote(ti, victims)
+        self._evict(ti, victims)
+
+    def _demote(self, ti: int, slots: Sequence[int]) -> None:
+        """Write-back: copy victims to the next tier (admission permitting) before they go."""
+        tier = self.tiers[ti]
+        keys = [tier._key_of[s] for s in slots]
+        srcs = [tier.view(s) for s in slots] if self.with_data else None
+        tier.touch(slots)
+        try:
+            n = self._store(ti + 1, keys, srcs, _NO_INFO)
+        finally:
+            tier.free_blocks(slots)
+        self.metrics.demoted[self._names[ti + 1]] += n
+
+    def _evict(self, ti: int, slots: Sequence[int]) -> None:
+        keys = self.tiers[ti].evict(slots)
+        self.engine.on_evict(ti, keys)
+        self.metrics.evicted[self._names[ti]] += len(keys)
+
+    def flush(self, ti: int = 0, batch: int = 256, progress=None) -> int:
+        """Copy every resident block of tier `ti` that the next tier lacks down to it (kept above)."""
+        if ti + 1 >= len(self.tiers):
+            return 0
+        tier, lower = self.tiers[ti], self.tiers[ti + 1]
+        todo = [(k, s) for k, s in list(tier._slot_of.items()) if k not in lower]
+        done = 0
+        for i in range(0, len(todo), batch):
+            chunk = todo[i:i + batch]
+            slots = [s for _, s in chunk]
+            srcs = [tier.view(s) for s in slots] if self.with_data else None
+            tier.touch(slots)
+            try:
+                n = self._store(ti + 1, [k for k, _ in chunk], srcs, _NO_INFO)
+            finally:
+                tier.free_blocks(slots)
+            self.metrics.demoted[lower.name] += n
+            done += n
+            if progress:
+                progress(len(chunk))
+        return done
+
+    # ---- introspection ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"block_bytes": self.block_bytes, "tiers": [t.stats() for t in self.tiers],
+                "policies": self.engine.describe(), "leases": len(self.leases.leases),
+                "metrics": self.metrics.as_dict()}
+
+    def close(self) -> None:
+        self.leases.expire(float("inf"))
+        for t in self.tiers:
+            _close(t)
+
+    def __enter__(self) -> "TierStack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _close(t: Any) -> None:
+    close = getattr(t, "close", None)
+    if close:
+        close()

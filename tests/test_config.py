@@ -1,0 +1,97 @@
+import os
+
+import pytest
+
+from kvtier.config import ConfigError, load_config, parse_config, shipped_configs
+from kvtier.units import parse_size
+
+
+def test_shipped_configs_load(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_DATA", str(tmp_path / "data"))
+    assert {"cpu-only.yaml", "cpu-nvme.yaml", "gpu-cpu-nvme.yaml"} <= set(shipped_configs())
+    for name in shipped_configs():
+        cfg = load_config(name)
+        assert cfg.tiers
+    cfg = load_config()  # the embedded default
+    assert [t.kind for t in cfg.tiers] == ["cpu", "nvme"]
+    assert cfg.tiers[1].path == str(tmp_path / "data")
+    assert cfg.block_bytes == 262144
+    assert cfg.tiers[0].blocks(cfg.block_bytes) == 4096
+
+
+def test_issue_yaml_shape(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text(f"""
+block_bytes: 262144
+tiers:
+  - {{name: cpu, kind: cpu, capacity: 2GiB}}
+  - {{name: nvme, kind: nvme, path: {tmp_path}/kv, capacity: 64MiB, io: auto}}
+policy: {{eviction: lru}}
+""")
+    cfg = load_config(p)
+    assert cfg.tiers[0].blocks(cfg.block_bytes) == 8192
+    assert cfg.tiers[1].blocks(cfg.block_bytes) == 256
+    assert cfg.policy.eviction == "lru"
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("tiers: [{name: a, kind: tape, capacity: 1GiB}]", "tiers.0.kind"),
+    ("tiers: [{name: a, kind: cpu, capacity: lots}]", "tiers.0.capacity"),
+    ("tiers: [{name: a, kind: cpu}]", "give capacity"),
+    ("tiers: [{name: a, kind: cpu, capacity: 1GiB, colour: red}]", "tiers.0.colour: unknown key"),
+    ("tiers: []", "at least one tier"),
+    ("tiers: [{name: a, kind: nvme, capacity: 1GiB}]", "needs a path"),
+    ("block_bytes: -5\ntiers: [{name: a, kind: cpu, capacity: 1GiB}]", "block_bytes"),
+    ("tiers: [{name: a, kind: cpu, capacity: 1GiB}]\npolicy: {eviction: nonesuch}", "unknown policy 'nonesuch'"),
+    ("tiers: [{name: a, kind: cpu, capacity: 1GiB}, {name: a, kind: cpu, capacity: 1GiB}]", "duplicate tier names"),
+    ("tiers: [{name: n, kind: nvme, path: /tmp/x, capacity: 1GiB}, {name: c, kind: cpu, capacity: 1GiB}]", "fastest first"),
+    ("tiers: [{name: a, kind: cpu, capacity: 1GiB}", "not valid YAML"),
+    ("- just a list", "expected a mapping"),
+])
+def test_bad_yaml_names_the_field(tmp_path, text, needle):
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert needle in str(e.value)
+    assert str(p) in str(e.value)
+
+
+def test_missing_file_lists_shipped(tmp_path):
+    with pytest.raises(ConfigError, match="no such config file.*cpu-nvme.yaml"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_path_not_writable(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        if os.access(ro, os.W_OK):
+            pytest.skip("running as a user that ignores permissions")
+        with pytest.raises(ConfigError, match=r"tiers.0.path: .* not writable"):
+            parse_config({"tiers": [{"name": "n", "kind": "nvme", "path": str(ro / "kv"), "capacity": "1MiB"}]})
+    finally:
+        ro.chmod(0o700)
+
+
+def test_path_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="tiers.0.path: .* not a directory"):
+        parse_config({"tiers": [{"name": "n", "kind": "nvme", "path": str(f / "kv"), "capacity": "1MiB"}]})
+
+
+def test_capacity_larger_than_disk(tmp_path):
+    with pytest.raises(ConfigError, match=r"tiers.0.capacity: .* bytes free"):
+        parse_config({"tiers": [{"name": "n", "kind": "nvme", "path": str(tmp_path), "capacity": "999TiB"}]})
+
+
+def test_sizes():
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size("256 KiB") == 262144
+    assert parse_size("64G") == 64 * 10**9
+    assert parse_size(4096) == 4096
+    for bad in ("", "1.2.3", "5 parsecs", -1, True):
+        with pytest.raises(ValueError):
+            parse_size(bad)
