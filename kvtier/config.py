@@ -244,4 +244,4 @@ def _stride(block_bytes: int) -> int:
 def _existing_bytes(p: Path) -> int:
     if not p.is_dir():
         return 0
-    return sum(f.stat().st_size for f in p.glob("*.data") if f.is_file())
+    return sum(f.stat().st_size for f in p.glob("**/data.*") if f.is_file())

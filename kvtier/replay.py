@@ -1,15 +1,283 @@
-"""`kvtier replay`: real traffic through the real stack (placeholder until the policy work lands)."""
+"""`kvtier replay`: real traffic, in arrival order, through the real stack.
+
+Per request: the hit is the longest prefix of its keys found in the stack (leased while the
+request runs); hit blocks are read (real bytes, verified) and promoted per policy; then
+every block the stack lacks is offered to it (admission, eviction, write-back below).
+The report has per-tier and total hit ratios, bytes moved, promotions/demotions, Belady's
+MIN at the same total capacity, and a TTFT cost model.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .config import ConfigError, StackConfig, load_config, parse_config
+from .stack import TierStack
+from .units import format_size
+
+DEFAULT_PREFILL_TPS = 10_000.0            # prefill tokens/s of the model being served
+DEFAULT_LOAD_GBPS = {"cpu": 20.0, "nvme": 5.0}  # host->GPU and NVMe->GPU GB/s
+
+
+def default_trace() -> Path:
+    env = os.environ.get("KVTIER_TRACE")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent.parent
+    for base in (here, Path.cwd()):
+        p = base.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+        if p.is_file():
+            return p
+    return here.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("replay", help="replay a Mooncake-format trace through the stack")
+    p = sub.add_parser("replay", help="replay a Mooncake-format trace through the stack (the main job)")
+    p.add_argument("--trace", default=None, help="Mooncake JSONL (default: the bundled conversation trace)")
+    p.add_argument("--config", "-c", default=None, help="YAML tier stack (default: the embedded cpu-nvme)")
+    p.add_argument("--policy", default=None, help="eviction policy for every tier (overrides the config)")
+    p.add_argument("--admission", default=None, help="admission policy for every tier (overrides the config)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--capacity-fraction", type=float, default=None,
+                   help="single-tier stack of F x the trace's unique blocks")
+    g.add_argument("--capacity-blocks", type=int, default=None, help="single-tier stack of N blocks")
+    p.add_argument("--no-data", action="store_true", help="metadata only: no bytes move")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TPS,
+                   help=f"cost model: prefill speed of the served model (default {DEFAULT_PREFILL_TPS:.0f})")
+    p.add_argument("--load-gbps", default=None,
+                   help="cost model: per-tier load bandwidth, e.g. 'cpu=20,nvme=5' (default by tier kind)")
+    p.add_argument("--no-belady", action="store_true", help="skip the Belady yardstick")
+    p.add_argument("--plot", default=None, help="PNG: hit ratio vs capacity for the policies")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", "-q", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    raise NotImplementedError("replay is not wired yet")
+    from .trace import load_trace, unique_blocks
+
+    trace = Path(args.trace) if args.trace else default_trace()
+    if not trace.is_file():
+        raise ConfigError(f"--trace: {trace}: no such file (set KVTIER_TRACE or pass --trace)")
+    reqs = load_trace(trace, limit=args.limit)
+    cfg = _stack_config(args, unique_blocks(reqs))
+    with TierStack.from_config(cfg, with_data=not args.no_data) as stack:
+        res = replay(stack, reqs, progress=not (args.quiet or args.json))
+    res["trace"] = str(trace)
+    res["config"] = cfg.source
+    cap = sum(t.capacity_blocks for t in stack.tiers)
+    if not args.no_belady:
+        from .belady import belady
+        res["belady_hit_ratio"] = belady(reqs, cap)["hit_ratio"]
+    res["cost"] = cost_model(res, stack, args)
+    if args.plot:
+        res["plot"] = plot(reqs, args.plot, cfg.policy.eviction)
+    if args.json:
+        import json
+        print(json.dumps(res, default=str))
+    else:
+        print(_text(res))
+    return 0
+
+
+def _stack_config(args: argparse.Namespace, unique: int) -> StackConfig:
+    base = load_config(args.config, check_env=not (args.capacity_fraction or args.capacity_blocks))
+    data = base.model_dump(exclude={"source"})
+    if args.capacity_fraction is not None or args.capacity_blocks is not None:
+        if args.capacity_fraction is not None and not 0 < args.capacity_fraction:
+            raise ConfigError(f"--capacity-fraction must be > 0, got {args.capacity_fraction}")
+        n = args.capacity_blocks if args.capacity_blocks is not None else max(1, int(args.capacity_fraction * unique))
+        data["tiers"] = [{"name": "cpu", "kind": "cpu", "capacity_blocks": n}]
+    else:
+        for t in data["tiers"]:  # keep capacity_blocks or capacity, not both (dump has both keys)
+            if t.get("capacity_blocks") is not None:
+                t["capacity"] = None
+    if args.policy:
+        data["policy"]["eviction"] = args.policy
+        for t in data["tiers"]:
+            t["eviction"] = None
+    if args.admission:
+        data["policy"]["admission"] = args.admission
+        for t in data["tiers"]:
+            t["admission"] = None
+    return parse_config(data, source=base.source + (" (replay overrides)" if data != base.model_dump(exclude={"source"}) else ""))
+
+
+def _fill(t: torch.Tensor, key: bytes) -> None:
+    """Block contents derived from its key (cheap to write, exact to check)."""
+    t.view(torch.int64).fill_(_tag(key))
+
+
+def _tag(key: bytes) -> int:
+    return int.from_bytes(key[:8], "little", signed=True) ^ 0x5DEECE66D
+
+
+def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = None, progress: bool = False) -> dict:
+    from kvtier.policies.base import RequestInfo
+    from .sim import make_keys
+
+    bt = block_tokens or stack.cfg.block_tokens
+    keys = make_keys(reqs)
+    ntiers = len(stack.tiers)
+    tier_hits = [0] * ntiers
+    hits = refs = hit_tok = in_tok = bad = 0
+    data = stack.with_data
+    scratch = src = None
+    if data:
+        from kvtier.tiers.cpu_pool import CpuPool
+        width = max((len(k) for k in keys), default=1) or 1
+        scratch = CpuPool(width, stack.block_bytes, pin="auto")
+        src = CpuPool(width, stack.block_bytes, pin="auto")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(reqs), desc="replay", unit="req", file=sys.stderr, mininterval=0.5)
+    match, take, release, get, put = (stack.match, stack.leases.take, stack.leases.release, stack.get, stack.put)
+    t0 = time.perf_counter()
+    try:
+        for i, r in enumerate(reqs):
+            ks = keys[i]
+            n = len(ks)
+            if not n:
+                continue
+            m = match(ks)
+            k = m.num_blocks
+            refs += n
+            in_tok += r.input_length
+            info = RequestInfo(ks, 0, k, r.input_length, bt, r.timestamp)
+            if k:
+                for t in m.tier:
+                    tier_hits[t] += 1
+                take("replay", 0, ks, list(zip(m.tier, m.slot)))
+                served = get(ks[:k], scratch.views[:k] if data else None, info, match=m)
+                if data:
+                    for j in range(served):
+                        if not bool((scratch.views[j].view(torch.int64) == _tag(ks[j])).all()):
+                            bad += 1
+                hits += served
+                hit_tok += min(r.input_length, served * bt)
+            if k < n:
+                srcs = None
+                if data:
+                    srcs = src.views[k:n]
+                    for j in range(k, n):
+                        _fill(src.views[j], ks[j])
+                put(ks[k:], srcs, RequestInfo(ks, k, k, r.input_length, bt, r.timestamp))
+            if k:
+                release("replay")
+            if bar is not None and i % 256 == 0:
+                bar.update(min(256, len(reqs) - bar.n))
+    finally:
+        if bar is not None:
+            bar.update(len(reqs) - bar.n)
+            bar.close()
+        if scratch is not None:
+            scratch.close()
+            src.close()
+    dt = time.perf_counter() - t0
+    met = stack.metrics
+    per_tier = []
+    for ti, t in enumerate(stack.tiers):
+        per_tier.append({
+            "name": t.name, "kind": t.kind, "capacity_blocks": t.capacity_blocks,
+            "hit_blocks": tier_hits[ti], "hit_ratio": tier_hits[ti] / refs if refs else 0.0,
+            "promoted_in": met.promoted.get(t.name, 0), "demoted_in": met.demoted.get(t.name, 0),
+            "evicted": met.evicted.get(t.name, 0), "not_admitted": met.not_admitted.get(t.name, 0),
+            "bytes_read": met.bytes_read.get(t.name, 0), "bytes_written": met.bytes_written.get(t.name, 0),
+            "corrupt": met.corrupt.get(t.name, 0)})
+    return {"requests": len(reqs), "block_refs": refs, "hit_blocks": hits,
+            "hit_ratio": hits / refs if refs else 0.0,
+            "token_hit_ratio": hit_tok / in_tok if in_tok else 0.0,
+            "hit_tokens": hit_tok, "input_tokens": in_tok, "per_tier": per_tier,
+            "policies": stack.engine.describe(), "data": data, "block_bytes": stack.block_bytes,
+            "content_mismatches": bad, "seconds": dt, "blocks_per_s": refs / dt if dt else 0.0}
+
+
+def cost_model(res: dict, stack: TierStack, args: argparse.Namespace) -> dict:
+    """TTFT saved: prefill time of the hit tokens minus the time to load their bytes per tier."""
+    gbps = dict(DEFAULT_LOAD_GBPS)
+    by_name = {}
+    if getattr(args, "load_gbps", None):
+        for part in str(args.load_gbps).split(","):
+            name, _, v = part.partition("=")
+            try:
+                by_name[name.strip()] = float(v)
+            except ValueError:
+                raise ConfigError(f"--load-gbps: {part!r} is not NAME=GBPS") from None
+    tps = float(getattr(args, "prefill_tokens_per_s", DEFAULT_PREFILL_TPS))
+    bb = stack.block_bytes
+    saved = load = 0.0
+    tiers = []
+    for t in res["per_tier"]:
+        bw = by_name.get(t["name"], by_name.get(t["kind"], gbps.get(t["kind"], 5.0)))
+        tl = t["hit_blocks"] * bb / (bw * 1e9)
+        load += tl
+        tiers.append({"name": t["name"], "load_gbps": bw, "load_s": tl})
+    saved = res["hit_tokens"] / tps
+    n = max(1, res["requests"])
+    return {"prefill_tokens_per_s": tps, "prefill_s_without_cache": res["input_tokens"] / tps,
+            "prefill_s_saved": saved, "load_s": load, "net_s_saved": saved - load,
+            "mean_ttft_saved_ms": 1000 * (saved - load) / n, "tiers": tiers}
+
+
+def plot(reqs: Sequence[Any], path: str, current: str) -> str:
+    """Hit ratio vs single-tier capacity for every eviction policy, LRU and Belady."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvtier.policies import EVICTION
+    from .belady import belady
+    from .sim import make_keys, simulate
+    from .trace import unique_blocks
+
+    u = unique_blocks(reqs)
+    fracs = [0.01, 0.02, 0.05, 0.1, 0.25]
+    keys = make_keys(reqs)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in EVICTION.names():
+        ys = [simulate(reqs, max(1, int(f * u)), name, keys=keys)["hit_ratio"] for f in fracs]
+        ax.plot([100 * f for f in fracs], [100 * y for y in ys], marker="o", label=name,
+                linewidth=2.5 if name == current else 1.2)
+    ys = [belady(reqs, max(1, int(f * u)))["hit_ratio"] for f in fracs]
+    ax.plot([100 * f for f in fracs], [100 * y for y in ys], "k--", label="Belady (MIN)")
+    ax.set_xscale("log")
+    ax.set_xlabel("capacity (% of unique blocks)")
+    ax.set_ylabel("block hit ratio (%)")
+    ax.set_title(f"{len(reqs)} requests, {u} unique blocks")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _text(d: dict) -> str:
+    lines = [f"replayed {d['requests']} requests ({d['block_refs']} block refs) from {d['trace']}",
+             f"  stack: {d['config']}; policies: {d['policies']}; "
+             + (f"real bytes ({format_size(d['block_bytes'])} blocks)" if d["data"] else "metadata only"),
+             f"  block hit ratio {100 * d['hit_ratio']:.2f}%   token hit ratio {100 * d['token_hit_ratio']:.2f}%"
+             + (f"   Belady (MIN) at the same capacity {100 * d['belady_hit_ratio']:.2f}%" if "belady_hit_ratio" in d else "")]
+    for t in d["per_tier"]:
+        lines.append(f"  {t['name']:<6} {t['kind']:<5} cap {t['capacity_blocks']:>7}  hits {100 * t['hit_ratio']:6.2f}%  "
+                     f"promoted in {t['promoted_in']:>6}  demoted in {t['demoted_in']:>6}  evicted {t['evicted']:>7}  "
+                     f"read {format_size(t['bytes_read'])}  written {format_size(t['bytes_written'])}"
+                     + (f"  corrupt {t['corrupt']}" if t["corrupt"] else ""))
+    c = d["cost"]
+    lines.append(f"  TTFT model ({c['prefill_tokens_per_s']:.0f} prefill tok/s): prefill {c['prefill_s_without_cache']:.1f} s "
+                 f"without cache, {c['prefill_s_saved']:.1f} s saved, {c['load_s']:.1f} s loading -> "
+                 f"{c['mean_ttft_saved_ms']:.1f} ms saved per request")
+    if d["data"]:
+        lines.append(f"  content check: {d['content_mismatches']} mismatches")
+    lines.append(f"  {d['blocks_per_s'] / 1e3:.0f}k blocks/s ({d['seconds']:.2f} s)")
+    if "plot" in d:
+        lines.append(f"  plot: {d['plot']}")
+    return "\n".join(lines)

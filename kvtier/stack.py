@@ -8,7 +8,7 @@ promotion and write-back demotion), flush, and the lease API plan / commit / rel
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -155,13 +155,14 @@ class TierStack:
 
     # ---- data plane ------------------------------------------------------------------------
     def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor] | None = None,
-            info: RequestInfo = _NO_INFO) -> int:
+            info: RequestInfo = _NO_INFO, match: Match | None = None) -> int:
         """Serve the present prefix of `keys` into `dsts`; returns blocks served.
 
         A block that fails verification ends the prefix there (it and the rest are misses).
-        Blocks served from a lower tier are promoted as the promotion policy says.
+        Blocks served from a lower tier are promoted as the promotion policy says. `match` may
+        carry a fresh self.match(keys) to save the walk.
         """
-        m = self.match(keys)
+        m = match if match is not None else self.match(keys)
         n = m.num_blocks
         blocks = list(zip(m.tier, m.slot))
         self._pin(blocks)
@@ -221,11 +222,11 @@ class TierStack:
         """Store blocks that no tier holds yet into the top tier; returns blocks stored."""
         idx = self._index
         new = [i for i, k in enumerate(keys) if not any(k in d for d in idx)]
-        if not new:
-            return 0
-        nkeys = [keys[i] for i in new]
-        nsrcs = [srcs[i] for i in new] if srcs is not None else None
-        return self._store(0, nkeys, nsrcs, info)
+        stored = 0
+        for lo, hi in _runs(new):  # each run of consecutive chain positions, so info.start is right
+            run_info = info if lo == 0 else replace(info, start=info.start + lo)
+            stored += self._store(0, keys[lo:hi], srcs[lo:hi] if srcs is not None else None, run_info)
+        return stored
 
     def _store(self, ti: int, keys: Sequence[bytes], srcs: Sequence[torch.Tensor] | None,
                info: RequestInfo, admit: bool = True) -> int:
@@ -335,6 +336,17 @@ class TierStack:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    """[2,3,4,7,8] -> [(2,5), (7,9)]."""
+    out: list[tuple[int, int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
 
 
 def _close(t: Any) -> None:

@@ -1,0 +1,92 @@
+"""Connector settings from vLLM's kv_connector_extra_config.
+
+`{"config": "<kvtier YAML path or shipped name>", ...inline overrides}`. The YAML goes through
+`kvtier.config.load_config`; inline keys override it. All parsing lives in `load_settings`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_CPU_BLOCKS = 256
+
+_INLINE = {"cpu_capacity_blocks", "cpu_capacity", "eviction", "nvme_path", "nvme_capacity_blocks",
+           "nvme_capacity", "store", "lease_timeout_s", "min_store_blocks", "pin", "config"}
+
+
+@dataclass
+class Settings:
+    cpu_capacity_blocks: int | None = None
+    cpu_capacity_bytes: int | None = None
+    eviction: str = "lru"
+    pin: str | bool = "auto"
+    nvme_path: str | None = None
+    nvme_capacity_blocks: int | None = None
+    nvme_capacity_bytes: int | None = None
+    store: str = "eager"           # eager: store full blocks as they are computed; "off": load only
+    lease_timeout_s: float = 300.0
+    source: str = "<defaults>"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def cpu_blocks(self, block_bytes: int) -> int:
+        if self.cpu_capacity_blocks is not None:
+            return int(self.cpu_capacity_blocks)
+        if self.cpu_capacity_bytes is not None:
+            return max(1, int(self.cpu_capacity_bytes) // block_bytes)
+        return DEFAULT_CPU_BLOCKS
+
+
+def _size(v: Any) -> int:
+    if isinstance(v, (int, float)):
+        return int(v)
+    try:
+        from kvtier.units import parse_size
+        return parse_size(v)
+    except Exception:
+        return int(v)
+
+
+def load_settings(extra: dict[str, Any] | None) -> Settings:
+    extra = dict(extra or {})
+    s = Settings(extra=extra)
+    path = extra.get("config")
+    if path:
+        from kvtier.config import load_config  # the lead's YAML loader
+        cfg = load_config(path)
+        s.source = str(getattr(cfg, "source", path))
+        s.eviction = cfg.policy.eviction
+        for t in cfg.storage_tiers():
+            if t.kind == "cpu":
+                s.cpu_capacity_blocks = t.capacity_blocks
+                s.cpu_capacity_bytes = t.capacity
+                s.pin = t.pin
+                if t.eviction:
+                    s.eviction = t.eviction
+            elif t.kind == "nvme":
+                s.nvme_path = t.path
+                s.nvme_capacity_blocks = t.capacity_blocks
+                s.nvme_capacity_bytes = t.capacity
+    if "cpu_capacity_blocks" in extra:
+        s.cpu_capacity_blocks = int(extra["cpu_capacity_blocks"])
+        s.cpu_capacity_bytes = None
+    if "cpu_capacity" in extra:
+        s.cpu_capacity_bytes = _size(extra["cpu_capacity"])
+        s.cpu_capacity_blocks = None
+    if "eviction" in extra:
+        s.eviction = str(extra["eviction"])
+    if "pin" in extra:
+        s.pin = extra["pin"]
+    if "nvme_path" in extra:
+        s.nvme_path = extra["nvme_path"]
+    if "nvme_capacity_blocks" in extra:
+        s.nvme_capacity_blocks = int(extra["nvme_capacity_blocks"])
+    if "nvme_capacity" in extra:
+        s.nvme_capacity_bytes = _size(extra["nvme_capacity"])
+    if "store" in extra:
+        s.store = str(extra["store"])
+        if s.store not in ("eager", "off"):
+            raise ValueError(f"kvtier connector: store must be 'eager' or 'off', got {s.store!r}")
+    if "lease_timeout_s" in extra:
+        s.lease_timeout_s = float(extra["lease_timeout_s"])
+    return s

@@ -1,0 +1,256 @@
+"""`KVTierConnector`: kvtier's tier stack mounted in vLLM as one KV connector.
+
+Load with::
+
+    KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connector",
+                     kv_role="kv_both", kv_connector_extra_config={"config": "cpu.yaml",
+                                                                   "cpu_capacity_blocks": 4096})
+
+A cache-style connector: `requires_kv_delivery` is False (a dropped store is a future miss),
+loads are synchronous (`get_num_new_matched_tokens` returns `(n, False)`), stores happen after
+the forward that computed a full block, in the same step (so `request_finished` never has to
+hold the request's blocks and returns `(False, None)`).
+
+Not `SupportsHMA`: the plan covers KV-cache group 0 only (one key per block and group); with the
+connector present vLLM turns the hybrid KV-cache manager off, so every attention layer is in
+that one group. A config with several groups disables the connector with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                 KVConnectorRole)
+
+from kvtier.policies import EVICTION
+from kvtier.tiers.base import SlotTier
+
+from .config import Settings, load_settings
+from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+from .scheduler import KVTierScheduler
+from .worker import KVTierWorker
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except Exception:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.connector")
+
+_LIVE: "weakref.WeakSet[KVTierConnector]" = weakref.WeakSet()
+
+
+def live_connectors(role: str | None = None) -> list["KVTierConnector"]:
+    """Connector objects alive in this process (tests and diagnostics); role 'scheduler'/'worker'."""
+    out = [c for c in list(_LIVE)]
+    if role is not None:
+        out = [c for c in out if c.role_name == role]
+    return out
+
+
+def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int, int]:
+    """(block bytes of group 0 over all its layers, tokens per block, number of groups)."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if not groups:
+        return 0, 0, 0
+    g = groups[0]
+    spec = g.kv_cache_spec
+    return int(spec.page_size_bytes) * len(g.layer_names), int(spec.block_size), len(groups)
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings: Settings = load_settings(extra)
+        self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        bb, block_tokens, ngroups = _estimate_block_bytes(kv_cache_config)
+        self.block_tokens = block_tokens or vllm_config.cache_config.block_size
+        self.block_bytes_estimate = bb
+        self.enabled = ngroups == 1 and bb > 0
+        if not self.enabled:
+            log.warning("kvtier: %d KV-cache groups (block bytes %d): connector disabled (group 0 only)",
+                        ngroups, bb)
+        cpu_blocks = self.settings.cpu_blocks(bb) if bb else 1
+        self.cpu_blocks = cpu_blocks
+        self.sched: KVTierScheduler | None = None
+        self.worker: KVTierWorker | None = None
+        self.gpu_ctx = None
+        if role == KVConnectorRole.SCHEDULER:
+            tiers: list[SlotTier] = []
+            if self.enabled:
+                ev = EVICTION.get(self.settings.eviction)(cpu_blocks)
+                tiers.append(SlotTier("cpu", cpu_blocks, bb, ev))
+            self.sched = KVTierScheduler(tiers, self.block_tokens, group_id=0,
+                                         store=self.settings.store == "eager" and self.enabled,
+                                         lease_timeout_s=self.settings.lease_timeout_s)
+        else:
+            self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=self.settings.pin)
+        _LIVE.add(self)
+        log.info("kvtier connector (%s): cpu tier %d blocks x %d B, block %d tokens, config %s",
+                 self.role_name, cpu_blocks, bb, self.block_tokens, self.settings.source)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ==============================================================================
+    # Worker side
+    # ==============================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is not None and self.enabled:
+            self.worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            self.worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self.worker is not None:
+            self.worker.bind(None)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.start_load()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
+                      **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Loads are synchronous and stores complete within the step: nothing is ever delayed.
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.worker is None:
+            return set()
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        if self.worker is None:
+            return None
+        return self.worker.take_result()
+
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        part = self.worker if self.worker is not None else self.sched
+        return part.take_interval_stats() if part is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
+        return KVTierStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+    # ==============================================================================
+    # Scheduler side
+    # ==============================================================================
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        from kvtier.tiers.gpu import BlockPoolContext
+        self.gpu_ctx = BlockPoolContext(gpu_block_pool)
+
+    def bind_scheduler_context(self, ctx: Any) -> None:  # a future vLLM hook; take it as is
+        self.gpu_ctx = ctx
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.sched is None or not self.enabled:
+            return 0, False
+        return self.sched.lookup(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.sched is None or not self.enabled:
+            return
+        ids = None
+        try:
+            ids = blocks.get_block_ids()[0]
+        except Exception:  # empty KVCacheBlocks
+            ids = None
+        self.sched.on_alloc(request, ids, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        if num_external_tokens == 0 or CacheHitSource is None or self.sched is None:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        by = self.sched.hit_sources(request.request_id)
+        out: dict = {}
+        for name, n in by.items():
+            src = CacheHitSource.DISK if name.startswith("nvme") else CacheHitSource.HOST
+            out[src] = out.get(src, 0) + n
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.HOST: num_external_tokens}
+        return out
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self.sched is None or not self.enabled:
+            return KVTierMetadata()
+        so = scheduler_output
+        bstate = getattr(so, "kv_connector_block_state", None)
+        scheduled: list[tuple[str, int, list[int] | None]] = []
+        nst = so.num_scheduled_tokens
+        for nr in so.scheduled_new_reqs:
+            ids = list(nr.block_ids[0]) if nr.block_ids else []
+            self.sched.update_block_ids(nr.req_id, ids, replace=True)
+            scheduled.append((nr.req_id, nr.num_computed_tokens + nst.get(nr.req_id, 0), None))
+        cr = so.scheduled_cached_reqs
+        resumed = getattr(cr, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cr.req_ids):
+            nb = cr.new_block_ids[i]
+            if nb is not None:
+                self.sched.update_block_ids(rid, nb[0], replace=rid in resumed)
+            elif rid in resumed:
+                self.sched.update_block_ids(rid, [], replace=True)
+            scheduled.append((rid, cr.num_computed_tokens[i] + nst.get(rid, 0), None))
+        if bstate is not None:  # exact block tables when vLLM offers them (0.32+)
+            scheduled = [(rid, n, _ids0(bstate.get_block_ids(rid))) for rid, n, _ in scheduled]
+        return self.sched.build_meta(scheduled)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.sched is None:
+            return
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, KVTierWorkerMeta):
+            self.sched.on_worker_meta(wm)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.sched is None:
+            return False, None
+        return self.sched.on_finished(request.request_id)
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> dict:
+        part = self.sched if self.sched is not None else self.worker
+        d = {"role": self.role_name, "enabled": self.enabled, "cpu_blocks": self.cpu_blocks}
+        if part is not None:
+            d.update(part.stats())
+        return d
+
+
+def _ids0(ids: Any) -> list[int] | None:
+    if not ids:
+        return None
+    return list(ids[0])

@@ -1,0 +1,118 @@
+"""What the scheduler side tells the workers each step, what the workers tell back, and stats.
+
+Everything here is plain data (picklable / msgspec-friendly): it crosses process boundaries
+when vLLM runs the scheduler and the workers in different processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
+                                                                     KVConnectorWorkerMetadata)
+except Exception:  # pragma: no cover - vLLM absent
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        def aggregate(self, other):
+            raise NotImplementedError
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except Exception:  # pragma: no cover
+    @dataclass
+    class KVConnectorStats:  # type: ignore[no-redef]
+        data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadOp:
+    """Copy tier slots into GPU blocks (before the forward that reads them)."""
+
+    req_id: str
+    tier: int
+    slots: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class StoreOp:
+    """Copy GPU blocks into tier slots the scheduler reserved (after the forward that wrote them)."""
+
+    op_id: int
+    tier: int
+    slots: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.stores
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    """Per-step results from the workers: store op -> per-block ok, request -> load ok.
+
+    Aggregating over workers (tensor parallel ranks) ANDs the flags: a block is committed
+    only when every rank wrote its shard.
+    """
+
+    stored: dict[int, list[bool]] = field(default_factory=dict)
+    loaded: dict[str, bool] = field(default_factory=dict)
+
+    def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
+        stored = dict(self.stored)
+        for op, oks in other.stored.items():
+            mine = stored.get(op)
+            stored[op] = list(oks) if mine is None else [a and b for a, b in zip(mine, oks)]
+        loaded = dict(self.loaded)
+        for r, ok in other.loaded.items():
+            loaded[r] = loaded.get(r, True) and ok
+        return KVTierWorkerMeta(stored=stored, loaded=loaded)
+
+
+_SUM_KEYS_PREFIX = ("n_", "bytes_", "blocks_", "tokens_", "seconds_")
+
+
+@dataclass
+class KVTierStats(KVConnectorStats):
+    """Counters since the last collection: sums over steps and workers.
+
+    Keys: `<counter>` or `<counter>.<tier>` (e.g. `hit_blocks.cpu`, `bytes_loaded.cpu`).
+    """
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.data[key] = self.data.get(key, 0) + value
+
+    def aggregate(self, other: "KVConnectorStats") -> "KVTierStats":
+        for k, v in (other.data or {}).items():
+            if isinstance(v, (int, float)):
+                self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {}
+        for k, v in sorted(self.data.items()):
+            out[k] = round(v, 6) if isinstance(v, float) else v
+        for d in ("loaded", "stored"):
+            for k in list(self.data):
+                if k.startswith(f"bytes_{d}."):
+                    tier = k.split(".", 1)[1]
+                    secs = self.data.get(f"seconds_{d}.{tier}", 0.0)
+                    if secs > 0:
+                        out[f"gbps_{d}.{tier}"] = round(self.data[k] / secs / 1e9, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())

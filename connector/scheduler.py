@@ -1,0 +1,294 @@
+"""Scheduler side of the connector: the control plane.
+
+Holds the index of what lives in which tier slot (`SlotTier` objects, metadata only), the
+leases that pin matched blocks between lookup and load, and the per-step load/store plan sent
+to the workers. It never touches bytes. The API is plain (request ids, block hashes, block
+ids) so unit tests and offline drivers use it without vLLM.
+
+Block life: a full block computed on the GPU gets a reserved (pending) slot in the plan of the
+step that computes it; the worker copies it after the forward and reports per-block success;
+only then is the slot committed (visible to lookups). A lookup leases (pins) the matched slots;
+`on_alloc` commits the accepted prefix and plans the load; the worker's report of the load (or
+the request's end) releases the lease.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from kvtier.keys import GROUP_ID_BYTES
+from kvtier.leases import LeaseTable
+from kvtier.tiers.base import SlotTier, TierFull
+
+from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, LoadOp, StoreOp
+
+log = logging.getLogger("kvtier.connector")
+
+
+@dataclass
+class _Req:
+    req_id: str
+    request: Any                    # vLLM Request (duck-typed: block_hashes, num_tokens)
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)   # group 0, chain order (own tracking)
+    stored_upto: int = 0            # chain positions below this were offered to the store
+    loaded_blocks: int = 0          # external hit blocks accepted (stats, hit sources)
+    load_tier_blocks: dict[int, int] = field(default_factory=dict)
+
+
+class KVTierScheduler:
+    def __init__(self, tiers: Sequence[SlotTier], block_tokens: int, group_id: int = 0,
+                 store: bool = True, lease_timeout_s: float = 300.0) -> None:
+        self.tiers = list(tiers)
+        self.block_tokens = block_tokens
+        self.store_enabled = store and bool(self.tiers)
+        self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
+        self.leases = LeaseTable(pin=self._pin, unpin=self._unpin, timeout_s=lease_timeout_s)
+        self._reqs: dict[str, _Req] = {}
+        self._load_plan: dict[str, list[LoadOp]] = {}
+        self._pending_stores: dict[int, tuple[int, list[int], list[bytes]]] = {}
+        self._pending_keys: set[bytes] = set()
+        self._op_ids = itertools.count(1)
+        self._interval = KVTierStats()
+        self.totals: dict[str, float] = {}
+
+    # ---- pins over (tier, slot) ------------------------------------------------------
+    def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
+        for t, s in blocks:
+            self.tiers[t].touch([s])
+
+    def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
+        for t, s in blocks:
+            self.tiers[t].free_blocks([s])
+
+    def _count(self, key: str, v: float = 1) -> None:
+        self._interval.add(key, v)
+        self.totals[key] = self.totals.get(key, 0) + v
+
+    # ---- requests ----------------------------------------------------------------------
+    def _track(self, request: Any) -> _Req:
+        rid = request.request_id
+        r = self._reqs.get(rid)
+        if r is None:
+            r = self._reqs[rid] = _Req(rid, request)
+        else:
+            r.request = request
+        hashes = request.block_hashes
+        if len(r.keys) < len(hashes):
+            sfx = self._suffix
+            r.keys.extend(bytes(h) + sfx for h in hashes[len(r.keys):])
+        return r
+
+    def _find(self, key: bytes) -> tuple[int, int] | None:
+        for i, t in enumerate(self.tiers):
+            s = t.find(key)
+            if s is not None:
+                return i, s
+        return None
+
+    # ---- lookup / lease ----------------------------------------------------------------
+    def lookup(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond `num_computed_tokens` the tiers can load; leases the matched blocks.
+
+        Idempotent per request and range: asking again returns the same count and pins nothing
+        new. At least one token is always left to compute.
+        """
+        r = self._track(request)
+        bt = self.block_tokens
+        start = num_computed_tokens // bt
+        end = min(len(r.keys), (request.num_tokens - 1) // bt)
+        self._count("n_lookups")
+        if start >= end or num_computed_tokens % bt:
+            self.leases.release(r.req_id)
+            return 0
+        want = r.keys[start:end]
+        lease = self.leases.get(r.req_id, start, want)
+        if lease is None:
+            blocks = []
+            for k in want:
+                hit = self._find(k)
+                if hit is None:
+                    break
+                blocks.append(hit)
+            if not blocks:
+                self.leases.release(r.req_id)
+                return 0
+            lease = self.leases.take(r.req_id, start, want, blocks)
+        return lease.num_blocks * bt
+
+    def on_alloc(self, request: Any, block_ids: Sequence[int] | None, num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks and accepted `num_external_tokens` from us."""
+        r = self._track(request)
+        if block_ids is not None:
+            r.block_ids = list(block_ids)
+        if num_external_tokens <= 0:
+            if self.leases.release(r.req_id):   # not chosen (MultiConnector) or nothing to load
+                self._count("n_leases_not_chosen")
+            return
+        lease = self.leases.leases.get(r.req_id)
+        nb = num_external_tokens // self.block_tokens
+        if lease is None or nb <= 0 or block_ids is None:
+            log.warning("kvtier: request %s accepted %d external tokens without a lease", r.req_id,
+                        num_external_tokens)
+            self.leases.release(r.req_id)
+            return
+        lease = self.leases.commit(r.req_id, nb)
+        assert lease is not None
+        gpu = list(block_ids[lease.start:lease.start + lease.num_blocks])
+        if len(gpu) < lease.num_blocks:
+            log.warning("kvtier: request %s has %d blocks, load needs %d", r.req_id, len(gpu), lease.num_blocks)
+            self.leases.release(r.req_id)
+            return
+        ops: dict[int, LoadOp] = {}
+        for (t, s), b in zip(lease.blocks, gpu):
+            op = ops.get(t)
+            if op is None:
+                op = ops[t] = LoadOp(r.req_id, t, [], [])
+            op.slots.append(s)
+            op.block_ids.append(b)
+        self._load_plan[r.req_id] = list(ops.values())
+        r.loaded_blocks = lease.num_blocks
+        r.load_tier_blocks = {t: len(op.slots) for t, op in ops.items()}
+        r.stored_upto = max(r.stored_upto, lease.start + lease.num_blocks)
+        for t, op in ops.items():
+            tier = self.tiers[t]
+            tier.hit(op.slots)
+            self._count(f"hit_blocks.{tier.name}", len(op.slots))
+            self._count(f"hit_tokens.{tier.name}", len(op.slots) * self.block_tokens)
+        self._count("hit_tokens", lease.num_blocks * self.block_tokens)
+        self._count("n_loads")
+
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """Tokens of the planned load per tier name."""
+        r = self._reqs.get(request_id)
+        if r is None:
+            return {}
+        return {self.tiers[t].name: n * self.block_tokens for t, n in r.load_tier_blocks.items() if n}
+
+    # ---- the per-step plan -------------------------------------------------------------
+    def build_meta(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]]) -> KVTierMetadata:
+        """`scheduled`: (request id, tokens computed once this step runs, its group-0 block ids or
+        None to use the ids tracked from on_alloc/update_block_ids)."""
+        meta = KVTierMetadata()
+        for ops in self._load_plan.values():
+            meta.loads.extend(ops)
+        self._load_plan.clear()
+        self.leases.expire()
+        if self.store_enabled:
+            self._plan_stores(scheduled, meta)
+        return meta
+
+    def update_block_ids(self, req_id: str, new_ids: Sequence[int], replace: bool) -> None:
+        r = self._reqs.get(req_id)
+        if r is None:
+            return
+        if replace:
+            r.block_ids = list(new_ids)
+        else:
+            r.block_ids.extend(new_ids)
+
+    def _plan_stores(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]], meta: KVTierMetadata) -> None:
+        tier_idx = 0
+        tier = self.tiers[tier_idx]
+        bt = self.block_tokens
+        keys: list[bytes] = []
+        gpu: list[int] = []
+        for rid, computed_after, block_ids in scheduled:
+            r = self._reqs.get(rid)
+            if r is None:
+                continue
+            if block_ids is None:
+                block_ids = r.block_ids
+            self._track(r.request)
+            full = min(len(r.keys), computed_after // bt, len(block_ids))
+            for p in range(r.stored_upto, full):
+                k = r.keys[p]
+                if k in self._pending_keys or self._find(k) is not None:
+                    continue
+                self._pending_keys.add(k)
+                keys.append(k)
+                gpu.append(block_ids[p])
+            if full > r.stored_upto:
+                r.stored_upto = full
+        if not keys:
+            return
+        need = len(keys) - tier.num_free_slots
+        if need > 0:
+            victims = list(itertools.islice(tier.iter_free_slots(), need))
+            if victims:
+                tier.evict(victims)
+                self._count(f"evicted_blocks.{tier.name}", len(victims))
+        n = min(len(keys), tier.num_free_slots)
+        if n < len(keys):
+            self._count(f"store_dropped_blocks.{tier.name}", len(keys) - n)
+            for k in keys[n:]:
+                self._pending_keys.discard(k)
+            keys, gpu = keys[:n], gpu[:n]
+        if not keys:
+            return
+        try:
+            slots = tier.allocate(keys)
+        except (TierFull, ValueError) as e:  # pragma: no cover - guarded above
+            log.warning("kvtier: store plan dropped: %s", e)
+            for k in keys:
+                self._pending_keys.discard(k)
+            return
+        op_id = next(self._op_ids)
+        self._pending_stores[op_id] = (tier_idx, slots, keys)
+        meta.stores.append(StoreOp(op_id, tier_idx, slots, gpu))
+        self._count(f"store_planned_blocks.{tier.name}", len(slots))
+
+    # ---- worker results ----------------------------------------------------------------
+    def on_worker_meta(self, wm: KVTierWorkerMeta | None) -> None:
+        if wm is None:
+            return
+        for op_id, oks in wm.stored.items():
+            entry = self._pending_stores.pop(op_id, None)
+            if entry is None:
+                continue
+            t, slots, keys = entry
+            tier = self.tiers[t]
+            good = [s for s, ok in zip(slots, oks) if ok]
+            bad = [s for s, ok in zip(slots, oks) if not ok] + list(slots[len(oks):])
+            if good:
+                tier.commit(good)
+                self._count(f"stored_blocks.{tier.name}", len(good))
+            if bad:
+                tier.abort(bad)
+                self._count(f"store_failed_blocks.{tier.name}", len(bad))
+            for k in keys:
+                self._pending_keys.discard(k)
+        for rid, ok in wm.loaded.items():
+            self.leases.release(rid)
+            if not ok:
+                self._count("load_failed_requests")
+
+    # ---- end of a request --------------------------------------------------------------
+    def on_finished(self, req_id: str) -> tuple[bool, dict | None]:
+        self._load_plan.pop(req_id, None)
+        self.leases.release(req_id)
+        self._reqs.pop(req_id, None)
+        return False, None
+
+    def on_preempted(self, req_id: str) -> None:
+        self.leases.release(req_id)
+        r = self._reqs.get(req_id)
+        if r is not None:
+            r.block_ids = []
+
+    # ---- introspection -----------------------------------------------------------------
+    def pinned_blocks(self) -> int:
+        return sum(sum(t._ref) for t in self.tiers)
+
+    def take_interval_stats(self) -> KVTierStats | None:
+        if self._interval.is_empty():
+            return None
+        s, self._interval = self._interval, KVTierStats()
+        return s
+
+    def stats(self) -> dict:
+        return {"totals": dict(self.totals), "tiers": [t.stats() for t in self.tiers],
+                "leases": self.leases.pinned(), "pending_stores": len(self._pending_stores)}

@@ -1,0 +1,245 @@
+"""Worker side of the connector: the data plane.
+
+`register_kv_caches` reads vLLM's per-layer KV tensors; a block below the GPU is one
+contiguous region of `block_bytes`: layer 0's bytes of that block, then layer 1's, ... (each
+layer's block copied as raw bytes, so the attention backend's inner layout never matters).
+Loads run in `start_load_kv` (before the forward that reads them), stores in `wait_for_save`
+(after the forward that wrote them); both are batched `torch._foreach_copy_` over cached
+per-block views. With CUDA, copies run on a side stream into pinned host memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+
+from kvtier.tiers.cpu_pool import CpuPool, cuda_available
+
+from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+
+log = logging.getLogger("kvtier.connector")
+
+
+class KVLayout:
+    """Per-block byte views of every layer's KV tensor, and the split of one block region."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # vLLM may hand several names for one tensor (shared KV layers): copy each buffer once.
+        seen: dict[tuple[int, tuple, tuple], str] = {}
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        for name, t in kv_caches.items():
+            sig = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if sig in seen:
+                continue
+            seen[sig] = name
+            self.names.append(name)
+            self.tensors.append(t)
+        if not self.tensors:
+            raise ValueError("kvtier: register_kv_caches got no KV tensors")
+        nb = {t.shape[0] for t in self.tensors}
+        if len(nb) != 1:
+            raise ValueError(f"kvtier: layers disagree on the number of blocks: {sorted(nb)}")
+        self.num_blocks = nb.pop()
+        self.device = self.tensors[0].device
+        self.layer_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.offsets = [0]
+        for b in self.layer_bytes:
+            self.offsets.append(self.offsets[-1] + b)
+        self.block_bytes = self.offsets[-1]
+        # per layer: a [num_blocks, layer_bytes] uint8 view when a block is contiguous, else None
+        self._flat: list[torch.Tensor | None] = []
+        for li, t in enumerate(self.tensors):
+            stride_b = t.stride(0) * t.element_size()
+            if t[0].is_contiguous() and stride_b >= self.layer_bytes[li]:
+                self._flat.append(torch.as_strided(_bytes_storage(t), (self.num_blocks, self.layer_bytes[li]),
+                                                   (stride_b, 1)))
+            else:
+                self._flat.append(None)
+        self._views: list[tuple[torch.Tensor, ...] | None] = [f.unbind(0) if f is not None else None
+                                                              for f in self._flat]
+
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One view per layer of GPU block `block_id` (uint8 when contiguous)."""
+        out = []
+        for li, v in enumerate(self._views):
+            out.append(v[block_id] if v is not None else self.tensors[li][block_id])
+        return out
+
+    def describe(self) -> dict:
+        t = self.tensors[0]
+        return {"layers": len(self.tensors), "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
+                "shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype), "device": str(t.device),
+                "contiguous_blocks": all(f is not None for f in self._flat)}
+
+
+def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over t's whole storage, starting at t's first element."""
+    n = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
+
+
+class KVTierWorker:
+    def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None) -> None:
+        self._cpu_blocks_fn = cpu_blocks_fn
+        self._pin = pin
+        self._expected = expected_block_bytes
+        self.layout: KVLayout | None = None
+        self.pools: list[CpuPool] = []
+        self._slot_layer: list[tuple[torch.Tensor, ...] | None] = []
+        self._meta: KVTierMetadata | None = None
+        self._result = KVTierWorkerMeta()
+        self._load_errors: set[int] = set()
+        self._interval = KVTierStats()
+        self.totals: dict[str, float] = {}
+        self._stream = None
+        self.tier_names = ["cpu"]
+        # test hook: corrupt / fail loads on purpose
+        self.fail_loads = False
+
+    # ---- setup -------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layout = lay = KVLayout(kv_caches)
+        if self._expected is not None and self._expected != lay.block_bytes:
+            raise ValueError(f"kvtier: block is {lay.block_bytes} B on the worker but the scheduler "
+                             f"sized its tiers for {self._expected} B")
+        n = self._cpu_blocks_fn(lay.block_bytes)
+        pool = CpuPool(n, lay.block_bytes, self._pin)
+        self.pools = [pool]
+        uniform = len(set(lay.layer_bytes)) == 1
+        if uniform:
+            L = len(lay.layer_bytes)
+            self._slot_layer = [pool.buffer.view(n * L, lay.layer_bytes[0]).unbind(0)]
+        else:
+            self._slot_layer = [None]
+        if lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
+            self._stream = torch.cuda.Stream(device=lay.device)
+        log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
+
+    def _slot_views(self, tier: int, slot: int) -> list[torch.Tensor]:
+        lay = self.layout
+        cached = self._slot_layer[tier]
+        L = len(lay.layer_bytes)
+        if cached is not None:
+            return list(cached[slot * L:(slot + 1) * L])
+        v = self.pools[tier].views[slot]
+        return [v[lay.offsets[i]:lay.offsets[i + 1]] for i in range(L)]
+
+    # ---- copies ------------------------------------------------------------------------
+    def _copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        # shapes differ only for non-contiguous layer blocks: view the byte side accordingly
+        d2, s2 = [], []
+        for d, s in zip(dst, src):
+            if d.dtype != s.dtype or d.shape != s.shape:
+                if d.dtype == torch.uint8 and d.dim() == 1:
+                    d = d.view(s.dtype).view(s.shape)
+                else:
+                    s = s.view(d.dtype).view(d.shape)
+            d2.append(d)
+            s2.append(s)
+        if self._stream is not None:  # pragma: no cover - GPU only
+            with torch.cuda.stream(self._stream):
+                torch._foreach_copy_(d2, s2, non_blocking=True)
+            self._stream.synchronize()
+        else:
+            torch._foreach_copy_(d2, s2)
+
+    def _gpu_views(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        out = []
+        bv = self.layout.block_views
+        for b in block_ids:
+            out.extend(bv(b))
+        return out
+
+    def _tier_views(self, tier: int, slots: Sequence[int]) -> list[torch.Tensor]:
+        out = []
+        for s in slots:
+            out.extend(self._slot_views(tier, s))
+        return out
+
+    def _count(self, key: str, v: float) -> None:
+        self._interval.add(key, v)
+        self.totals[key] = self.totals.get(key, 0) + v
+
+    # ---- per step ----------------------------------------------------------------------
+    def bind(self, meta: Any) -> None:
+        self._meta = meta if isinstance(meta, KVTierMetadata) else None
+
+    def start_load(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.loads or self.layout is None:
+            return
+        for op in meta.loads:
+            name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
+            t0 = time.perf_counter()
+            ok = True
+            try:
+                if op.tier >= len(self.pools) or self.fail_loads:
+                    raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
+                self._copy(self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots))
+            except Exception as e:
+                log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
+                ok = False
+                self._load_errors.update(op.block_ids)
+            dt = time.perf_counter() - t0
+            self._result.loaded[op.req_id] = self._result.loaded.get(op.req_id, True) and ok
+            if ok:
+                nbytes = len(op.slots) * self.layout.block_bytes
+                self._count(f"bytes_loaded.{name}", nbytes)
+                self._count(f"seconds_loaded.{name}", dt)
+                self._count(f"blocks_loaded.{name}", len(op.slots))
+        meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
+
+    def save(self) -> None:
+        meta = self._meta
+        if meta is None or not meta.stores or self.layout is None:
+            return
+        for op in meta.stores:
+            name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
+            t0 = time.perf_counter()
+            try:
+                if op.tier >= len(self.pools):
+                    raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
+                self._copy(self._tier_views(op.tier, op.slots), self._gpu_views(op.block_ids))
+                oks = [True] * len(op.slots)
+            except Exception as e:
+                log.warning("kvtier: store of %d blocks failed: %s", len(op.slots), e)
+                oks = [False] * len(op.slots)
+            dt = time.perf_counter() - t0
+            self._result.stored[op.op_id] = oks
+            n = sum(oks)
+            self._count(f"bytes_stored.{name}", n * self.layout.block_bytes)
+            self._count(f"seconds_stored.{name}", dt)
+            self._count(f"blocks_stored.{name}", n)
+        meta.stores = []
+
+    def take_result(self) -> KVTierWorkerMeta | None:
+        r = self._result
+        if not r.stored and not r.loaded:
+            return None
+        self._result = KVTierWorkerMeta()
+        return r
+
+    def take_load_errors(self) -> set[int]:
+        e, self._load_errors = self._load_errors, set()
+        return e
+
+    def take_interval_stats(self) -> KVTierStats | None:
+        if self._interval.is_empty():
+            return None
+        s, self._interval = self._interval, KVTierStats()
+        return s
+
+    def stats(self) -> dict:
+        return {"totals": dict(self.totals), "layout": self.layout.describe() if self.layout else None,
+                "pools": [{"slots": p.num_slots, "pinned": p.pinned} for p in self.pools]}
+
+    def close(self) -> None:
+        self._slot_layer = []
+        for p in self.pools:
+            p.close()
+        self.pools = []

@@ -1,0 +1,282 @@
+"""Learned hit density by conversation depth and age ("nextuse"): an online Belady approximation.
+
+Belady keeps the blocks whose next use is nearest. Online, a block's next use is unknown, but
+its distribution is learnable: in chained-prefix conversation traffic a block comes back when
+its conversation's next turn arrives, with a probability and a gap that depend on how deep the
+conversation already is. This policy learns, per class, the distribution of reuse ages and
+ranks resident blocks by *hit density* (Beckmann et al., LHD, NSDI'18): expected future hits
+divided by expected remaining block-time, given the block's class and current age.
+
+- **Clock.** Ages are counted in inserted blocks (virtual time), so every knob is a ratio of
+  the capacity and nothing depends on the trace's absolute times or load.
+- **Classes.** A request continues a conversation when the deepest of its blocks already
+  known (resident or in the ghost) is the last full block ("tip") of an earlier request; its
+  turn depth is the tip's depth + 1 (else 0). A block's class is min(classes-1,
+  max(turn depth, times the block was hit)): deep conversations and hot shared prefixes rank
+  high, first turns low.
+- **Statistics.** Each access starts a lifetime in the block's class; a reuse (resident hit,
+  or a re-insert of a key found in the ghost) at age `a` counts a reuse in (class, bucket(a)).
+  Lifetimes not reused within the horizon H = `ghost_ratio` x capacity count as ending at H.
+  Counts are halved every 4 H. The ghost (the last H evicted keys with their class and access
+  time) is what lets the policy see reuses beyond the cache's own reach.
+- **Density.** For a block of class c in age bucket b (log2 buckets from capacity/16 to H):
+  D = (reuses at ages >= edge_b) / (sum over those of (age - edge_b) + never-reused x (H - edge_b)).
+  Recomputed every capacity/4 inserted blocks.
+- **Order.** Cells (class, age bucket) are intrusive lists in access order; as time passes a
+  cell's oldest blocks move to the next bucket (amortised: each block crosses each bucket edge
+  once). Victims: partial last blocks first (doomed: their content changes next turn), then
+  cells by ascending density (ties: older bucket first), each oldest first. A request's
+  blocks are pushed deepest first (leaf-first), so a chain loses its tail before its root.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Iterator, Sequence
+
+from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
+from .slotlist import SlotList
+
+_NIL = -1
+
+
+@EVICTION.register
+class NextUse(EvictionPolicy):
+    name = "nextuse"
+
+    def __init__(self, capacity: int, classes: int = 4, ghost_ratio: float = 8.0, doom_partial: bool = True,
+                 leaf_first: bool = True, **params) -> None:
+        super().__init__(capacity)
+        if classes < 1:
+            raise ValueError(f"nextuse: classes must be >= 1, got {classes}")
+        if ghost_ratio <= 0:
+            raise ValueError(f"nextuse: ghost_ratio must be > 0, got {ghost_ratio}")
+        self.nc = classes
+        self.H = max(2.0, ghost_ratio * capacity)
+        # bucket edges: 0, C/16, C/8, ..., up to H; the last bucket is "beyond the horizon"
+        base = max(1.0, capacity / 16.0)
+        edges = [0.0]
+        e = base
+        while e < self.H:
+            edges.append(e)
+            e *= 2.0
+        edges.append(self.H)
+        self.edges = edges              # bucket b covers [edges[b], edges[b+1]); last: [H, inf)
+        self.nb = len(edges)
+        self._base = base
+        nb, nc = self.nb, classes
+        ncells = 1 + nc * nb            # list 0 = doomed
+        prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
+        self.lists = [SlotList(capacity, prev, nxt, member, tag=i + 1) for i in range(ncells)]
+        self.member, self.nxt = member, nxt
+        self.tacc = [0] * capacity      # virtual time of last access
+        self.cls = [0] * capacity
+        self.hits = [0] * capacity
+        self.tip = [-1] * capacity      # turn depth if this block was a request's last full block
+        self.slot_of: dict[bytes, int] = {}
+        self.ghost: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()  # key -> (cls, tacc, tip, hits)
+        self.ghost_cap = int(self.H)
+        self.vt = 0
+        self.doom_partial = doom_partial
+        self.leaf_first = leaf_first
+        self.R = [[0.0] * nb for _ in range(nc)]
+        self.N = [0.0] * nc
+        self._next_table = 0
+        self._next_decay = int(4 * self.H)
+        self._order = list(range(ncells))
+        self._rank = list(range(ncells))
+        self._req_id = None
+        self._req_cls = 0
+        self._mids = [0.5 * (edges[b] + edges[b + 1]) if b + 1 < nb else self.H for b in range(nb)]
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _bucket(self, age: int) -> int:
+        if age < self._base:
+            return 0
+        b = 1 + int(math.log2(age / self._base))
+        return b if b < self.nb else self.nb - 1
+
+    def _request_depth(self, info: RequestInfo) -> int:
+        """Turn depth of the request (0 = not a continuation); cached per request."""
+        ks = info.keys
+        rid = (id(ks), info.now, len(ks))
+        if rid == self._req_id:
+            return self._req_cls
+        d = 0
+        slot_of, ghost, tip = self.slot_of, self.ghost, self.tip
+        for j in range(len(ks) - 1, -1, -1):
+            k = ks[j]
+            s = slot_of.get(k)
+            if s is not None:
+                t = tip[s]
+                if t >= 0:
+                    d = t + 1
+                    tip[s] = -1     # a tip is continued once (a shared prefix is not a conversation)
+                break
+            g = ghost.get(k)
+            if g is not None:
+                if g[2] >= 0:
+                    d = g[2] + 1
+                    ghost[k] = (g[0], g[1], -1, g[3])
+                break
+        self._req_id, self._req_cls = rid, d
+        return d
+
+    def _tip_pos(self, info: RequestInfo) -> int:
+        n = len(info.keys)
+        if n and not info.is_full(n - 1):
+            return n - 2
+        return n - 1
+
+    def _maybe_refresh(self) -> None:
+        if self.vt >= self._next_decay:
+            self._next_decay = self.vt + int(4 * self.H)
+            for row in self.R:
+                for b in range(len(row)):
+                    row[b] *= 0.5
+            self.N = [x * 0.5 for x in self.N]
+        if self.vt >= self._next_table:
+            self._next_table = self.vt + max(1, self.capacity // 4)
+            self._recompute()
+
+    def _recompute(self) -> None:
+        nb, edges, mids, H = self.nb, self.edges, self._mids, self.H
+        dens = [(-1.0, -1, 0)]  # doomed first
+        for c in range(self.nc):
+            row = self.R[c]
+            tot_r = sum(row[:nb - 1])
+            never = max(0.0, self.N[c] - tot_r)
+            hits_after = 0.0
+            time_after_mid = 0.0   # sum over reuses at >= b of mid
+            cnt_after = 0.0
+            for b in range(nb - 1, -1, -1):
+                if b < nb - 1:
+                    hits_after += row[b]
+                    time_after_mid += row[b] * mids[b]
+                a = edges[b]
+                if b == nb - 1:
+                    d = 0.0
+                else:
+                    t = (time_after_mid - hits_after * a) + never * (H - a)
+                    d = hits_after / t if t > 0 else 0.0
+                dens.append((d, -b, 1 + c * nb + b))
+        dens.sort()
+        self._order = [x[2] for x in dens]
+        rank = [0] * len(self._order)
+        for i, cell in enumerate(self._order):
+            rank[cell] = i
+        self._rank = rank
+
+    def _age(self) -> None:
+        """Move blocks whose age crossed their bucket's upper edge into the next bucket."""
+        lists, tacc, vt, edges, nb = self.lists, self.tacc, self.vt, self.edges, self.nb
+        for c in range(self.nc):
+            off = 1 + c * nb
+            for b in range(nb - 2, -1, -1):
+                src, dst = lists[off + b], lists[off + b + 1]
+                lim = vt - edges[b + 1]
+                h = src.head
+                while h != _NIL and tacc[h] <= lim:
+                    src.unlink(h)
+                    dst.push(h)
+                    h = src.head
+
+    def _place(self, s: int, c: int) -> None:
+        self.cls[s] = c
+        self.tacc[s] = self.vt
+        self.N[c] += 1.0
+        self.lists[1 + c * self.nb].push(s)
+
+    # ---- interface -----------------------------------------------------------------------
+    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
+        d = self._request_depth(info)
+        tip_pos = self._tip_pos(info)
+        start = info.start
+        n = len(slots)
+        self.vt += n
+        vt = self.vt
+        ghost, slot_of, nc, H = self.ghost, self.slot_of, self.nc, self.H
+        check_partial = self.doom_partial and info.num_tokens and info.block_tokens
+        order = range(n - 1, -1, -1) if self.leaf_first else range(n)
+        R = self.R
+        for i in order:
+            s, k = slots[i], keys[i]
+            slot_of[k] = s
+            pos = start + i
+            g = ghost.pop(k, None)
+            h = 0
+            if g is not None:
+                age = vt - g[1]
+                if age < H:
+                    R[g[0]][self._bucket(age)] += 1.0
+                h = g[3] + 1
+            self.hits[s] = h
+            self.tip[s] = d if pos == tip_pos else (g[2] if g is not None else -1)
+            if check_partial and not info.is_full(pos):
+                self.cls[s] = 0
+                self.tacc[s] = vt
+                self.lists[0].push(s)
+                continue
+            c = d if d > h else h
+            self._place(s, c if c < nc else nc - 1)
+        self._age()
+        self._maybe_refresh()
+
+    def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+        d = self._request_depth(info) if info.keys else 0
+        tip_pos = self._tip_pos(info) if info.keys else -1
+        tip_key = info.keys[tip_pos] if tip_pos >= 0 else None
+        member, lists, tacc, vt, nc, R = self.member, self.lists, self.tacc, self.vt, self.nc, self.R
+        order = reversed(slots) if self.leaf_first else slots
+        slot_of = self.slot_of
+        ts = slot_of.get(tip_key) if tip_key is not None else None
+        for s in order:
+            t = member[s]
+            if t == 0:
+                continue
+            lists[t - 1].unlink(s)
+            if t > 1:
+                age = vt - tacc[s]
+                if age < self.H:
+                    R[self.cls[s]][self._bucket(age)] += 1.0
+            h = self.hits[s] + 1
+            self.hits[s] = h
+            if s == ts:
+                self.tip[s] = d
+            if t == 1:   # doomed block reused after all: treat it like any other
+                pass
+            c = d if d > h else h
+            self._place(s, c if c < nc else nc - 1)
+
+    def on_remove(self, slot: int, key: bytes) -> None:
+        t = self.member[slot]
+        if t:
+            self.lists[t - 1].unlink(slot)
+            self.slot_of.pop(key, None)
+            if t > 1:
+                g = self.ghost
+                g[key] = (self.cls[slot], self.tacc[slot], self.tip[slot], self.hits[slot])
+                if len(g) > self.ghost_cap:
+                    g.popitem(last=False)
+
+    def contains(self, slot: int) -> bool:
+        return self.member[slot] != 0
+
+    def victims(self, after: int | None = None) -> Iterator[int]:
+        lists, nxt, order = self.lists, self.nxt, self._order
+        t = self.member[after] if after is not None and after >= 0 else 0
+        if t:
+            oi, s = self._rank[t - 1], nxt[after]
+        else:
+            oi, s = 0, lists[order[0]].head
+        n = len(order)
+        while True:
+            while s != _NIL:
+                nx = nxt[s]
+                yield s
+                s = nx
+            oi += 1
+            if oi >= n:
+                return
+            s = lists[order[oi]].head

@@ -1,0 +1,27 @@
+"""kv_connector_extra_config parsing: YAML via kvtier.config plus inline overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.connector.config import load_settings
+
+
+def test_defaults_and_inline():
+    s = load_settings({})
+    assert s.cpu_blocks(1024) > 0 and s.eviction == "lru" and s.store == "eager"
+    s = load_settings({"cpu_capacity_blocks": 12, "nvme_path": "/tmp/x", "store": "off"})
+    assert s.cpu_blocks(1 << 20) == 12 and s.nvme_path == "/tmp/x" and s.store == "off"
+    assert load_settings({"cpu_capacity": "1MiB"}).cpu_blocks(1 << 16) == 16
+    with pytest.raises(ValueError):
+        load_settings({"store": "sometimes"})
+
+
+def test_yaml_then_overrides(tmp_path):
+    pytest.importorskip("kvtier.config")
+    p = tmp_path / "stack.yaml"
+    p.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 40}\npolicy: {eviction: lru}\n")
+    s = load_settings({"config": str(p)})
+    assert s.cpu_blocks(4096) == 40
+    s = load_settings({"config": str(p), "cpu_capacity_blocks": 7})
+    assert s.cpu_blocks(4096) == 7

@@ -1,0 +1,113 @@
+"""Worker side (data plane): block gather/scatter between vLLM-style KV tensors and the CPU pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connector.worker import KVLayout, KVTierWorker
+
+NB, H, BS, D2 = 16, 2, 32, 64
+
+
+def cpu_layout_caches(layers=2):
+    """CPU backend shape: each layer [blocks, kv_heads, block_size, 2*head_size], views of one buffer."""
+    buf = torch.randn(layers, NB, H, BS, D2)
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
+
+
+def strided_caches(layers=2):
+    """A layout whose blocks are not contiguous (heads outermost): the slow path must still work."""
+    out = {}
+    for i in range(layers):
+        t = torch.randn(H, NB, BS, D2).permute(1, 0, 2, 3)
+        out[f"l{i}"] = t
+    return out
+
+
+@pytest.mark.parametrize("make", [cpu_layout_caches, strided_caches])
+def test_store_load_roundtrip(make):
+    caches = make()
+    w = KVTierWorker(lambda bb: 8, pin=False)
+    w.register_kv_caches(caches)
+    assert w.layout.block_bytes == 2 * H * BS * D2 * 4
+    orig = {n: t.clone() for n, t in caches.items()}
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 5], [3, 11])]))
+    w.save()
+    res = w.take_result()
+    assert res.stored == {1: [True, True]}
+    for t in caches.values():
+        t[7].zero_()
+        t[9].zero_()
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [5, 0], [9, 7])]))
+    w.start_load()
+    assert w.take_result().loaded == {"r": True}
+    for n, t in caches.items():
+        assert torch.equal(t[7], orig[n][3])
+        assert torch.equal(t[9], orig[n][11])
+    assert w.totals["blocks_loaded.cpu"] == 2 and w.totals["bytes_stored.cpu"] == 2 * w.layout.block_bytes
+    assert not w.take_load_errors()
+    w.close()
+
+
+def test_slot_bytes_are_layer_concatenation():
+    caches = cpu_layout_caches()
+    w = KVTierWorker(lambda bb: 4, pin=False)
+    w.register_kv_caches(caches)
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [2], [6])]))
+    w.save()
+    want = torch.cat([t[6].reshape(-1).view(torch.uint8) for t in caches.values()])
+    assert torch.equal(w.pools[0].views[2], want)
+
+
+def test_load_failure_reports_blocks():
+    w = KVTierWorker(lambda bb: 4, pin=False)
+    w.register_kv_caches(cpu_layout_caches())
+    w.fail_loads = True
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [4, 5])]))
+    w.start_load()
+    assert w.take_result().loaded == {"r": False}
+    assert w.take_load_errors() == {4, 5}
+    assert w.take_load_errors() == set()
+
+
+def test_shared_buffers_copied_once():
+    t = torch.randn(NB, H, BS, D2)
+    lay = KVLayout({"a": t, "b": t})
+    assert len(lay.tensors) == 1
+
+
+def test_worker_meta_aggregate_ands():
+    from kvtier.connector.metadata import KVTierWorkerMeta
+    a = KVTierWorkerMeta(stored={1: [True, True]}, loaded={"r": True})
+    b = KVTierWorkerMeta(stored={1: [True, False]}, loaded={"r": False, "s": True})
+    c = a.aggregate(b)
+    assert c.stored == {1: [True, False]} and c.loaded == {"r": False, "s": True}
+
+
+def test_stats_reduce_gbps():
+    from kvtier.connector.metadata import KVTierStats
+    s = KVTierStats()
+    s.add("bytes_loaded.cpu", 2e9)
+    s.add("seconds_loaded.cpu", 1.0)
+    s.aggregate(KVTierStats(data={"bytes_loaded.cpu": 2e9, "seconds_loaded.cpu": 1.0}))
+    assert s.reduce()["gbps_loaded.cpu"] == 2.0
+    assert not s.is_empty()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_roundtrip():  # pragma: no cover - GPU only
+    buf = torch.randn(2, NB, H, BS, D2, device="cuda")
+    caches = {f"l{i}": buf[i] for i in range(2)}
+    orig = buf.clone()
+    w = KVTierWorker(lambda bb: 4)
+    w.register_kv_caches(caches)
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0], [3])]))
+    w.save()
+    buf[:, 8].zero_()
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0], [8])]))
+    w.start_load()
+    torch.cuda.synchronize()
+    assert torch.equal(buf[:, 8], orig[:, 3])

@@ -1,0 +1,234 @@
+"""Eviction / admission / promotion / offload policies: properties and exact small cases."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kvtier.keys import make_key
+from kvtier.policies import ADMISSION, EVICTION, OFFLOAD, PROMOTION, RequestInfo
+from kvtier.tiers.base import SlotTier
+
+POLICIES = ["lru", "arc", "s3fifo", "pslru"]
+CAP = 12
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(0, 600)),
+    st.tuples(st.just("hit"), st.lists(st.integers(0, CAP - 1), min_size=1, max_size=4), st.just(0)),
+    st.tuples(st.just("remove"), st.integers(0, CAP - 1), st.just(0)),
+    st.tuples(st.just("victims"), st.integers(-1, CAP - 1), st.integers(0, CAP + 2)),
+), max_size=60)
+
+
+def _key(i: int) -> bytes:
+    return make_key(i)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=60, deadline=None)
+@given(seq=ops)
+def test_victims_yield_each_resident_exactly_once(name, seq):
+    pol = EVICTION.get(name)(CAP)
+    resident: dict[int, bytes] = {}
+    free = list(range(CAP))
+    for op, a, b in seq:
+        if op == "insert":
+            ids = [x for x in dict.fromkeys(a) if _key(x) not in resident.values()][:len(free)]
+            if not ids:
+                continue
+            slots = [free.pop() for _ in ids]
+            keys = [_key(x) for x in ids]
+            info = RequestInfo(keys, 0, 0, b, 64, 0.0)
+            pol.on_insert(slots, keys, info)
+            resident.update(zip(slots, keys))
+        elif op == "hit":
+            slots = [s for s in dict.fromkeys(a) if s in resident]
+            if slots:
+                pol.on_hit(slots, RequestInfo())
+        elif op == "remove":
+            if a in resident:
+                pol.on_remove(a, resident.pop(a))
+                free.append(a)
+        else:
+            full = list(pol.victims(None))
+            assert sorted(full) == sorted(resident), "victims(None) must yield every resident slot once"
+            after = a if a >= 0 else None
+            part = list(pol.victims(after))
+            assert len(part) == len(set(part))
+            assert set(part) <= set(resident)
+            if after is not None and after in resident:
+                assert after not in part
+            # evict the first few victims the way a tier does (unlink while walking)
+            it = pol.victims(None)
+            for _ in range(min(b, len(resident))):
+                s = next(it)
+                pol.on_remove(s, resident.pop(s))
+                free.append(s)
+    assert sorted(pol.victims(None)) == sorted(resident)
+
+
+@pytest.mark.parametrize("name", ["lru", "pslru"])
+def test_list_policies_resume_is_a_suffix(name):
+    pol = EVICTION.get(name)(8)
+    keys = [_key(i) for i in range(6)]
+    pol.on_insert(list(range(6)), keys, RequestInfo())
+    order = list(pol.victims())
+    for i, s in enumerate(order):
+        assert list(pol.victims(s)) == order[i + 1:]
+    pol.on_remove(order[2], keys[order[2]])
+    assert list(pol.victims(order[2])) == [s for s in order if s != order[2]]
+
+
+def test_lru_order():
+    pol = EVICTION.get("lru")(4)
+    pol.on_insert([0, 1, 2], [_key(i) for i in range(3)])
+    pol.on_hit([0])
+    assert list(pol.victims()) == [1, 2, 0]
+    pol.on_insert([3], [_key(3)])
+    assert list(pol.victims(2)) == [0, 3]
+
+
+def test_arc_moves_hits_to_t2_and_uses_ghosts():
+    pol = EVICTION.get("arc")(4)
+    pol.on_insert([0, 1, 2], [_key(i) for i in range(3)])
+    pol.on_hit([1])
+    assert 1 in pol.t2 and 0 in pol.t1
+    # p == 0: T1 goes first, then T2
+    assert list(pol.victims()) == [0, 2, 1]
+    pol.on_remove(0, _key(0))  # -> ghost B1
+    assert _key(0) in pol.b1
+    pol.on_insert([0], [_key(0)])  # B1 ghost hit: p grows, block enters T2
+    assert pol.p >= 1 and 0 in pol.t2
+    assert list(pol.victims()) == [1, 0, 2] or list(pol.victims())[-1] in (0, 1, 2)
+    assert sorted(pol.victims()) == [0, 1, 2]
+
+
+def test_arc_respects_p():
+    pol = EVICTION.get("arc")(4)
+    pol.on_insert([0, 1], [_key(0), _key(1)])
+    pol.on_hit([1])
+    pol.p = 1.0  # T1 may keep one block: T2's head goes first
+    assert list(pol.victims()) == [1, 0]
+    assert list(pol.victims(1)) == [0]
+
+
+def test_s3fifo_small_queue_and_second_chance():
+    pol = EVICTION.get("s3fifo")(10, small_ratio=0.2)
+    pol.on_insert(list(range(4)), [_key(i) for i in range(4)])
+    pol.on_hit([0])
+    v = pol.victims()
+    assert next(v) == 1          # 0 was hit: promoted to main, 1 is the first victim
+    assert 0 in pol.main
+    pol.on_remove(1, _key(1))
+    assert _key(1) in pol.ghost
+    pol.on_insert([1], [_key(1)])  # ghost hit -> main
+    assert 1 in pol.main
+    assert sorted(pol.victims()) == [0, 1, 2, 3]
+
+
+def test_pslru_partial_last_block_doomed_and_leaf_first():
+    pol = EVICTION.get("pslru")(8)
+    keys = [_key(i) for i in range(3)]
+    pol.on_insert([0, 1, 2], keys, RequestInfo(keys, 0, 0, 2 * 64 + 5, 64, 0.0))
+    # the partial last block leaves first; then the deeper full block before its parent
+    assert list(pol.victims()) == [2, 1, 0]
+    pol.on_hit([0, 1])
+    assert list(pol.victims())[0] == 2
+
+
+def test_pslru_ghost_reentry_is_protected():
+    pol = EVICTION.get("pslru")(4, levels=2)
+    k = [_key(i) for i in range(6)]
+    pol.on_insert([0, 1], k[:2])
+    pol.on_remove(0, k[0])
+    pol.on_insert([0], [k[0]])  # came back after eviction: protected level
+    pol.on_insert([2, 3], k[2:4])
+    assert list(pol.victims())[-1] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seq=st.lists(st.tuples(st.lists(st.integers(0, 30), min_size=1, max_size=6, unique=True),
+                              st.integers(0, 3)), max_size=40),
+       name=st.sampled_from(POLICIES))
+def test_slottier_never_yields_or_evicts_pinned(seq, name):
+    cap = 8
+    tier = SlotTier("t", cap, 0, EVICTION.get(name)(cap))
+    pinned: list[int] = []
+    for ids, npin in seq:
+        keys = [_key(i) for i in ids if _key(i) not in tier][:cap]
+        need = len(keys) - tier.num_free_slots
+        if need > 0:
+            vic = []
+            for s in tier.iter_free_slots():
+                assert tier.get_block(s).ref_cnt == 0
+                vic.append(s)
+                if len(vic) == need:
+                    break
+            for bv in tier.iter_free_blocks():
+                assert bv.ref_cnt == 0 and bv.block_id not in pinned
+            if len(vic) < need:
+                keys = keys[:len(keys) - (need - len(vic))]
+            tier.evict(vic)
+        if keys:
+            slots = tier.allocate(keys)
+            tier.commit(slots)
+            pin = slots[:npin]
+            tier.touch(pin)
+            pinned.extend(pin)
+        if len(pinned) > 4:  # unpin the oldest
+            tier.free_blocks(pinned[:2])
+            pinned = pinned[2:]
+        for s in pinned:
+            with pytest.raises(ValueError):
+                tier.evict([s])
+        assert not set(pinned) & set(tier.iter_free_slots())
+
+
+def test_admit_all():
+    adm = ADMISSION.get("all")()
+    assert adm.admit([_key(1), _key(2)]) == [True, True]
+
+
+def test_second_hit_filter():
+    adm = ADMISSION.get("second_hit")(history=1024)
+    a, b = _key(1), _key(2)
+    assert adm.admit([a, b]) == [False, False]
+    assert adm.admit([a]) == [True]
+    assert adm.admit([b, _key(3)]) == [True, False]
+
+
+def test_second_hit_history_is_bounded_and_ages():
+    adm = ADMISSION.get("second_hit")(history=64)
+    sk = adm.sketch
+    assert all(len(r) == 64 for r in sk.rows)
+    for i in range(10 * 64 + 1):
+        adm.admit([_key(i)])
+    assert max(max(r) for r in sk.rows) <= sk.cap
+
+
+def test_continuation_admission():
+    adm = ADMISSION.get("continuation")(sample=0.0, min_hit=2)
+    keys = [_key(i) for i in range(4)]
+    # cold request, sample 0: nothing admitted
+    assert adm.admit(keys, RequestInfo(keys, 0, 0, 4 * 64, 64)) == [False] * 4
+    # continuation (3 blocks hit): admitted, except a partial last block
+    chain = keys + [_key(9)]
+    assert adm.admit(chain[3:], RequestInfo(chain, 3, 3, 4 * 64 + 1, 64)) == [True, False]
+    adm1 = ADMISSION.get("continuation")(sample=1.0)
+    assert adm1.admit(keys, RequestInfo(keys, 0, 0, 4 * 64, 64)) == [True] * 4
+
+
+def test_promotion_and_offload():
+    inc, exc = PROMOTION.get("inclusive")(), PROMOTION.get("exclusive")()
+    assert inc.inclusive and not exc.inclusive
+    assert inc.target(2, 3) == 0 and exc.target(1, 3) == 0
+    assert inc.target(0, 3) is None
+    with pytest.raises(ValueError):
+        inc.target(3, 3)
+    lazy = OFFLOAD.get("lazy")(max_blocks_per_step=16)
+    assert lazy.max_blocks_per_step == 16 and lazy.budget() == 16 and not lazy.eager
+    assert OFFLOAD.get("eager")().eager
+    with pytest.raises(ValueError):
+        OFFLOAD.get("lazy")(max_blocks_per_step="x")
+    with pytest.raises(KeyError):
+        EVICTION.get("nope")

@@ -1,0 +1,521 @@
+"""Block I/O engines for the NVMe tier: POSIX O_DIRECT on a thread pool, or kvikio (GDS).
+
+An engine moves whole blocks between memory buffers (uint8 torch tensors) and fixed,
+aligned offsets of a file it opened. Each block's I/O size is its length rounded up to
+`ALIGN`; blocks at consecutive offsets are coalesced into one vectored syscall. Optional
+per-block xxh3_64 checksums are computed (write) or verified (read) in the I/O threads.
+
+Which engine runs, and any fallback (e.g. O_DIRECT refused -> buffered), is logged on
+``kvtier.nvme`` and reported in `description` / `stats()`, never silent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import errno as _errno
+import logging
+import mmap
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import xxhash
+
+from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
+
+log = logging.getLogger("kvtier.nvme")
+
+ALIGN = 4096
+MAX_IO_BYTES = 8 << 20  # bytes per preadv/pwritev call
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_os_open = os.open  # patch point for tests (simulate a filesystem that refuses O_DIRECT)
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_ZEROS = memoryview(bytes(ALIGN))
+
+
+def round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class EngineUnavailable(RuntimeError):
+    """The asked-for I/O engine cannot run here (the message says why)."""
+
+
+@dataclass
+class EngineFile:
+    """A file opened by an engine: `fd` (POSIX) or `handle` (kvikio CuFile)."""
+
+    path: str
+    fd: int
+    direct: bool
+    handle: object = None
+
+
+class IOEngine:
+    """Moves blocks between buffers and aligned file offsets; returns IOHandles."""
+
+    name = "abstract"
+
+    @property
+    def description(self) -> str:
+        return self.name
+
+    def open(self, path: str) -> EngineFile:
+        raise NotImplementedError
+
+    def write(self, f: EngineFile, offsets: Sequence[int], buffers: Sequence[torch.Tensor], length: int,
+              checksums: list[int] | None = None,
+              finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
+        """Write `length` bytes of each buffer at offsets[i]; fill checksums[i] (xxh3_64) if given."""
+        raise NotImplementedError
+
+    def read(self, f: EngineFile, offsets: Sequence[int], buffers: Sequence[torch.Tensor], length: int,
+             expect: Sequence[int] | None = None, mismatched: list[bool] | None = None,
+             finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
+        """Read `length` bytes at offsets[i] into buffers[i].
+
+        With `expect`, ok[i] is False when the bytes' xxh3_64 differs from expect[i], and
+        mismatched[i] (if given) is set True, telling corruption apart from I/O errors.
+        """
+        raise NotImplementedError
+
+    def sync(self, f: EngineFile) -> None:
+        os.fdatasync(f.fd)
+
+    def close_file(self, f: EngineFile) -> None:
+        if f.fd >= 0:
+            os.close(f.fd)
+            f.fd = -1
+
+    def close(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"engine": self.description}
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.uint8:
+        t = t.reshape(-1).view(torch.uint8)
+    return t.reshape(-1) if t.dim() != 1 else t
+
+
+class _Bounce:
+    """Page-aligned anonymous memory (mmap) as a uint8 tensor and a memoryview."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.mv = memoryview(self.mm)
+        self.t = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes)
+        self.t.zero_()  # pre-touch
+
+
+class PosixEngine(IOEngine):
+    """`os.preadv`/`os.pwritev` on a thread pool; O_DIRECT with page-aligned buffers.
+
+    Buffers that are not page-aligned CPU tensors whose length is a multiple of ALIGN go
+    through the engine's own aligned bounce buffers. If O_DIRECT is refused at open (EINVAL,
+    e.g. some tmpfs/overlay filesystems), files are opened buffered and the fallback is logged
+    and kept in `description`.
+    """
+
+    name = "posix"
+
+    def __init__(self, threads: int = 4, direct: bool | str = "auto", max_io_bytes: int = MAX_IO_BYTES) -> None:
+        if threads < 1:
+            raise ValueError(f"io_threads must be >= 1, got {threads}")
+        if max_io_bytes < ALIGN or max_io_bytes % ALIGN:
+            raise ValueError(f"max_io_bytes must be a positive multiple of {ALIGN}, got {max_io_bytes}")
+        if direct not in (True, False, "auto"):
+            raise ValueError(f"direct must be True, False or 'auto', got {direct!r}")
+        self.threads = threads
+        self.want_direct = direct
+        self.max_io_bytes = max_io_bytes
+        self.fallback: str | None = None
+        self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvtier-io")
+        self._bounces: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()
+        self._bounce_size = max_io_bytes
+        self._lock = threading.Lock()
+        self.syscalls = 0
+        self.bounced_blocks = 0
+
+    @property
+    def mode(self) -> str:
+        if self.want_direct is False:
+            return "buffered"
+        return "buffered" if self.fallback else "O_DIRECT"
+
+    @property
+    def description(self) -> str:
+        d = f"posix-{'direct' if self.mode == 'O_DIRECT' else 'buffered'} (preadv/pwritev, {self.threads} threads"
+        d += f", <= {self.max_io_bytes >> 20} MiB/syscall)"
+        if self.fallback:
+            d += f" [{self.fallback}]"
+        return d
+
+    def open(self, path: str) -> EngineFile:
+        flags = os.O_RDWR | os.O_CREAT
+        if self.want_direct is not False:
+            try:
+                fd = _os_open(path, flags | os.O_DIRECT, 0o644)
+                return EngineFile(path, fd, True)
+            except OSError as e:
+                if self.want_direct is True or e.errno not in (_errno.EINVAL, _errno.EOPNOTSUPP):
+                    raise OSError(e.errno, f"cannot open {path} with O_DIRECT: {e.strerror}", path) from None
+                self.fallback = (f"O_DIRECT refused: {_errno.errorcode.get(e.errno, e.errno)} "
+                                 f"({e.strerror}) on {path}; using buffered I/O")
+                log.warning("nvme io: %s", self.fallback)
+        fd = _os_open(path, flags, 0o644)
+        return EngineFile(path, fd, False)
+
+    # ---- batching ----------------------------------------------------------------------
+    def _plan(self, offsets: Sequence[int], length: int) -> list[list[int]]:
+        """Group block indices into runs of consecutive offsets, each <= max_io_bytes / IOV_MAX."""
+        stride = round_up(length)
+        order = sorted(range(len(offsets)), key=offsets.__getitem__)
+        per_run = max(1, min(self.max_io_bytes // stride, _IOV_MAX // 2))  # pad iovecs may double
+        runs: list[list[int]] = []
+        cur: list[int] = []
+        for i in order:
+            o = offsets[i]
+            if o % ALIGN:
+                raise ValueError(f"offset {o} is not {ALIGN}-aligned")
+            if cur and (o != offsets[cur[-1]] + stride or len(cur) >= per_run):
+                runs.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            runs.append(cur)
+        # spread big single runs over the threads: split so every worker has work
+        if len(runs) < self.threads:
+            total = sum(len(r) for r in runs)
+            want = max(1, -(-total // self.threads))
+            split = []
+            for r in runs:
+                for j in range(0, len(r), want):
+                    split.append(r[j:j + want])
+            runs = split
+        return runs
+
+    def _get_bounce(self, need: int) -> _Bounce:
+        try:
+            b = self._bounces.get_nowait()
+            if b.nbytes >= need:
+                return b
+        except queue.Empty:
+            pass
+        return _Bounce(max(need, self._bounce_size))
+
+    @staticmethod
+    def _zero_copy(f: EngineFile, t: torch.Tensor, length: int) -> bool:
+        """Whether `t` can be an iovec as is (else it goes through a bounce buffer)."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return False
+        return not f.direct or (length % ALIGN == 0 and t.data_ptr() % ALIGN == 0)
+
+    def _submit(self, fn, runs, finish, nblocks: int) -> IOHandle:
+        if not runs:
+            return DoneHandle(finish(IOResult(ok=[])) if finish else IOResult(ok=[]))
+        order = [i for r in runs for i in r]
+        futs = [self._pool.submit(fn, r) for r in runs]
+
+        def reorder(res: IOResult) -> IOResult:
+            ok = [False] * nblocks
+            for j, i in enumerate(order):
+                ok[i] = res.ok[j]
+            res.ok = ok
+            return finish(res) if finish else res
+
+        return FutureHandle(futs, reorder)
+
+    def _check(self, offsets, buffers, length) -> list[torch.Tensor]:
+        if len(offsets) != len(buffers):
+            raise ValueError(f"{len(offsets)} offsets but {len(buffers)} buffers")
+        flat = []
+        for i, b in enumerate(buffers):
+            t = _flat(b)
+            if t.numel() < length:
+                raise ValueError(f"buffer {i} holds {t.numel()} bytes, block length is {length}")
+            flat.append(t)
+        return flat
+
+    def write(self, f, offsets, buffers, length, checksums=None, finish=None) -> IOHandle:
+        bufs = self._check(offsets, buffers, length)
+        stride = round_up(length)
+        fd = f.fd
+
+        def run(idx: list[int]) -> IOResult:
+            bounce = None
+            try:
+                iov = []
+                for k, i in enumerate(idx):
+                    t = bufs[i]
+                    if self._zero_copy(f, t, length):
+                        iov.append(memoryview(t.numpy())[:length])
+                        if checksums is not None:
+                            checksums[i] = _xxh3(iov[-1])
+                        if stride != length:  # buffered file: keep later blocks at their slots
+                            iov.append(_ZEROS[:stride - length])
+                        continue
+                    else:
+                        if bounce is None:
+                            bounce = self._get_bounce(len(idx) * stride)
+                        lo = k * stride
+                        bt = bounce.t[lo:lo + length]
+                        bt.copy_(t[:length])
+                        if stride != length:
+                            bounce.t[lo + length:lo + stride].zero_()
+                        iov.append(bounce.mv[lo:lo + stride])
+                        with self._lock:
+                            self.bounced_blocks += 1
+                    if checksums is not None:
+                        checksums[i] = _xxh3(iov[-1][:length])
+                _pwritev_all(fd, iov, offsets[idx[0]])
+                with self._lock:
+                    self.syscalls += 1
+                return IOResult(ok=[True] * len(idx), nbytes=len(idx) * length)
+            except OSError as e:
+                msg = f"write of {len(idx)} blocks at offset {offsets[idx[0]]} in {f.path}: " \
+                      f"[Errno {e.errno}] {e.strerror}"
+                log.error("nvme io: %s", msg)
+                return IOResult(ok=[False] * len(idx), errors=[msg])
+            finally:
+                if bounce is not None:
+                    self._bounces.put(bounce)
+
+        return self._submit(run, self._plan(offsets, length), finish, len(bufs))
+
+    def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None) -> IOHandle:
+        bufs = self._check(offsets, buffers, length)
+        stride = round_up(length)
+        fd = f.fd
+
+        def run(idx: list[int]) -> IOResult:
+            bounce = None
+            try:
+                iov, post = [], []
+                for k, i in enumerate(idx):
+                    t = bufs[i]
+                    if self._zero_copy(f, t, length):
+                        iov.append(memoryview(t.numpy())[:length])
+                        post.append(None)
+                        if stride != length:
+                            iov.append(memoryview(bytearray(stride - length)))
+                            post.append(-1)
+                    else:
+                        if bounce is None:
+                            bounce = self._get_bounce(len(idx) * stride)
+                        lo = k * stride
+                        iov.append(bounce.mv[lo:lo + stride])
+                        post.append(lo)
+                        with self._lock:
+                            self.bounced_blocks += 1
+                _preadv_all(fd, iov, offsets[idx[0]], f.path)
+                with self._lock:
+                    self.syscalls += 1
+                ok, errs = [], []
+                blocks = [(v, p) for v, p in zip(iov, post) if p != -1]
+                for k, i in enumerate(idx):
+                    good = True
+                    view, lo = blocks[k]
+                    if expect is not None:
+                        got = _xxh3(view[:length])
+                        if got != expect[i]:
+                            good = False
+                            if mismatched is not None:
+                                mismatched[i] = True
+                            errs.append(f"checksum mismatch at offset {offsets[i]} in {f.path}: "
+                                        f"stored {expect[i]:016x}, read {got:016x}")
+                    if good and lo is not None:
+                        bufs[i][:length].copy_(bounce.t[lo:lo + length])
+                    ok.append(good)
+                return IOResult(ok=ok, nbytes=len(idx) * length, errors=errs)
+            except OSError as e:
+                msg = f"read of {len(idx)} blocks at offset {offsets[idx[0]]} in {f.path}: " \
+                      f"[Errno {e.errno}] {e.strerror}"
+                log.error("nvme io: %s", msg)
+                return IOResult(ok=[False] * len(idx), errors=[msg])
+            finally:
+                if bounce is not None:
+                    self._bounces.put(bounce)
+
+        return self._submit(run, self._plan(offsets, length), finish, len(bufs))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        while True:
+            try:
+                b = self._bounces.get_nowait()
+            except queue.Empty:
+                break
+            del b
+
+    def stats(self) -> dict:
+        return {"engine": self.description, "io_mode": self.mode, "io_threads": self.threads,
+                "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "fallback": self.fallback}
+
+
+def _pwritev_all(fd: int, iov: list, off: int) -> None:
+    total = sum(len(v) for v in iov)
+    done = 0
+    while True:
+        n = os.pwritev(fd, iov, off + done)
+        done += n
+        if done >= total:
+            return
+        if n == 0:
+            raise OSError(_errno.EIO, f"short write ({done} of {total} bytes)")
+        iov = _advance(iov, n)
+
+
+def _preadv_all(fd: int, iov: list, off: int, path: str) -> None:
+    total = sum(len(v) for v in iov)
+    done = 0
+    while True:
+        n = os.preadv(fd, iov, off + done)
+        done += n
+        if done >= total:
+            return
+        if n == 0:
+            raise OSError(_errno.EIO, f"short read ({done} of {total} bytes; file {path} truncated?)")
+        iov = _advance(iov, n)
+
+
+def _advance(iov: list, n: int) -> list:
+    out = []
+    for v in iov:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:] if n else v)
+        n = 0
+    return out
+
+
+# ---- kvikio (GPUDirect Storage) ----------------------------------------------------------
+def cuda_driver_reason() -> str | None:
+    """None when a CUDA driver (libcuda.so.1) loads; otherwise why not."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return None
+    except OSError as e:
+        return f"no CUDA driver ({e})"
+
+
+class KvikioEngine(IOEngine):
+    """kvikio CuFile pread/pwrite: GPU tensors go straight to the file (GDS or kvikio's bounce).
+
+    Needs `kvikio` and a CUDA driver; constructing it without either raises EngineUnavailable.
+    Checksums are computed on host bytes (GPU buffers are copied for hashing only).
+    """
+
+    name = "kvikio"
+
+    def __init__(self, threads: int = 4) -> None:
+        why = cuda_driver_reason()
+        if why:
+            raise EngineUnavailable(f"kvikio engine unusable: {why}")
+        try:
+            import kvikio  # noqa: PLC0415 - optional extra, imported lazily
+        except Exception as e:  # ImportError or a broken install
+            raise EngineUnavailable(f"kvikio engine unusable: import kvikio failed: {e!r}") from None
+        self._kvikio = kvikio
+        self.threads = threads
+        self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvtier-kvikio")
+        try:
+            compat = kvikio.defaults.compat_mode()
+        except Exception:  # older kvikio
+            compat = "unknown"
+        self.compat = str(compat)
+
+    @property
+    def description(self) -> str:
+        return f"kvikio {getattr(self._kvikio, '__version__', '?')} (compat_mode={self.compat})"
+
+    def open(self, path: str) -> EngineFile:
+        if not os.path.exists(path):
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+        fd = os.open(path, os.O_RDWR)  # for fdatasync
+        return EngineFile(path, fd, True, self._kvikio.CuFile(path, "r+"))
+
+    def write(self, f, offsets, buffers, length, checksums=None, finish=None) -> IOHandle:
+        bufs = [_flat(b) for b in buffers]
+
+        def run(i: int) -> IOResult:
+            try:
+                t = bufs[i][:length]
+                if checksums is not None:
+                    host = t if t.device.type == "cpu" else t.cpu()
+                    checksums[i] = _xxh3(memoryview(host.contiguous().numpy()))
+                n = f.handle.pwrite(t, length, offsets[i]).get()
+                if n != length:
+                    raise OSError(_errno.EIO, f"short write {n} of {length}")
+                return IOResult(ok=[True], nbytes=length)
+            except Exception as e:
+                return IOResult(ok=[False], errors=[f"kvikio write at {offsets[i]} in {f.path}: {e}"])
+
+        return FutureHandle([self._pool.submit(run, i) for i in range(len(bufs))], finish)
+
+    def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None) -> IOHandle:
+        bufs = [_flat(b) for b in buffers]
+
+        def run(i: int) -> IOResult:
+            try:
+                t = bufs[i][:length]
+                n = f.handle.pread(t, length, offsets[i]).get()
+                if n != length:
+                    raise OSError(_errno.EIO, f"short read {n} of {length}")
+                if expect is not None:
+                    host = t if t.device.type == "cpu" else t.cpu()
+                    got = _xxh3(memoryview(host.contiguous().numpy()))
+                    if got != expect[i]:
+                        if mismatched is not None:
+                            mismatched[i] = True
+                        return IOResult(ok=[False], nbytes=length, errors=[
+                            f"checksum mismatch at offset {offsets[i]} in {f.path}: "
+                            f"stored {expect[i]:016x}, read {got:016x}"])
+                return IOResult(ok=[True], nbytes=length)
+            except Exception as e:
+                return IOResult(ok=[False], errors=[f"kvikio read at {offsets[i]} in {f.path}: {e}"])
+
+        return FutureHandle([self._pool.submit(run, i) for i in range(len(bufs))], finish)
+
+    def close_file(self, f: EngineFile) -> None:
+        if f.handle is not None:
+            f.handle.close()
+            f.handle = None
+        super().close_file(f)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def select_engine(io: str = "auto", threads: int = 4, direct: bool | str = "auto",
+                  max_io_bytes: int = MAX_IO_BYTES) -> tuple[IOEngine, str]:
+    """Pick the I/O engine: 'kvikio', 'posix', or 'auto' (kvikio only with a CUDA driver + kvikio).
+
+    Returns (engine, reason). io='kvikio' where it cannot run raises EngineUnavailable.
+    """
+    if io not in ("auto", "posix", "kvikio"):
+        raise ValueError(f"io must be 'auto', 'posix' or 'kvikio', got {io!r}")
+    if io in ("auto", "kvikio"):
+        try:
+            eng = KvikioEngine(threads)
+            reason = f"io={io}: CUDA driver present and kvikio imports"
+            log.info("nvme io engine: %s (%s)", eng.description, reason)
+            return eng, reason
+        except EngineUnavailable as e:
+            if io == "kvikio":
+                raise
+            reason = f"io=auto: {e}; using POSIX"
+    else:
+        reason = "io=posix asked"
+    eng = PosixEngine(threads, direct, max_io_bytes)
+    log.info("nvme io engine: %s (%s)", eng.description, reason)
+    return eng, reason

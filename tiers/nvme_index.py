@@ -1,0 +1,142 @@
+"""The NVMe tier's persistent index: LMDB, key -> (slot, length, xxh3_64 checksum, generation).
+
+Two named databases in one environment:
+- ``entries``: block key (bytes) -> ``<QQQQ`` packed (slot, length, checksum, generation);
+- ``meta``: ``format_version``, ``fingerprint`` (JSON), ``slot_stride``, ``capacity``, ``next_gen``.
+Writes are batched in one transaction each; the environment syncs on commit, so a returned
+`put`/`delete` is durable. The map grows on `lmdb.MapFullError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+from typing import Iterator, NamedTuple, Sequence
+
+import lmdb
+
+log = logging.getLogger("kvtier.nvme")
+
+FORMAT_VERSION = 1
+_ENTRY = struct.Struct("<QQQQ")
+_BYTES_PER_ENTRY = 1024  # generous: key + value + B-tree overhead at half-full pages
+
+
+class Entry(NamedTuple):
+    slot: int
+    length: int
+    checksum: int
+    generation: int
+
+
+class NvmeIndexError(RuntimeError):
+    """The index is unreadable or malformed (the message names the path and field)."""
+
+
+class NvmeIndex:
+    """LMDB environment at `path` (a directory)."""
+
+    def __init__(self, path: str, capacity: int) -> None:
+        self.path = path
+        self._map_size = max(64 << 20, capacity * _BYTES_PER_ENTRY)
+        try:
+            self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True,
+                                 sync=True, metasync=True, lock=True, readahead=False)
+        except lmdb.Error as e:
+            raise NvmeIndexError(f"cannot open LMDB index at {path}: {e}") from None
+        self._entries = self.env.open_db(b"entries")
+        self._meta = self.env.open_db(b"meta")
+        self.max_key_size = self.env.max_key_size()
+        self.next_gen = int(self.get_meta("next_gen") or 0)
+
+    # ---- meta --------------------------------------------------------------------------
+    def get_meta(self, name: str) -> str | None:
+        with self.env.begin(db=self._meta) as txn:
+            v = txn.get(name.encode())
+        return None if v is None else v.decode()
+
+    def set_meta(self, values: dict[str, object]) -> None:
+        def fn(txn):
+            for k, v in values.items():
+                txn.put(k.encode(), (v if isinstance(v, str) else json.dumps(v, sort_keys=True)).encode(),
+                        db=self._meta)
+        self._write(fn)
+
+    def fingerprint(self) -> dict | None:
+        v = self.get_meta("fingerprint")
+        if v is None:
+            return None
+        try:
+            return json.loads(v)
+        except ValueError as e:
+            raise NvmeIndexError(f"index {self.path}: meta field 'fingerprint' is not JSON: {e}") from None
+
+    # ---- entries -----------------------------------------------------------------------
+    def put(self, items: Sequence[tuple[bytes, int, int, int]]) -> list[int]:
+        """Insert (key, slot, length, checksum) in one durable txn; returns their generations."""
+        gen0 = self.next_gen
+        gens = list(range(gen0, gen0 + len(items)))
+
+        def fn(txn):
+            for (key, slot, length, csum), g in zip(items, gens):
+                txn.put(key, _ENTRY.pack(slot, length, csum, g), db=self._entries)
+            txn.put(b"next_gen", str(gen0 + len(items)).encode(), db=self._meta)
+        self._write(fn)
+        self.next_gen = gen0 + len(items)
+        return gens
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Delete keys in one durable txn (absent keys are ignored)."""
+        if not keys:
+            return
+
+        def fn(txn):
+            for k in keys:
+                txn.delete(k, db=self._entries)
+        self._write(fn)
+
+    def items(self) -> Iterator[tuple[bytes, Entry]]:
+        """All entries (key order). Malformed values raise NvmeIndexError naming the key."""
+        with self.env.begin(db=self._entries, buffers=False) as txn:
+            for k, v in txn.cursor():
+                if len(v) != _ENTRY.size:
+                    raise NvmeIndexError(f"index {self.path}: entry {bytes(k).hex()} has {len(v)} bytes, "
+                                      f"expected {_ENTRY.size}")
+                yield bytes(k), Entry(*_ENTRY.unpack(v))
+
+    def get(self, key: bytes) -> Entry | None:
+        with self.env.begin(db=self._entries) as txn:
+            v = txn.get(key)
+        return None if v is None else Entry(*_ENTRY.unpack(v))
+
+    def __len__(self) -> int:
+        with self.env.begin(db=self._entries) as txn:
+            return txn.stat(self._entries)["entries"]
+
+    def clear(self) -> None:
+        self._write(lambda txn: txn.drop(self._entries, delete=False))
+
+    # ---- plumbing ----------------------------------------------------------------------
+    def _write(self, fn) -> None:
+        while True:
+            try:
+                with self.env.begin(write=True) as txn:
+                    fn(txn)
+                return
+            except lmdb.MapFullError:
+                self._map_size *= 2
+                log.info("nvme index %s: map full, growing to %d MiB", self.path, self._map_size >> 20)
+                self.env.set_mapsize(self._map_size)
+
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    def disk_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in os.listdir(self.path))
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()
+            self.env = None  # type: ignore[assignment]
