@@ -106,11 +106,12 @@ class StackConfig(_Model):
     dtype: str = "unknown"
     layout: str = "unknown"
     rank: int = 0
+    writeback_bytes: int = 64 << 20
     tiers: list[TierConfig]
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     source: str = Field(default="<dict>", exclude=True)
 
-    @field_validator("block_bytes", mode="before")
+    @field_validator("block_bytes", "writeback_bytes", mode="before")
     @classmethod
     def _bb(cls, v: Any) -> int:
         n = _size(v)

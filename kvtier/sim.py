@@ -80,7 +80,7 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
                     hit_tok += r.input_length
                 else:
                     hit_tok += k * block_tokens
-        info = RequestInfo(ks, 0, k, r.input_length, block_tokens, r.timestamp)
+        info = RequestInfo(ks, 0, k, r.input_length, block_tokens, r.timestamp, None, r.output_length)
         # resident blocks of the request (the hit prefix and any resident beyond a gap)
         if k == n:
             res = [slot_of[x] for x in ks]
@@ -129,7 +129,7 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
                 j0 = missing[i0]
                 run = ks[j0:j0 + (i1 - i0)]
                 slots = allocate(run)
-                commit(slots, info if j0 == 0 else RequestInfo(ks, j0, k, r.input_length, block_tokens, r.timestamp))
+                commit(slots, info if j0 == 0 else RequestInfo(ks, j0, k, r.input_length, block_tokens, r.timestamp, None, r.output_length))
                 i0 = i1
         if res:
             free(res)

@@ -79,6 +79,9 @@ class TierStack:
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
         self._index = [t._slot_of for t in self.tiers]  # read-only fast path for lookups
         self._names = [t.name for t in self.tiers]
+        # blocks cleaned per write-back batch: cfg.writeback_bytes worth, at most a quarter of the tier
+        self._writeback = [max(1, min(cfg.writeback_bytes // cfg.block_bytes, t.capacity_blocks // 4))
+                           for t in self.tiers]
 
     @classmethod
     def from_config(cls, cfg: StackConfig | str | None = None, with_data: bool = True,
@@ -278,13 +281,21 @@ class TierStack:
         if not victims:
             return
         if ti + 1 < len(self.tiers):
-            self._demote(ti, victims)
+            lower = self.tiers[ti + 1]
+            if any(tier.get_block(s).block_hash not in lower for s in victims):
+                # write back ahead: clean the next `writeback` victims in one batch (one sync,
+                # one index commit); they stay resident here and later leave without I/O
+                ahead = self.engine.victims(ti, max(need, self._writeback[ti]))
+                self._demote(ti, ahead)
         self._evict(ti, victims)
 
     def _demote(self, ti: int, slots: Sequence[int]) -> None:
-        """Write-back: copy victims to the next tier (admission permitting) before they go."""
-        tier = self.tiers[ti]
-        keys = [tier._key_of[s] for s in slots]
+        """Write-back: copy blocks to the next tier (admission permitting); they stay here."""
+        tier, lower = self.tiers[ti], self.tiers[ti + 1]
+        slots = [s for s in slots if tier.get_block(s).block_hash not in lower]
+        if not slots:
+            return
+        keys = [tier.get_block(s).block_hash for s in slots]
         srcs = [tier.view(s) for s in slots] if self.with_data else None
         tier.touch(slots)
         try:
@@ -303,22 +314,13 @@ class TierStack:
         if ti + 1 >= len(self.tiers):
             return 0
         tier, lower = self.tiers[ti], self.tiers[ti + 1]
-        todo = [(k, s) for k, s in list(tier._slot_of.items()) if k not in lower]
-        done = 0
+        todo = [s for k, s in list(tier._slot_of.items()) if k not in lower]
+        before = self.metrics.demoted[lower.name]
         for i in range(0, len(todo), batch):
-            chunk = todo[i:i + batch]
-            slots = [s for _, s in chunk]
-            srcs = [tier.view(s) for s in slots] if self.with_data else None
-            tier.touch(slots)
-            try:
-                n = self._store(ti + 1, [k for k, _ in chunk], srcs, _NO_INFO)
-            finally:
-                tier.free_blocks(slots)
-            self.metrics.demoted[lower.name] += n
-            done += n
+            self._demote(ti, todo[i:i + batch])
             if progress:
-                progress(len(chunk))
-        return done
+                progress(len(todo[i:i + batch]))
+        return self.metrics.demoted[lower.name] - before
 
     # ---- introspection ---------------------------------------------------------------------
     def stats(self) -> dict:

@@ -19,6 +19,8 @@ class RequestInfo:
     `keys` is the request's whole chain (prefix order); `start` is the chain position of the
     first block of the call; `hit_blocks` is how many leading blocks were found in the stack;
     `num_tokens` and `block_tokens` tell whether the last block is partial; `now` is a clock.
+    `output_tokens` is how many tokens the request generated (0 = unknown): known when the
+    request finishes, which is when a serving engine offloads its blocks.
     """
 
     keys: Sequence[bytes] = ()
@@ -28,6 +30,7 @@ class RequestInfo:
     block_tokens: int = 0
     now: float = 0.0
     request_id: str | None = None
+    output_tokens: int = 0
 
     def is_full(self, pos: int) -> bool:
         """Whether block `pos` of the chain holds block_tokens tokens (unknown -> True)."""

@@ -46,7 +46,7 @@ class NextUse(EvictionPolicy):
     name = "nextuse"
 
     def __init__(self, capacity: int, classes: int = 4, ghost_ratio: float = 8.0, doom_partial: bool = True,
-                 leaf_first: bool = True, **params) -> None:
+                 leaf_first: bool = True, lifetimes: str = "horizon", **params) -> None:
         super().__init__(capacity)
         if classes < 1:
             raise ValueError(f"nextuse: classes must be >= 1, got {classes}")
@@ -80,7 +80,11 @@ class NextUse(EvictionPolicy):
         self.vt = 0
         self.doom_partial = doom_partial
         self.leaf_first = leaf_first
+        if lifetimes not in ("horizon", "observed"):
+            raise ValueError(f"nextuse: lifetimes must be 'horizon' or 'observed', got {lifetimes!r}")
+        self.observed = lifetimes == "observed"
         self.R = [[0.0] * nb for _ in range(nc)]
+        self.E = [[0.0] * nb for _ in range(nc)]   # observed mode: evictions by age bucket
         self.N = [0.0] * nc
         self._next_table = 0
         self._next_decay = int(4 * self.H)
@@ -118,7 +122,7 @@ class NextUse(EvictionPolicy):
             if g is not None:
                 if g[2] >= 0:
                     d = g[2] + 1
-                    ghost[k] = (g[0], g[1], -1, g[3])
+                    ghost[k] = (g[0], g[1], -1) + g[3:]
                 break
         self._req_id, self._req_cls = rid, d
         return d
@@ -132,7 +136,7 @@ class NextUse(EvictionPolicy):
     def _maybe_refresh(self) -> None:
         if self.vt >= self._next_decay:
             self._next_decay = self.vt + int(4 * self.H)
-            for row in self.R:
+            for row in self.R + self.E:
                 for b in range(len(row)):
                     row[b] *= 0.5
             self.N = [x * 0.5 for x in self.N]
@@ -144,6 +148,18 @@ class NextUse(EvictionPolicy):
         nb, edges, mids, H = self.nb, self.edges, self._mids, self.H
         dens = [(-1.0, -1, 0)]  # doomed first
         for c in range(self.nc):
+            if self.observed:
+                row, ev = self.R[c], self.E[c]
+                ha = ta = ca = 0.0
+                for b in range(nb - 1, -1, -1):
+                    ha += row[b]
+                    cnt = row[b] + ev[b]
+                    ca += cnt
+                    ta += cnt * mids[b]
+                    t = ta - ca * edges[b]
+                    d = ha / t if t > 0 else 0.0
+                    dens.append((d, -b, 1 + c * nb + b))
+                continue
             row = self.R[c]
             tot_r = sum(row[:nb - 1])
             never = max(0.0, self.N[c] - tot_r)
@@ -210,6 +226,9 @@ class NextUse(EvictionPolicy):
                 age = vt - g[1]
                 if age < H:
                     R[g[0]][self._bucket(age)] += 1.0
+                    if self.observed and len(g) > 4:
+                        e = self.E[g[0]]
+                        e[g[4]] = max(0.0, e[g[4]] - 1.0)
                 h = g[3] + 1
             self.hits[s] = h
             self.tip[s] = d if pos == tip_pos else (g[2] if g is not None else -1)
@@ -256,7 +275,13 @@ class NextUse(EvictionPolicy):
             self.slot_of.pop(key, None)
             if t > 1:
                 g = self.ghost
-                g[key] = (self.cls[slot], self.tacc[slot], self.tip[slot], self.hits[slot])
+                c, ta = self.cls[slot], self.tacc[slot]
+                if self.observed:
+                    b = self._bucket(self.vt - ta)
+                    self.E[c][b] += 1.0
+                    g[key] = (c, ta, self.tip[slot], self.hits[slot], b)
+                else:
+                    g[key] = (c, ta, self.tip[slot], self.hits[slot])
                 if len(g) > self.ghost_cap:
                     g.popitem(last=False)
 

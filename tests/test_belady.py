@@ -11,7 +11,9 @@ from kvtier.belady import belady
 from kvtier.sim import simulate
 from kvtier.trace import Request, TraceError, load_trace, split_by_time, unique_blocks
 
-TRACE = "/work/shared/traces/mooncake_conversation.jsonl"
+from kvtier.replay import default_trace
+
+TRACE = str(default_trace())
 
 
 def R(*h, t=0.0, n=None):
