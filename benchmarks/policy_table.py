@@ -24,14 +24,13 @@ from kvtier.replay import default_trace
 
 TRACE = str(default_trace())
 FRACS = (0.01, 0.05, 0.10)
-EVICTIONS = ["lru", "arc", "s3fifo", "pslru", "nextuse", "cohort"]
+EVICTIONS = ["lru", "arc", "s3fifo", "pslru", "nextuse"]
 ADMISSIONS = ["all", "second_hit", "continuation"]
 # tunable parameters and the candidates tried on the first half
 GRID = {
     ("eviction", "pslru"): [dict(levels=lv, ghost_ratio=g, protected_ratio=p)
                             for lv in (2, 4) for g in (2, 8) for p in (0.75, 0.9)],
     ("eviction", "nextuse"): [dict(classes=c, ghost_ratio=g) for c in (2, 4, 6) for g in (4, 8, 16)],
-    ("eviction", "cohort"): [dict(sample=sm, protected_ratio=p) for sm in (1.0, 0.5, 0.25) for p in (0.7, 0.9)],
     ("admission", "continuation"): [dict(sample=s) for s in (0.25, 0.5, 1.0)],
 }
 

@@ -169,7 +169,7 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
                     srcs = src.views[k:n]
                     for j in range(k, n):
                         _fill(src.views[j], ks[j])
-                put(ks[k:], srcs, RequestInfo(ks, k, k, r.input_length, bt, r.timestamp))
+                put(ks[k:], srcs, RequestInfo(ks, k, k, r.input_length, bt, r.timestamp, None, r.output_length))
             if k:
                 release("replay")
             if bar is not None and i % 256 == 0:
