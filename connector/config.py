@@ -12,7 +12,9 @@ from typing import Any
 DEFAULT_CPU_BLOCKS = 256
 
 _INLINE = {"cpu_capacity_blocks", "cpu_capacity", "eviction", "nvme_path", "nvme_capacity_blocks",
-           "nvme_capacity", "store", "lease_timeout_s", "min_store_blocks", "pin", "config"}
+           "nvme_capacity", "store", "lease_timeout_s", "min_store_blocks", "pin", "config", "offload",
+           "max_blocks_per_step", "nvme_io", "nvme_io_threads", "nvme_direct", "nvme_on_mismatch", "promote"}
+DEFAULT_NVME_BLOCKS = 1024
 
 
 @dataclass
@@ -24,7 +26,14 @@ class Settings:
     nvme_path: str | None = None
     nvme_capacity_blocks: int | None = None
     nvme_capacity_bytes: int | None = None
-    store: str = "eager"           # eager: store full blocks as they are computed; "off": load only
+    store: str = "eager"           # "eager": store blocks (as `offload` says); "off": load only
+    offload: str = "eager"         # "eager": as computed; "lazy": from the GPU free queue before reuse
+    max_blocks_per_step: int = 64  # lazy offload bound per scheduler step (<= 0: unbounded)
+    promote: bool = True           # NVMe hits are read through CPU slots and stay there
+    nvme_io: str = "auto"
+    nvme_io_threads: int = 4
+    nvme_direct: bool | str = "auto"
+    nvme_on_mismatch: str = "refuse"
     lease_timeout_s: float = 300.0
     source: str = "<defaults>"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -35,6 +44,13 @@ class Settings:
         if self.cpu_capacity_bytes is not None:
             return max(1, int(self.cpu_capacity_bytes) // block_bytes)
         return DEFAULT_CPU_BLOCKS
+
+    def nvme_blocks(self, block_bytes: int) -> int:
+        if self.nvme_capacity_blocks is not None:
+            return int(self.nvme_capacity_blocks)
+        if self.nvme_capacity_bytes is not None:
+            return max(1, int(self.nvme_capacity_bytes) // block_bytes)
+        return DEFAULT_NVME_BLOCKS
 
 
 def _size(v: Any) -> int:
@@ -56,6 +72,11 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
         cfg = load_config(path)
         s.source = str(getattr(cfg, "source", path))
         s.eviction = cfg.policy.eviction
+        s.offload = cfg.policy.offload
+        mbs = cfg.policy.params.get("max_blocks_per_step")
+        if mbs is not None:
+            s.max_blocks_per_step = int(mbs)
+        s.promote = cfg.policy.promotion == "inclusive"
         for t in cfg.storage_tiers():
             if t.kind == "cpu":
                 s.cpu_capacity_blocks = t.capacity_blocks
@@ -67,6 +88,9 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
                 s.nvme_path = t.path
                 s.nvme_capacity_blocks = t.capacity_blocks
                 s.nvme_capacity_bytes = t.capacity
+                s.nvme_io = t.io
+                s.nvme_io_threads = t.io_threads
+                s.nvme_on_mismatch = t.on_fingerprint_mismatch
     if "cpu_capacity_blocks" in extra:
         s.cpu_capacity_blocks = int(extra["cpu_capacity_blocks"])
         s.cpu_capacity_bytes = None
@@ -87,6 +111,21 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
         s.store = str(extra["store"])
         if s.store not in ("eager", "off"):
             raise ValueError(f"kvtier connector: store must be 'eager' or 'off', got {s.store!r}")
+    if "offload" in extra:
+        s.offload = str(extra["offload"])
+    if s.offload not in ("eager", "lazy"):
+        raise ValueError(f"kvtier connector: offload must be 'eager' or 'lazy', got {s.offload!r}")
+    if "max_blocks_per_step" in extra:
+        s.max_blocks_per_step = int(extra["max_blocks_per_step"])
+    if "promote" in extra:
+        s.promote = bool(extra["promote"])
+    for k in ("nvme_io", "nvme_on_mismatch"):
+        if k in extra:
+            setattr(s, k, str(extra[k]))
+    if "nvme_io_threads" in extra:
+        s.nvme_io_threads = int(extra["nvme_io_threads"])
+    if "nvme_direct" in extra:
+        s.nvme_direct = extra["nvme_direct"]
     if "lease_timeout_s" in extra:
         s.lease_timeout_s = float(extra["lease_timeout_s"])
     return s

@@ -56,8 +56,8 @@ _LIVE: "weakref.WeakSet[KVTierConnector]" = weakref.WeakSet()
 
 
 def live_connectors(role: str | None = None) -> list["KVTierConnector"]:
-    """Connector objects alive in this process (tests and diagnostics); role 'scheduler'/'worker'."""
-    out = [c for c in list(_LIVE)]
+    """Connector objects alive and not shut down in this process (tests, diagnostics); role 'scheduler'/'worker'."""
+    out = [c for c in list(_LIVE) if not c.closed]
     if role is not None:
         out = [c for c in out if c.role_name == role]
     return out
@@ -92,19 +92,42 @@ class KVTierConnector(KVConnectorBase_V1):
         self.sched: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
         self.gpu_ctx = None
+        self.closed = False
+        st = self.settings
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
+            log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier fails to load (I/O error, "
+                        "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         if role == KVConnectorRole.SCHEDULER:
             tiers: list[SlotTier] = []
             if self.enabled:
-                ev = EVICTION.get(self.settings.eviction)(cpu_blocks)
+                ev = EVICTION.get(st.eviction)(cpu_blocks)
                 tiers.append(SlotTier("cpu", cpu_blocks, bb, ev))
+                if st.nvme_path:
+                    from .nvme import NvmeControl
+                    n = st.nvme_blocks(bb)
+                    tiers.append(NvmeControl("nvme", st.nvme_path, n, bb, EVICTION.get(st.eviction)(n),
+                                             fingerprint=self._fingerprint(vllm_config, bb),
+                                             on_mismatch=st.nvme_on_mismatch))
             self.sched = KVTierScheduler(tiers, self.block_tokens, group_id=0,
-                                         store=self.settings.store == "eager" and self.enabled,
-                                         lease_timeout_s=self.settings.lease_timeout_s)
+                                         store=st.store == "eager" and self.enabled,
+                                         lease_timeout_s=st.lease_timeout_s, offload="eager",
+                                         max_blocks_per_step=st.max_blocks_per_step, promote=st.promote)
         else:
-            self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=self.settings.pin)
+            self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=st.pin, nvme_io=st.nvme_io,
+                                       nvme_io_threads=st.nvme_io_threads, nvme_direct=st.nvme_direct)
         _LIVE.add(self)
         log.info("kvtier connector (%s): cpu tier %d blocks x %d B, block %d tokens, config %s",
                  self.role_name, cpu_blocks, bb, self.block_tokens, self.settings.source)
+
+    def _fingerprint(self, vllm_config: Any, block_bytes: int) -> dict:
+        """What must match for a stored block to be served: model, KV dtype, layout, sizes, rank."""
+        mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        return {"model": str(getattr(mc, "model", "?")), "revision": str(getattr(mc, "revision", None)),
+                "dtype": str(getattr(mc, "dtype", "?")),
+                "kv_cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
+                "block_tokens": self.block_tokens, "block_bytes": block_bytes, "layout": "vllm-kv-blocks/v1",
+                "tp": int(getattr(pc, "tensor_parallel_size", 1)), "pp": int(getattr(pc, "pipeline_parallel_size", 1))}
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -165,18 +188,34 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
+        self.closed = True
         if self.worker is not None:
             self.worker.close()
+        if self.sched is not None:
+            self.sched.close()  # the NVMe index and its directory lock
 
     # ==============================================================================
     # Scheduler side
     # ==============================================================================
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         from kvtier.tiers.gpu import BlockPoolContext
-        self.gpu_ctx = BlockPoolContext(gpu_block_pool)
+        self._bind_gpu(BlockPoolContext(gpu_block_pool), bool(getattr(gpu_block_pool, "enable_caching", True)))
 
     def bind_scheduler_context(self, ctx: Any) -> None:  # a future vLLM hook; take it as is
+        self._bind_gpu(ctx, True)
+
+    def _bind_gpu(self, ctx: Any, hashed: bool) -> None:
+        """Lazy offload walks the GPU free queue for hashed blocks: it needs vLLM's prefix caching."""
         self.gpu_ctx = ctx
+        if self.sched is None:
+            return
+        self.sched.bind_gpu(ctx)
+        if self.settings.offload == "lazy":
+            if hashed:
+                self.sched.offload = "lazy"
+            else:
+                log.warning("kvtier: offload 'lazy' needs prefix caching (hashed blocks in the GPU free "
+                            "queue); it is off, so blocks are stored eagerly")
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.sched is None or not self.enabled:

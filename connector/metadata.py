@@ -36,6 +36,9 @@ class LoadOp:
     tier: int
     slots: list[int]
     block_ids: list[int]
+    checksums: list[int] | None = None   # NVMe: expected xxh3_64 per slot, verified on read
+    via: list[int] | None = None         # NVMe: CPU slots to read through (promotion), reported as op_id
+    op_id: int = 0
 
 
 @dataclass
@@ -49,12 +52,24 @@ class StoreOp:
 
 
 @dataclass
+class NvmeWriteOp:
+    """Write-through: copy CPU slots (written by this step's stores or earlier) to NVMe slots."""
+
+    op_id: int
+    src_slots: list[int]
+    slots: list[int]
+
+
+@dataclass
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
+    nvme_writes: list[NvmeWriteOp] = field(default_factory=list)
+    nvme_dir: str | None = None          # where the worker opens the NVMe data file
+    nvme_capacity: int = 0
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores
+        return not self.loads and not self.stores and not self.nvme_writes
 
 
 @dataclass
@@ -67,6 +82,10 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: dict[int, list[bool]] = field(default_factory=dict)
     loaded: dict[str, bool] = field(default_factory=dict)
+    # NVMe write op -> per-slot xxh3_64 of the bytes written and fdatasync'd (-1: failed)
+    nvme_written: dict[int, list[int]] = field(default_factory=dict)
+    # tier index -> slots whose bytes failed verification on read
+    corrupt: dict[int, list[int]] = field(default_factory=dict)
 
     def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
         stored = dict(self.stored)
@@ -76,7 +95,16 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         loaded = dict(self.loaded)
         for r, ok in other.loaded.items():
             loaded[r] = loaded.get(r, True) and ok
-        return KVTierWorkerMeta(stored=stored, loaded=loaded)
+        # ranks hold different shards, so their checksums differ: one index entry cannot hold
+        # them all, and a differing checksum fails the block (the NVMe tier needs TP=1 for now)
+        written = dict(self.nvme_written)
+        for op, sums in other.nvme_written.items():
+            mine = written.get(op)
+            written[op] = list(sums) if mine is None else [a if a == b else -1 for a, b in zip(mine, sums)]
+        corrupt = {t: list(v) for t, v in self.corrupt.items()}
+        for t, v in other.corrupt.items():
+            corrupt.setdefault(t, []).extend(s for s in v if s not in corrupt[t])
+        return KVTierWorkerMeta(stored=stored, loaded=loaded, nvme_written=written, corrupt=corrupt)
 
 
 _SUM_KEYS_PREFIX = ("n_", "bytes_", "blocks_", "tokens_", "seconds_")

@@ -23,7 +23,7 @@ from kvtier.keys import GROUP_ID_BYTES
 from kvtier.leases import LeaseTable
 from kvtier.tiers.base import SlotTier, TierFull
 
-from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, LoadOp, StoreOp
+from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, LoadOp, NvmeWriteOp, StoreOp
 
 log = logging.getLogger("kvtier.connector")
 
@@ -41,10 +41,29 @@ class _Req:
 
 class KVTierScheduler:
     def __init__(self, tiers: Sequence[SlotTier], block_tokens: int, group_id: int = 0,
-                 store: bool = True, lease_timeout_s: float = 300.0) -> None:
+                 store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
+                 max_blocks_per_step: int | None = 64, promote: bool = True) -> None:
+        """`tiers`: tier 0 is the CPU tier; an NVMe tier (kind "nvme", an `NvmeControl`) may follow.
+
+        offload: "eager" stores each full block in the step that computes it; "lazy" walks the
+        GPU free queue (`bind_gpu`) from its LRU head, at most `max_blocks_per_step` blocks a
+        step, and stores the blocks kvtier lacks before vLLM reuses them.
+        """
+        if offload not in ("eager", "lazy"):
+            raise ValueError(f"kvtier connector: offload must be 'eager' or 'lazy', got {offload!r}")
         self.tiers = list(tiers)
         self.block_tokens = block_tokens
         self.store_enabled = store and bool(self.tiers)
+        self.offload = offload
+        self.max_blocks_per_step = max_blocks_per_step if max_blocks_per_step and max_blocks_per_step > 0 else None
+        self.promote = promote
+        self.nvme = next((i for i, t in enumerate(self.tiers) if t.kind == "nvme"), None)
+        self.nvme_dir: str | None = getattr(self.tiers[self.nvme], "dir", None) if self.nvme is not None else None
+        self.gpu = None                      # SchedulerContext (lazy offload)
+        self._cursor: int | None = None      # lazy offload: resume the free-queue walk after this block
+        self._gpu_pinned: dict[int, list[int]] = {}       # store op -> GPU blocks protected for its copy
+        self._nvme_writes: dict[int, tuple[list[int], list[tuple[int, bytes]]]] = {}  # op -> nvme slots, cpu src
+        self._lazy_keys: set[bytes] = set()
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self.leases = LeaseTable(pin=self._pin, unpin=self._unpin, timeout_s=lease_timeout_s)
         self._reqs: dict[str, _Req] = {}
@@ -56,13 +75,22 @@ class KVTierScheduler:
         self.totals: dict[str, float] = {}
 
     # ---- pins over (tier, slot) ------------------------------------------------------
-    def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
+    def _by_tier(self, blocks: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
         for t, s in blocks:
-            self.tiers[t].touch([s])
+            lst = out.get(t)
+            if lst is None:
+                lst = out[t] = []
+            lst.append(s)
+        return out
+
+    def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
+        for t, slots in self._by_tier(blocks).items():
+            self.tiers[t].touch(slots)
 
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
-        for t, s in blocks:
-            self.tiers[t].free_blocks([s])
+        for t, slots in self._by_tier(blocks).items():
+            self.tiers[t].free_blocks(slots)
 
     def _count(self, key: str, v: float = 1) -> None:
         self._interval.add(key, v)
@@ -108,11 +136,23 @@ class KVTierScheduler:
         lease = self.leases.get(r.req_id, start, want)
         if lease is None:
             blocks = []
-            for k in want:
-                hit = self._find(k)
-                if hit is None:
-                    break
-                blocks.append(hit)
+            index = [t._slot_of for t in self.tiers]   # read-only fast path over the tiers' indexes
+            if len(index) == 1:
+                d = index[0]
+                for k in want:
+                    slot = d.get(k)
+                    if slot is None:
+                        break
+                    blocks.append((0, slot))
+            else:
+                for k in want:
+                    for ti, d in enumerate(index):
+                        slot = d.get(k)
+                        if slot is not None:
+                            blocks.append((ti, slot))
+                            break
+                    else:
+                        break
             if not blocks:
                 self.leases.release(r.req_id)
                 return 0
@@ -143,12 +183,20 @@ class KVTierScheduler:
             self.leases.release(r.req_id)
             return
         ops: dict[int, LoadOp] = {}
-        for (t, s), b in zip(lease.blocks, gpu):
+        keys_of: dict[int, list[bytes]] = {}
+        for (t, s), b, k in zip(lease.blocks, gpu, lease.keys):
             op = ops.get(t)
             if op is None:
                 op = ops[t] = LoadOp(r.req_id, t, [], [])
+                keys_of[t] = []
             op.slots.append(s)
             op.block_ids.append(b)
+            keys_of[t].append(k)
+        for t, op in ops.items():
+            if self.tiers[t].kind == "nvme":
+                op.checksums = self.tiers[t].checksums(op.slots)
+                if self.promote and t > 0:
+                    self._plan_promotion(op, keys_of[t])
         self._load_plan[r.req_id] = list(ops.values())
         r.loaded_blocks = lease.num_blocks
         r.load_tier_blocks = {t: len(op.slots) for t, op in ops.items()}
@@ -191,9 +239,14 @@ class KVTierScheduler:
             r.block_ids.extend(new_ids)
 
     def _plan_stores(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]], meta: KVTierMetadata) -> None:
-        tier_idx = 0
-        tier = self.tiers[tier_idx]
+        if self.nvme_dir is not None:
+            meta.nvme_dir = self.nvme_dir
+            meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
+        if self.offload == "lazy" and self.gpu is not None:
+            self._plan_lazy(meta)
+            return
         bt = self.block_tokens
+        cpu = self.tiers[0]
         keys: list[bytes] = []
         gpu: list[int] = []
         for rid, computed_after, block_ids in scheduled:
@@ -206,40 +259,118 @@ class KVTierScheduler:
             full = min(len(r.keys), computed_after // bt, len(block_ids))
             for p in range(r.stored_upto, full):
                 k = r.keys[p]
-                if k in self._pending_keys or self._find(k) is not None:
+                if k in self._pending_keys or k in cpu:
                     continue
                 self._pending_keys.add(k)
                 keys.append(k)
                 gpu.append(block_ids[p])
             if full > r.stored_upto:
                 r.stored_upto = full
+        if keys:
+            self._plan_store(keys, gpu, meta)
+
+    def _plan_lazy(self, meta: KVTierMetadata) -> None:
+        """Walk the GPU free queue from the cursor (LRU head first); protect and store up to
+        `max_blocks_per_step` hashed blocks kvtier lacks. Scans at most 8x that many blocks."""
+        budget = self.max_blocks_per_step
+        scan = None if budget is None else 8 * budget
+        cpu = self.tiers[0]
+        keys: list[bytes] = []
+        gpu: list[int] = []
+        last = None
+        seen = 0
+        exhausted = True
+        for b in self.gpu.iter_free_blocks(self._cursor):
+            if scan is not None and seen >= scan:
+                exhausted = False
+                break
+            seen += 1
+            k = b.block_hash
+            if k is None or k in self._pending_keys or k in cpu:
+                last = b.block_id
+                continue
+            keys.append(k)
+            gpu.append(b.block_id)
+            if budget is not None and len(keys) >= budget:
+                exhausted = False
+                break
+        self._cursor = None if exhausted else last
+        self._count("n_lazy_scanned", seen)
         if not keys:
             return
-        need = len(keys) - tier.num_free_slots
+        self.gpu.touch(gpu)                 # vLLM cannot reuse them until the copy is done
+        self._pending_keys.update(keys)
+        op_id = self._plan_store(keys, gpu, meta)
+        if op_id is None:
+            self.gpu.free_blocks(gpu)
+        else:
+            self._gpu_pinned[op_id] = list(gpu)
+            self._count("lazy_offload_blocks", len(gpu))
+
+    def _cpu_room(self, n: int) -> int:
+        """Evict unpinned CPU blocks until `n` slots are free (or nothing more can go); free slots."""
+        tier = self.tiers[0]
+        need = n - tier.num_free_slots
         if need > 0:
             victims = list(itertools.islice(tier.iter_free_slots(), need))
             if victims:
                 tier.evict(victims)
                 self._count(f"evicted_blocks.{tier.name}", len(victims))
-        n = min(len(keys), tier.num_free_slots)
+        return tier.num_free_slots
+
+    def _plan_store(self, keys: list[bytes], gpu: list[int], meta: KVTierMetadata) -> int | None:
+        """GPU blocks -> CPU slots, and (write-through) those CPU slots -> NVMe for keys NVMe lacks."""
+        tier = self.tiers[0]
+        n = min(len(keys), self._cpu_room(len(keys)))
         if n < len(keys):
             self._count(f"store_dropped_blocks.{tier.name}", len(keys) - n)
             for k in keys[n:]:
                 self._pending_keys.discard(k)
             keys, gpu = keys[:n], gpu[:n]
         if not keys:
-            return
-        try:
-            slots = tier.allocate(keys)
-        except (TierFull, ValueError) as e:  # pragma: no cover - guarded above
-            log.warning("kvtier: store plan dropped: %s", e)
-            for k in keys:
-                self._pending_keys.discard(k)
-            return
+            return None
+        slots = tier.allocate(keys)
         op_id = next(self._op_ids)
-        self._pending_stores[op_id] = (tier_idx, slots, keys)
-        meta.stores.append(StoreOp(op_id, tier_idx, slots, gpu))
+        self._pending_stores[op_id] = (0, slots, keys)
+        meta.stores.append(StoreOp(op_id, 0, slots, gpu))
         self._count(f"store_planned_blocks.{tier.name}", len(slots))
+        if self.nvme is not None:
+            self._plan_nvme_write(list(zip(slots, keys)), meta)
+        return op_id
+
+    def _plan_nvme_write(self, src: list[tuple[int, bytes]], meta: KVTierMetadata) -> None:
+        nv = self.tiers[self.nvme]
+        src = [(s, k) for s, k in src if k not in nv]
+        if not src:
+            return
+        need = len(src) - nv.num_free_slots
+        if need > 0:
+            victims = list(itertools.islice(nv.iter_free_slots(), need))
+            if victims:
+                nv.evict(victims)
+                self._count(f"evicted_blocks.{nv.name}", len(victims))
+        src = src[:nv.num_free_slots]
+        if not src:
+            return
+        slots = nv.allocate([k for _, k in src])
+        cpu = self.tiers[0]
+        cpu.touch([s for s, _ in src])      # the CPU copy is the source until the write is durable
+        op_id = next(self._op_ids)
+        self._nvme_writes[op_id] = (slots, src)
+        meta.nvme_writes.append(NvmeWriteOp(op_id, [s for s, _ in src], slots))
+        self._count(f"store_planned_blocks.{nv.name}", len(slots))
+
+    def _plan_promotion(self, op: LoadOp, keys: list[bytes]) -> None:
+        """Read an NVMe load through fresh CPU slots (inclusive promotion at no extra copy)."""
+        cpu = self.tiers[0]
+        want = [k for k in keys if k not in cpu and k not in self._pending_keys]
+        if len(want) != len(keys) or self._cpu_room(len(keys)) < len(keys):
+            return
+        slots = cpu.allocate(keys)
+        self._pending_keys.update(keys)
+        op.via = slots
+        op.op_id = next(self._op_ids)
+        self._pending_stores[op.op_id] = (0, slots, list(keys))
 
     # ---- worker results ----------------------------------------------------------------
     def on_worker_meta(self, wm: KVTierWorkerMeta | None) -> None:
@@ -247,6 +378,9 @@ class KVTierScheduler:
             return
         for op_id, oks in wm.stored.items():
             entry = self._pending_stores.pop(op_id, None)
+            pinned = self._gpu_pinned.pop(op_id, None)
+            if pinned is not None and self.gpu is not None:
+                self.gpu.free_blocks(pinned)
             if entry is None:
                 continue
             t, slots, keys = entry
@@ -261,6 +395,29 @@ class KVTierScheduler:
                 self._count(f"store_failed_blocks.{tier.name}", len(bad))
             for k in keys:
                 self._pending_keys.discard(k)
+        for t, slots in wm.corrupt.items():
+            tier = self.tiers[t]
+            if hasattr(tier, "drop"):
+                n = tier.drop(slots)
+                self._count(f"corrupt_blocks.{tier.name}", n)
+        for op_id, sums in wm.nvme_written.items():
+            entry = self._nvme_writes.pop(op_id, None)
+            if entry is None:
+                continue
+            slots, src = entry
+            nv, cpu = self.tiers[self.nvme], self.tiers[0]
+            sums = list(sums) + [-1] * (len(slots) - len(sums))
+            good = [(s, c) for s, c in zip(slots, sums) if c >= 0]
+            bad = [s for s, c in zip(slots, sums) if c < 0]
+            if good:  # data written and fdatasync'd by the worker: now the durable index commit
+                nv.commit_written([s for s, _ in good], [c for _, c in good])
+                self._count(f"stored_blocks.{nv.name}", len(good))
+            if bad:
+                nv.abort(bad)
+                self._count(f"store_failed_blocks.{nv.name}", len(bad))
+            for s, k in src:  # unpin the CPU sources that are still the same block
+                if cpu._key_of[s] == k and cpu._ref[s] > 0:
+                    cpu.free_blocks([s])
         for rid, ok in wm.loaded.items():
             self.leases.release(rid)
             if not ok:
@@ -291,4 +448,15 @@ class KVTierScheduler:
 
     def stats(self) -> dict:
         return {"totals": dict(self.totals), "tiers": [t.stats() for t in self.tiers],
-                "leases": self.leases.pinned(), "pending_stores": len(self._pending_stores)}
+                "leases": self.leases.pinned(), "pending_stores": len(self._pending_stores),
+                "pending_nvme_writes": len(self._nvme_writes), "gpu_pinned": sum(map(len, self._gpu_pinned.values())),
+                "offload": self.offload}
+
+    def bind_gpu(self, ctx: Any) -> None:
+        self.gpu = ctx
+
+    def close(self) -> None:
+        for t in self.tiers:
+            c = getattr(t, "close", None)
+            if c is not None:
+                c()

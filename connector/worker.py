@@ -84,7 +84,8 @@ def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 class KVTierWorker:
-    def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None) -> None:
+    def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
+                 nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto") -> None:
         self._cpu_blocks_fn = cpu_blocks_fn
         self._pin = pin
         self._expected = expected_block_bytes
@@ -97,7 +98,11 @@ class KVTierWorker:
         self._interval = KVTierStats()
         self.totals: dict[str, float] = {}
         self._stream = None
-        self.tier_names = ["cpu"]
+        self.tier_names = ["cpu", "nvme"]
+        self.nvme = None                      # NvmeData, opened on the first step that names its dir
+        self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
+        self._staging = None                  # page-aligned buffer for NVMe loads without CPU slots
+        self.corrupt_blocks = 0
         # test hook: corrupt / fail loads on purpose
         self.fail_loads = False
 
@@ -169,35 +174,96 @@ class KVTierWorker:
     def bind(self, meta: Any) -> None:
         self._meta = meta if isinstance(meta, KVTierMetadata) else None
 
+    def _open_nvme(self, meta: KVTierMetadata) -> None:
+        if meta.nvme_dir is None or self.layout is None:
+            return
+        if self.nvme is not None and self.nvme.dir == meta.nvme_dir:
+            return
+        from .nvme import NvmeData
+        if self.nvme is not None:
+            self.nvme.close()
+        io, threads, direct = self._nvme_args
+        self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct)
+
+    def _staging_views(self, n: int) -> list[torch.Tensor]:
+        bb = self.layout.block_bytes
+        if self._staging is None or self._staging[1].numel() < n * bb:
+            import mmap
+            mm = mmap.mmap(-1, max(n * bb, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            t = torch.frombuffer(mm, dtype=torch.uint8, count=n * bb)
+            t.zero_()
+            self._staging = (mm, t)
+        return list(self._staging[1][:n * bb].view(n, bb).unbind(0))
+
+    def _load_nvme(self, op) -> list[bool]:
+        """NVMe slots -> (CPU slots `op.via` or staging) -> GPU blocks; checksums verified."""
+        if self.nvme is None:
+            raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
+        if op.checksums is None or len(op.checksums) != len(op.slots):
+            raise RuntimeError("NVMe load without expected checksums")
+        bufs = [self.pools[0].views[s] for s in op.via] if op.via else self._staging_views(len(op.slots))
+        bad = [False] * len(op.slots)
+        r = self.nvme.read(op.slots, bufs, op.checksums, bad).wait()
+        oks = list(r.ok)
+        good = [i for i, ok in enumerate(oks) if ok]
+        if good:
+            L = len(self.layout.layer_bytes)
+            src = []
+            for i in good:
+                v = bufs[i]
+                src.extend(v[self.layout.offsets[li]:self.layout.offsets[li + 1]] for li in range(L))
+            self._copy(self._gpu_views([op.block_ids[i] for i in good]), src)
+        corrupt = [s for s, b in zip(op.slots, bad) if b]
+        if corrupt:
+            self.corrupt_blocks += len(corrupt)
+            self._count("corrupt_blocks.nvme", len(corrupt))
+            self._result.corrupt.setdefault(op.tier, []).extend(corrupt)
+            log.error("kvtier: %d NVMe blocks of %s failed their checksum; reported for recompute: %s",
+                      len(corrupt), op.req_id, r.errors[:2])
+        if op.via:
+            self._result.stored[op.op_id] = oks
+        return oks
+
     def start_load(self) -> None:
         meta = self._meta
         if meta is None or not meta.loads or self.layout is None:
             return
+        self._open_nvme(meta)
         for op in meta.loads:
             name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
             t0 = time.perf_counter()
-            ok = True
+            oks = [False] * len(op.slots)
             try:
-                if op.tier >= len(self.pools) or self.fail_loads:
-                    raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
-                self._copy(self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots))
+                if self.fail_loads:
+                    raise RuntimeError("fail_loads test hook")
+                if op.tier == 0:
+                    self._copy(self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots))
+                    oks = [True] * len(op.slots)
+                else:
+                    oks = self._load_nvme(op)
             except Exception as e:
                 log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
-                ok = False
-                self._load_errors.update(op.block_ids)
+                if op.via:
+                    self._result.stored[op.op_id] = [False] * len(op.slots)
+            bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
+            if bad:
+                self._load_errors.update(bad)
             dt = time.perf_counter() - t0
-            self._result.loaded[op.req_id] = self._result.loaded.get(op.req_id, True) and ok
-            if ok:
-                nbytes = len(op.slots) * self.layout.block_bytes
-                self._count(f"bytes_loaded.{name}", nbytes)
+            self._result.loaded[op.req_id] = self._result.loaded.get(op.req_id, True) and not bad
+            n = sum(oks)
+            if n:
+                self._count(f"bytes_loaded.{name}", n * self.layout.block_bytes)
                 self._count(f"seconds_loaded.{name}", dt)
-                self._count(f"blocks_loaded.{name}", len(op.slots))
+                self._count(f"blocks_loaded.{name}", n)
+            if bad:
+                self._count(f"blocks_load_failed.{name}", len(bad))
         meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
 
     def save(self) -> None:
         meta = self._meta
-        if meta is None or not meta.stores or self.layout is None:
+        if meta is None or self.layout is None or not (meta.stores or meta.nvme_writes):
             return
+        failed_cpu: set[int] = set()
         for op in meta.stores:
             name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
             t0 = time.perf_counter()
@@ -209,6 +275,7 @@ class KVTierWorker:
             except Exception as e:
                 log.warning("kvtier: store of %d blocks failed: %s", len(op.slots), e)
                 oks = [False] * len(op.slots)
+                failed_cpu.update(op.slots)
             dt = time.perf_counter() - t0
             self._result.stored[op.op_id] = oks
             n = sum(oks)
@@ -216,10 +283,47 @@ class KVTierWorker:
             self._count(f"seconds_stored.{name}", dt)
             self._count(f"blocks_stored.{name}", n)
         meta.stores = []
+        if meta.nvme_writes:
+            self._write_nvme(meta, failed_cpu)
+
+    def _write_nvme(self, meta: KVTierMetadata, failed_cpu: set[int]) -> None:
+        """Write-through CPU slots -> NVMe slots, then fdatasync; report per-slot checksums.
+
+        Completed within the step: the scheduler commits the index when it reads the report, so
+        what a step stored is durable before the next step is planned (and before a restart).
+        """
+        t0 = time.perf_counter()
+        handles = []
+        try:
+            self._open_nvme(meta)
+            if self.nvme is None:
+                raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
+            for op in meta.nvme_writes:
+                sums = [0] * len(op.slots)
+                srcs = [self.pools[0].views[s] for s in op.src_slots]
+                handles.append((op, sums, self.nvme.write(op.slots, srcs, sums)))
+            results = [(op, sums, h.wait()) for op, sums, h in handles]
+            if any(any(r.ok) for _, _, r in results):
+                self.nvme.sync()
+        except Exception as e:
+            log.warning("kvtier: NVMe write-through failed: %s", e)
+            for op in meta.nvme_writes:
+                self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
+            meta.nvme_writes = []
+            return
+        n = 0
+        for op, sums, r in results:
+            out = [c if ok and src not in failed_cpu else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)]
+            self._result.nvme_written[op.op_id] = out
+            n += sum(1 for c in out if c >= 0)
+        meta.nvme_writes = []
+        self._count("bytes_stored.nvme", n * self.layout.block_bytes)
+        self._count("seconds_stored.nvme", time.perf_counter() - t0)
+        self._count("blocks_stored.nvme", n)
 
     def take_result(self) -> KVTierWorkerMeta | None:
         r = self._result
-        if not r.stored and not r.loaded:
+        if not r.stored and not r.loaded and not r.nvme_written and not r.corrupt:
             return None
         self._result = KVTierWorkerMeta()
         return r
@@ -236,9 +340,15 @@ class KVTierWorker:
 
     def stats(self) -> dict:
         return {"totals": dict(self.totals), "layout": self.layout.describe() if self.layout else None,
-                "pools": [{"slots": p.num_slots, "pinned": p.pinned} for p in self.pools]}
+                "pools": [{"slots": p.num_slots, "pinned": p.pinned} for p in self.pools],
+                "nvme": {"path": self.nvme.path, "engine": self.nvme.description} if self.nvme else None,
+                "corrupt_blocks": self.corrupt_blocks}
 
     def close(self) -> None:
+        if self.nvme is not None:
+            self.nvme.close()
+            self.nvme = None
+        self._staging = None
         self._slot_layer = []
         for p in self.pools:
             p.close()

@@ -131,3 +131,153 @@ def test_multiconnector_sibling(model_dir, prompts, baseline, tmp_path, kvtier_f
         assert s.sched.leases.pinned() == 0 and s.sched.pinned_blocks() == 0
     finally:
         U.shutdown(llm)
+
+
+# ---- NVMe tier: restart and corruption ------------------------------------------------------
+NVME_BLOCKS = 64
+
+
+def _report(capsys, title, passes):
+    with capsys.disabled():
+        print(f"\n[kvtier e2e] {title}: external hit tokens per tier per pass")
+        for name, hits in passes:
+            print(f"  {name:<28} cpu={hits['cpu']:>5}  nvme={hits['nvme']:>5}")
+
+
+@pytest.fixture(scope="module")
+def nvme_written(model_dir, prompts, baseline, tmp_path_factory):
+    """Pass 1 with a CPU + NVMe stack (write-through); the NVMe directory it leaves behind."""
+    d = tmp_path_factory.mktemp("nvme") / "tier"
+    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d),
+                                                nvme_capacity_blocks=NVME_BLOCKS))
+    try:
+        s, w = _parts()
+        out = U.generate(llm, prompts, MAX_TOKENS)
+        stored = sum((len(p) + MAX_TOKENS - 1) // U.BLOCK for p in prompts)
+        t = dict(s.sched.totals)
+        assert out == baseline
+        assert t["stored_blocks.cpu"] == stored and t["stored_blocks.nvme"] == stored
+        assert w.worker.totals["blocks_stored.nvme"] == stored
+        assert s.sched.pinned_blocks() == 0 and not s.sched._nvme_writes
+        hits = U.tier_hits({}, t)
+    finally:
+        U.shutdown(llm)
+    return d, hits
+
+
+def _copy_tier(src, dst):
+    import shutil
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
+    """A new LLM (new connector objects, empty CPU tier) on the same NVMe path: every full block of
+    the repeat pass is an external hit from NVMe; a third pass hits the CPU (promoted on read)."""
+    src, pass1 = nvme_written
+    d = _copy_tier(src, tmp_path / "tier")
+    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d),
+                                                nvme_capacity_blocks=NVME_BLOCKS))
+    try:
+        s, w = _parts()
+        nv = s.sched.tiers[1]
+        stored = sum((len(p) + MAX_TOKENS - 1) // U.BLOCK for p in prompts)
+        assert nv.restored_blocks == stored and s.sched.tiers[0].num_resident == 0
+        want = sum(_full_blocks(p) for p in prompts)
+        t0 = dict(s.sched.totals)
+        second = U.generate(llm, prompts, MAX_TOKENS)
+        t1 = dict(s.sched.totals)
+        third = U.generate(llm, prompts, MAX_TOKENS)
+        t2 = dict(s.sched.totals)
+        p2, p3 = U.tier_hits(t0, t1), U.tier_hits(t1, t2)
+        _report(capsys, "restart", [("pass 1 (LLM #1, cold)", pass1), ("pass 2 (LLM #2, restart)", p2),
+                                    ("pass 3 (LLM #2)", p3)])
+        assert second == baseline and third == baseline
+        assert p2 == {"cpu": 0, "nvme": want * U.BLOCK}
+        assert w.worker.totals["blocks_loaded.nvme"] == want
+        assert w.worker.corrupt_blocks == 0
+        assert p3 == {"cpu": want * U.BLOCK, "nvme": 0}        # promoted into the CPU tier on read
+        assert s.sched.leases.pinned() == 0 and s.sched.pinned_blocks() == 0
+    finally:
+        U.shutdown(llm)
+
+
+def test_nvme_corruption_recomputes(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
+    """Flip bytes of some blocks in the NVMe data file between the passes: they fail their checksum,
+    are reported through get_block_ids_with_load_errors, vLLM recomputes them; tokens identical."""
+    from kvtier.tiers.io_engines import round_up
+    from kvtier.tiers.nvme_index import NvmeIndex
+
+    src, pass1 = nvme_written
+    d = _copy_tier(src, tmp_path / "tier")
+    idx = NvmeIndex(str(d / "index"), NVME_BLOCKS)
+    entries = sorted(idx.items(), key=lambda kv: kv[1].slot)
+    idx.close()
+    bad = [entries[i] for i in (0, 5, len(entries) - 1)]
+    stride = round_up(entries[0][1].length)
+    with open(d / "data.0", "r+b") as f:
+        for _, e in bad:
+            f.seek(e.slot * stride + 100)
+            b = f.read(8)
+            f.seek(e.slot * stride + 100)
+            f.write(bytes(x ^ 0xFF for x in b))
+            f.flush()
+            os.fsync(f.fileno())
+    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d),
+                                                nvme_capacity_blocks=NVME_BLOCKS))
+    try:
+        s, w = _parts()
+        want = sum(_full_blocks(p) for p in prompts)
+        t0 = dict(s.sched.totals)
+        second = U.generate(llm, prompts, MAX_TOKENS)
+        t1 = dict(s.sched.totals)
+        p2 = U.tier_hits(t0, t1)
+        wt = w.worker.totals
+        _report(capsys, "corruption (3 blocks flipped)",
+                [("pass 1 (LLM #1, cold)", pass1), ("pass 2 (LLM #2, planned)", p2),
+                 ("pass 2 loaded ok", {"cpu": 0, "nvme": int(wt.get("blocks_loaded.nvme", 0)) * U.BLOCK})])
+        with capsys.disabled():
+            print(f"  corrupt blocks: worker={w.worker.corrupt_blocks} "
+                  f"scheduler={int(t1.get('corrupt_blocks.nvme', 0))} "
+                  f"load-failed blocks={int(wt.get('blocks_load_failed.nvme', 0))}")
+        assert second == baseline                            # recomputed, never wrong KV
+        assert w.worker.corrupt_blocks == len(bad)           # exact
+        assert t1["corrupt_blocks.nvme"] == len(bad)
+        assert wt["blocks_loaded.nvme"] == want - len(bad)
+        assert wt["blocks_load_failed.nvme"] == len(bad)
+        nv = s.sched.tiers[1]
+        assert all(k not in nv for k, _ in bad)              # dropped from the index: misses from now on
+        assert s.sched.leases.pinned() == 0 and s.sched.pinned_blocks() == 0
+    finally:
+        U.shutdown(llm)
+    idx = NvmeIndex(str(d / "index"), NVME_BLOCKS)
+    try:
+        assert all(idx.get(k) is None for k, _ in bad)       # durable: gone after a restart too
+    finally:
+        idx.close()
+
+
+def test_lazy_offload_hits(model_dir, prompts, baseline, capsys):
+    """offload: lazy with prefix caching on and a GPU pool too small to keep every prompt: blocks are
+    copied down from the GPU free queue before vLLM reuses them, and the repeat pass hits kvtier."""
+    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, offload="lazy", max_blocks_per_step=4),
+                     enable_prefix_caching=True, num_gpu_blocks_override=12, max_num_seqs=1, max_model_len=256)
+    try:
+        s, w = _parts()
+        assert s.sched.offload == "lazy"
+        first = U.generate(llm, prompts, MAX_TOKENS)
+        t1 = dict(s.sched.totals)
+        second = U.generate(llm, prompts, MAX_TOKENS)
+        t2 = dict(s.sched.totals)
+        p2 = U.tier_hits(t1, t2)
+        _report(capsys, "lazy offload (12 GPU blocks, prefix caching on)",
+                [("pass 1", U.tier_hits({}, t1)), ("pass 2", p2)])
+        assert first == baseline and second == baseline
+        assert t1.get("lazy_offload_blocks", 0) > 0
+        assert t1.get("stored_blocks.cpu", 0) == t1["lazy_offload_blocks"]
+        assert p2["cpu"] >= 2 * _full_blocks(prompts[0]) * U.BLOCK   # the prompts vLLM had to evict
+        assert w.worker.totals["blocks_loaded.cpu"] * U.BLOCK == p2["cpu"]
+        assert s.sched.leases.pinned() == 0 and s.sched.pinned_blocks() == 0
+        assert not s.sched._gpu_pinned
+    finally:
+        U.shutdown(llm)

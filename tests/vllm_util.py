@@ -105,5 +105,19 @@ def shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
+    try:  # vLLM's shutdown calls the connectors' shutdown; make sure (NVMe directory lock)
+        import kvtier.connector as C
+        for c in C.live_connectors():
+            c.shutdown()
+    except Exception:
+        pass
     del llm
     gc.collect()
+
+
+TIER_KEYS = ("hit_tokens.cpu", "hit_tokens.nvme")
+
+
+def tier_hits(before: dict, after: dict) -> dict:
+    """External hit tokens per tier between two snapshots of the scheduler's totals."""
+    return {k.split(".", 1)[1]: int(after.get(k, 0) - before.get(k, 0)) for k in TIER_KEYS}

@@ -1,0 +1,103 @@
+"""NVMe tier in the connector without vLLM: the scheduler's control plane (LMDB index, no data file)
+and the worker's data plane (data file, no index) talk only through the step metadata."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from kvtier.connector.nvme import NvmeControl
+from kvtier.connector.scheduler import KVTierScheduler
+from kvtier.connector.worker import KVTierWorker
+from kvtier.policies import EVICTION
+from kvtier.tiers.base import SlotTier
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_connector_scheduler import BT, Req  # noqa: E402
+
+NB, H, D2 = 16, 2, 64
+
+
+def caches(seed):
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(2, NB, H, BT, D2, generator=g)
+    return {f"l{i}": buf[i] for i in range(2)}
+
+
+def sched(path, cap=8):
+    bb = 2 * H * BT * D2 * 4
+    cpu = SlotTier("cpu", cap, bb, EVICTION.get("lru")(cap))
+    nv = NvmeControl("nvme", str(path), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
+    return KVTierScheduler([cpu, nv], BT), cpu, nv
+
+
+def worker(seed):
+    w = KVTierWorker(lambda bb: 8, pin=False, nvme_direct="auto")
+    c = caches(seed)
+    w.register_kv_caches(c)
+    return w, c
+
+
+def step(s, w, scheduled):
+    meta = s.build_meta(scheduled)
+    w.bind(meta)
+    w.start_load()
+    w.save()
+    s.on_worker_meta(w.take_result())
+    return meta
+
+
+def test_write_through_restart_and_corruption(tmp_path):
+    d = tmp_path / "nvme"
+    r = Req("a", list(range(4 * BT + 3)))                       # 4 full blocks
+    ids = [1, 2, 3, 4, 5]
+    s, cpu, nv = sched(d)
+    w, c = worker(0)
+    s.lookup(r, 0)
+    s.on_alloc(r, ids, 0)
+    meta = step(s, w, [("a", r.num_tokens, ids)])
+    assert s.totals["store_planned_blocks.nvme"] == 4 and meta.nvme_dir == nv.dir
+    assert nv.num_resident == 4 and cpu.num_resident == 4 and s.pinned_blocks() == 0
+    assert len(nv.index) == 4                                    # committed after the worker's report
+    want = [torch.cat([c[n][b].reshape(-1).view(torch.uint8) for n in c]) for b in ids[:4]]
+    s.close()
+    w.close()
+
+    # restart: new scheduler (index restored), new worker with other GPU contents, empty CPU tier
+    s, cpu, nv = sched(d)
+    w, c = worker(1)
+    assert nv.restored_blocks == 4 and cpu.num_resident == 0
+    r2 = Req("b", r.tokens)
+    assert s.lookup(r2, 0) == 4 * BT
+    dst = [9, 10, 11, 12, 13]
+    s.on_alloc(r2, dst, 4 * BT)
+    step(s, w, [("b", r2.num_tokens, dst)])
+    got = [torch.cat([c[n][b].reshape(-1).view(torch.uint8) for n in c]) for b in dst[:4]]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert cpu.num_resident == 4                                 # promoted on read
+    assert w.take_load_errors() == set() and s.pinned_blocks() == 0
+    s.on_finished("b")
+
+    # corrupt one block on disk; evict the CPU copies so NVMe serves the lookup
+    s.close()
+    w.close()
+    s, cpu, nv = sched(d)
+    w, c = worker(2)
+    r3 = Req("c", r.tokens)
+    s._track(r3)
+    slot = nv.find(s._reqs["c"].keys[1])
+    with open(os.path.join(nv.dir, "data.0"), "r+b") as f:
+        f.seek(slot * nv.stride + 7)
+        f.write(b"\xff\x00\xff")
+    assert s.lookup(r3, 0) == 4 * BT
+    s.on_alloc(r3, dst, 4 * BT)
+    step(s, w, [("c", r3.num_tokens, dst)])
+    assert w.take_load_errors() == {dst[1]}                      # recompute that block (and after)
+    assert w.corrupt_blocks == 1 and s.totals["corrupt_blocks.nvme"] == 1
+    assert s._reqs["c"].keys[1] not in nv and len(nv.index) == 3
+    s.on_finished("c")
+    assert s.pinned_blocks() == 0
+    s.close()
+    w.close()
