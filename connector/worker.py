@@ -4,8 +4,9 @@
 contiguous region of `block_bytes`: layer 0's bytes of that block, then layer 1's, ... (each
 layer's block copied as raw bytes, so the attention backend's inner layout never matters).
 Loads run in `start_load_kv` (before the forward that reads them), stores in `wait_for_save`
-(after the forward that wrote them); both are batched `torch._foreach_copy_` over cached
-per-block views. With CUDA, copies run on a side stream into pinned host memory.
+(after the forward that wrote them); both are batched copies over cached per-block views
+(memcpy split over the cores on the CPU backend). With CUDA, copies run on a side stream
+into pinned host memory.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from kvtier.tiers.cpu_pool import CpuPool, cuda_available
+from kvtier.tiers.cpu_pool import CpuPool, copy_blocks, cuda_available
 
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 
@@ -150,8 +151,8 @@ class KVTierWorker:
             with torch.cuda.stream(self._stream):
                 torch._foreach_copy_(d2, s2, non_blocking=True)
             self._stream.synchronize()
-        else:
-            torch._foreach_copy_(d2, s2)
+        elif d2:
+            copy_blocks(d2, s2, d2[0].numel() * d2[0].element_size())
 
     def _gpu_views(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         out = []

@@ -1,11 +1,13 @@
 """CPU DRAM data plane: one preallocated, pre-touched, page-aligned pool of block slots.
 
 Pinned (page-locked, CUDA-registered) when CUDA is present, plain anonymous memory otherwise.
-Copies are batched `torch._foreach_copy_` over cached per-slot views.
+Copies go over cached per-slot views: memcpy split over the cores for host-to-host blocks,
+batched `torch._foreach_copy_` otherwise.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -19,9 +21,10 @@ from .handles import DoneHandle, IOHandle, IOResult
 log = logging.getLogger("kvtier.cpu")
 
 PAGE = mmap.PAGESIZE
-PARALLEL_MIN_BYTES = 8 << 20  # below this one thread copies; above, the batch is split
+PARALLEL_MIN_BYTES = 4 << 20  # below this one thread copies; above, the batch is split
 
 _copy_pool: ThreadPoolExecutor | None = None
+_memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies
 
 
 def _copier() -> ThreadPoolExecutor:
@@ -31,17 +34,37 @@ def _copier() -> ThreadPoolExecutor:
     return _copy_pool
 
 
+def _move(triples: Sequence[tuple[int, int, int]]) -> None:
+    for d, s, n in triples:
+        _memmove(d, s, n)
+
+
 def copy_blocks(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], block_bytes: int) -> None:
-    """`dsts[i].copy_(srcs[i])` for all i; large batches split across the cores (torch drops the GIL)."""
+    """`dsts[i].copy_(srcs[i])` for all i.
+
+    Host-to-host copies of contiguous blocks are plain memcpy calls split over the cores in
+    Python threads (no torch intra-op threads: they oversubscribe 2-core machines when mixed
+    with other threads). Anything else (a GPU side, strided views) goes to torch._foreach_copy_.
+    """
     n = len(dsts)
-    workers = min(os.cpu_count() or 1, n)
-    if workers <= 1 or n * block_bytes < PARALLEL_MIN_BYTES:
-        torch._foreach_copy_(list(dsts), list(srcs))
+    if n != len(srcs):
+        raise ValueError(f"{n} destinations for {len(srcs)} sources")
+    triples = []
+    for d, s in zip(dsts, srcs):
+        if d.device.type != "cpu" or s.device.type != "cpu" or not d.is_contiguous() or not s.is_contiguous():
+            torch._foreach_copy_(list(dsts), list(srcs))
+            return
+        nb = d.numel() * d.element_size()
+        if nb != s.numel() * s.element_size():
+            raise ValueError(f"block copy: {nb} bytes into {s.numel() * s.element_size()}")
+        triples.append((d.data_ptr(), s.data_ptr(), nb))
+    workers = min(os.cpu_count() or 1, n, max(1, n * block_bytes // PARALLEL_MIN_BYTES))
+    if workers <= 1:
+        _move(triples)
         return
     step = (n + workers - 1) // workers
-    futs = [_copier().submit(torch._foreach_copy_, list(dsts[i:i + step]), list(srcs[i:i + step]))
-            for i in range(step, n, step)]
-    torch._foreach_copy_(list(dsts[:step]), list(srcs[:step]))
+    futs = [_copier().submit(_move, triples[i:i + step]) for i in range(step, n, step)]
+    _move(triples[:step])
     for f in futs:
         f.result()
 
