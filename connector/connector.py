@@ -155,7 +155,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self.worker.start_load()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        if self.worker is not None:
+            self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata",
                       **kwargs: Any) -> None:

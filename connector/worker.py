@@ -3,7 +3,8 @@
 `register_kv_caches` reads vLLM's per-layer KV tensors; a block below the GPU is one
 contiguous region of `block_bytes`: layer 0's bytes of that block, then layer 1's, ... (each
 layer's block copied as raw bytes, so the attention backend's inner layout never matters).
-Loads run in `start_load_kv` (before the forward that reads them), stores in `wait_for_save`
+Loads start in `start_load_kv` (NVMe reads and checksums there; the copies into vLLM's KV run
+layer by layer on a loader thread, and `wait_for_layer_load` waits for its layer), stores in `wait_for_save`
 (after the forward that wrote them); both are batched copies over cached per-block views
 (memcpy split over the cores on the CPU backend). With CUDA, copies run on a side stream
 into pinned host memory.
@@ -12,7 +13,9 @@ into pinned host memory.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
 import torch
@@ -29,16 +32,17 @@ class KVLayout:
 
     def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # vLLM may hand several names for one tensor (shared KV layers): copy each buffer once.
-        seen: dict[tuple[int, tuple, tuple], str] = {}
+        seen: dict[tuple[int, tuple, tuple], int] = {}
         self.names: list[str] = []
         self.tensors: list[torch.Tensor] = []
+        self.layer_of: dict[str, int] = {}  # every layer name -> index of the buffer it uses
         for name, t in kv_caches.items():
             sig = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if sig in seen:
-                continue
-            seen[sig] = name
-            self.names.append(name)
-            self.tensors.append(t)
+            if sig not in seen:
+                seen[sig] = len(self.tensors)
+                self.names.append(name)
+                self.tensors.append(t)
+            self.layer_of[name] = seen[sig]
         if not self.tensors:
             raise ValueError("kvtier: register_kv_caches got no KV tensors")
         nb = {t.shape[0] for t in self.tensors}
@@ -104,6 +108,12 @@ class KVTierWorker:
         self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
         self._staging = None                  # page-aligned buffer for NVMe loads without CPU slots
         self.corrupt_blocks = 0
+        # layer-pipelined loads: copies run layer by layer on a loader thread while the forward
+        # runs; wait_layer(name) blocks until that layer's blocks are in place
+        self._loader: ThreadPoolExecutor | None = None
+        self._load_job: Future | None = None
+        self._layer_events: list[threading.Event] | None = None
+        self._load_done: list[tuple[Any, str, list[bool], float]] = []
         # test hook: corrupt / fail loads on purpose
         self.fail_loads = False
 
@@ -196,8 +206,8 @@ class KVTierWorker:
             self._staging = (mm, t)
         return list(self._staging[1][:n * bb].view(n, bb).unbind(0))
 
-    def _load_nvme(self, op) -> list[bool]:
-        """NVMe slots -> (CPU slots `op.via` or staging) -> GPU blocks; checksums verified."""
+    def _load_nvme(self, op, jobs: list) -> list[bool]:
+        """NVMe slots -> (CPU slots `op.via` or staging), checksums verified; queues the copies to the GPU."""
         if self.nvme is None:
             raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
         if op.checksums is None or len(op.checksums) != len(op.slots):
@@ -213,7 +223,7 @@ class KVTierWorker:
             for i in good:
                 v = bufs[i]
                 src.extend(v[self.layout.offsets[li]:self.layout.offsets[li + 1]] for li in range(L))
-            self._copy(self._gpu_views([op.block_ids[i] for i in good]), src)
+            jobs.append((self._gpu_views([op.block_ids[i] for i in good]), src))
         corrupt = [s for s, b in zip(op.slots, bad) if b]
         if corrupt:
             self.corrupt_blocks += len(corrupt)
@@ -226,41 +236,96 @@ class KVTierWorker:
         return oks
 
     def start_load(self) -> None:
+        """Read what this step loads (NVMe reads and checksums now), then copy into vLLM's KV
+        layer by layer on the loader thread; the forward waits per layer (wait_layer)."""
         meta = self._meta
         if meta is None or not meta.loads or self.layout is None:
             return
+        self.finish_loads()
         self._open_nvme(meta)
+        t0 = time.perf_counter()
+        jobs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         for op in meta.loads:
             name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
-            t0 = time.perf_counter()
             oks = [False] * len(op.slots)
             try:
                 if self.fail_loads:
                     raise RuntimeError("fail_loads test hook")
                 if op.tier == 0:
-                    self._copy(self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots))
+                    jobs.append((self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots)))
                     oks = [True] * len(op.slots)
                 else:
-                    oks = self._load_nvme(op)
+                    oks = self._load_nvme(op, jobs)
             except Exception as e:
                 log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
                 if op.via:
                     self._result.stored[op.op_id] = [False] * len(op.slots)
+            self._load_done.append((op, name, oks, t0))
+        meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
+        if jobs:
+            L = len(self.layout.tensors)
+            self._layer_events = [threading.Event() for _ in range(L)]
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+            self._load_job = self._loader.submit(self._copy_layers, jobs, self._layer_events)
+        else:
+            self.finish_loads()
+
+    def _copy_layers(self, jobs, events: list[threading.Event]) -> None:
+        L = len(events)
+        try:
+            for li in range(L):
+                d: list[torch.Tensor] = []
+                s: list[torch.Tensor] = []
+                for dst, src in jobs:  # block-major lists: layer li is every L-th view
+                    d.extend(dst[li::L])
+                    s.extend(src[li::L])
+                self._copy(d, s)
+                events[li].set()
+        finally:
+            for e in events:  # never leave the forward waiting
+                e.set()
+
+    def wait_layer(self, layer_name: str) -> None:
+        events = self._layer_events
+        if events is None:
+            return
+        li = self.layout.layer_of.get(layer_name) if self.layout is not None else None
+        if li is None:
+            self.finish_loads()
+        else:
+            events[li].wait()
+
+    def finish_loads(self) -> None:
+        """Wait for this step's copies; account them; a failed copy makes its blocks load errors."""
+        job, self._load_job = self._load_job, None
+        failed = None
+        if job is not None:
+            try:
+                job.result()
+            except Exception as e:  # pragma: no cover - a host memcpy does not fail
+                failed = e
+                log.warning("kvtier: layer copies failed: %s", e)
+        self._layer_events = None
+        done, self._load_done = self._load_done, []
+        t1 = time.perf_counter()
+        for op, name, oks, t0 in done:
+            if failed is not None:
+                oks = [False] * len(oks)
             bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
             if bad:
                 self._load_errors.update(bad)
-            dt = time.perf_counter() - t0
             self._result.loaded[op.req_id] = self._result.loaded.get(op.req_id, True) and not bad
             n = sum(oks)
             if n:
                 self._count(f"bytes_loaded.{name}", n * self.layout.block_bytes)
-                self._count(f"seconds_loaded.{name}", dt)
+                self._count(f"seconds_loaded.{name}", t1 - t0)
                 self._count(f"blocks_loaded.{name}", n)
             if bad:
                 self._count(f"blocks_load_failed.{name}", len(bad))
-        meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
 
     def save(self) -> None:
+        self.finish_loads()
         meta = self._meta
         if meta is None or self.layout is None or not (meta.stores or meta.nvme_writes):
             return
@@ -323,6 +388,7 @@ class KVTierWorker:
         self._count("blocks_stored.nvme", n)
 
     def take_result(self) -> KVTierWorkerMeta | None:
+        self.finish_loads()
         r = self._result
         if not r.stored and not r.loaded and not r.nvme_written and not r.corrupt:
             return None
@@ -330,6 +396,7 @@ class KVTierWorker:
         return r
 
     def take_load_errors(self) -> set[int]:
+        self.finish_loads()
         e, self._load_errors = self._load_errors, set()
         return e
 
@@ -346,6 +413,10 @@ class KVTierWorker:
                 "corrupt_blocks": self.corrupt_blocks}
 
     def close(self) -> None:
+        self.finish_loads()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self.nvme is not None:
             self.nvme.close()
             self.nvme = None

@@ -111,3 +111,47 @@ def test_gpu_roundtrip():  # pragma: no cover - GPU only
     w.start_load()
     torch.cuda.synchronize()
     assert torch.equal(buf[:, 8], orig[:, 3])
+
+
+def test_layer_pipelined_load_waits_per_layer():
+    """The forward's wait_for_layer_load(name) returns only once that layer's blocks are in place;
+    later layers may still be copying."""
+    import threading
+    caches = cpu_layout_caches(layers=4)
+    names = list(caches)
+    w = KVTierWorker(lambda bb: 8, pin=False)
+    w.register_kv_caches(caches)
+    orig = {n: t.clone() for n, t in caches.items()}
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 4])]))
+    w.save()
+    w.take_result()
+    for t in caches.values():
+        t[10].zero_()
+        t[11].zero_()
+    gate = [threading.Event() for _ in names]
+    real_copy = w._copy
+    copied = []
+
+    def slow_copy(d, s):  # layer li's copy waits for gate li
+        li = len(copied)
+        gate[li].wait(10)
+        real_copy(d, s)
+        copied.append(li)
+
+    w._copy = slow_copy
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [10, 11])]))
+    w.start_load()
+    gate[0].set()
+    w.wait_layer(names[0])
+    assert torch.equal(caches[names[0]][10], orig[names[0]][3])
+    assert copied == [0]  # layer 1..3 not yet: the forward could run layer 0 meanwhile
+    assert not torch.equal(caches[names[3]][10], orig[names[3]][3])
+    for g in gate[1:]:
+        g.set()
+    w.wait_layer(names[3])
+    assert copied == [0, 1, 2, 3]
+    assert w.take_result().loaded == {"r": True}
+    for n in names:
+        assert torch.equal(caches[n][10], orig[n][3]) and torch.equal(caches[n][11], orig[n][4])
+    assert w.totals["blocks_loaded.cpu"] == 2
+    w.close()
