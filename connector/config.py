@@ -22,6 +22,7 @@ class Settings:
     cpu_capacity_blocks: int | None = None
     cpu_capacity_bytes: int | None = None
     eviction: str = "lru"
+    nvme_eviction: str | None = None  # None: the same as `eviction`
     pin: str | bool = "auto"
     nvme_path: str | None = None
     nvme_capacity_blocks: int | None = None
@@ -73,7 +74,9 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
         s.source = str(getattr(cfg, "source", path))
         s.eviction = cfg.policy.eviction
         s.offload = cfg.policy.offload
-        mbs = cfg.policy.params.get("max_blocks_per_step")
+        off = cfg.policy.params.get(cfg.policy.offload)
+        mbs = (off or {}).get("max_blocks_per_step") if isinstance(off, dict) else None
+        mbs = cfg.policy.params.get("max_blocks_per_step", mbs)
         if mbs is not None:
             s.max_blocks_per_step = int(mbs)
         s.promote = cfg.policy.promotion == "inclusive"
@@ -91,6 +94,8 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
                 s.nvme_io = t.io
                 s.nvme_io_threads = t.io_threads
                 s.nvme_on_mismatch = t.on_fingerprint_mismatch
+                if t.eviction:
+                    s.nvme_eviction = t.eviction
     if "cpu_capacity_blocks" in extra:
         s.cpu_capacity_blocks = int(extra["cpu_capacity_blocks"])
         s.cpu_capacity_bytes = None

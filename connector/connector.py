@@ -106,7 +106,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 if st.nvme_path:
                     from .nvme import NvmeControl
                     n = st.nvme_blocks(bb)
-                    tiers.append(NvmeControl("nvme", st.nvme_path, n, bb, EVICTION.get(st.eviction)(n),
+                    tiers.append(NvmeControl("nvme", st.nvme_path, n, bb, EVICTION.get(st.nvme_eviction or st.eviction)(n),
                                              fingerprint=self._fingerprint(vllm_config, bb),
                                              on_mismatch=st.nvme_on_mismatch))
             self.sched = KVTierScheduler(tiers, self.block_tokens, group_id=0,

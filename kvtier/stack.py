@@ -281,8 +281,8 @@ class TierStack:
         if not victims:
             return
         if ti + 1 < len(self.tiers):
-            lower = self.tiers[ti + 1]
-            if any(tier.get_block(s).block_hash not in lower for s in victims):
+            lower, key_of = self.tiers[ti + 1]._slot_of, tier._key_of
+            if any(key_of[s] not in lower for s in victims):
                 # write back ahead: clean the next `writeback` victims in one batch (one sync,
                 # one index commit); they stay resident here and later leave without I/O
                 ahead = self.engine.victims(ti, max(need, self._writeback[ti]))
@@ -291,11 +291,12 @@ class TierStack:
 
     def _demote(self, ti: int, slots: Sequence[int]) -> None:
         """Write-back: copy blocks to the next tier (admission permitting); they stay here."""
-        tier, lower = self.tiers[ti], self.tiers[ti + 1]
-        slots = [s for s in slots if tier.get_block(s).block_hash not in lower]
+        tier, lower = self.tiers[ti], self.tiers[ti + 1]._slot_of
+        key_of = tier._key_of
+        slots = [s for s in slots if key_of[s] not in lower]
         if not slots:
             return
-        keys = [tier.get_block(s).block_hash for s in slots]
+        keys = [key_of[s] for s in slots]
         srcs = [tier.view(s) for s in slots] if self.with_data else None
         tier.touch(slots)
         try:

@@ -78,6 +78,8 @@ class NextUse(EvictionPolicy):
         self.ghost: OrderedDict[bytes, tuple[int, int, int, int]] = OrderedDict()  # key -> (cls, tacc, tip, hits)
         self.ghost_cap = int(self.H)
         self.vt = 0
+        self._aged_at = 0
+        self._age_step = max(1.0, base / 8.0)  # an eighth of the narrowest bucket
         self.doom_partial = doom_partial
         self.leaf_first = leaf_first
         if lifetimes not in ("horizon", "observed"):
@@ -239,7 +241,9 @@ class NextUse(EvictionPolicy):
                 continue
             c = d if d > h else h
             self._place(s, c if c < nc else nc - 1)
-        self._age()
+        if vt - self._aged_at >= self._age_step:  # ages move in batches: each edge is wide
+            self._aged_at = vt
+            self._age()
         self._maybe_refresh()
 
     def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:

@@ -25,3 +25,11 @@ def test_yaml_then_overrides(tmp_path):
     assert s.cpu_blocks(4096) == 40
     s = load_settings({"config": str(p), "cpu_capacity_blocks": 7})
     assert s.cpu_blocks(4096) == 7
+
+
+def test_shipped_vllm_stack_policies(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_DATA", str(tmp_path))
+    from kvtier.connector.config import load_settings
+    s = load_settings({"config": "gpu-cpu-nvme"})
+    assert (s.eviction, s.nvme_eviction, s.offload) == ("nextuse", "lru", "lazy")
+    assert s.nvme_path == str(tmp_path)
