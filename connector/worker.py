@@ -81,6 +81,17 @@ class KVLayout:
                 "contiguous_blocks": all(f is not None for f in self._flat)}
 
 
+def _runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first block, first row, length) of each run where both advance by one."""
+    out: list[tuple[int, int, int]] = []
+    for b, r in zip(block_ids, rows):
+        if out and b == out[-1][0] + out[-1][2] and r == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((b, r, 1))
+    return out
+
+
 def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over t's whole storage, starting at t's first element."""
     n = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
@@ -133,6 +144,10 @@ class KVTierWorker:
             self._slot_layer = [pool.buffer.view(n * L, lay.layer_bytes[0]).unbind(0)]
         else:
             self._slot_layer = [None]
+        # [slot, layer, layer_bytes] views: runs of consecutive (block, slot) pairs copy as one
+        # strided copy per layer (torch splits it over the cores; no per-block Python call)
+        self._runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay._flat)
+        self._pool3 = [pool.buffer.view(n, len(lay.layer_bytes), lay.layer_bytes[0])] if self._runs_ok else [None]
         if lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
             self._stream = torch.cuda.Stream(device=lay.device)
         log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
@@ -164,6 +179,16 @@ class KVTierWorker:
             self._stream.synchronize()
         elif d2:
             copy_blocks(d2, s2, d2[0].numel() * d2[0].element_size())
+
+    def _copy_runs(self, li: int, rows3: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int],
+                   to_kv: bool) -> None:
+        """Layer `li` of blocks `block_ids` <-> layer `li` of `rows3[rows]`, one copy per run."""
+        flat = self.layout._flat[li]
+        for b0, r0, n in _runs(block_ids, rows):
+            if to_kv:
+                flat[b0:b0 + n].copy_(rows3[r0:r0 + n, li])
+            else:
+                rows3[r0:r0 + n, li].copy_(flat[b0:b0 + n])
 
     def _gpu_views(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         out = []
@@ -197,6 +222,11 @@ class KVTierWorker:
         io, threads, direct = self._nvme_args
         self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct)
 
+    def _staging_rows(self, n: int) -> torch.Tensor:
+        self._staging_views(n)
+        lay = self.layout
+        return self._staging[1][:n * lay.block_bytes].view(n, len(lay.layer_bytes), lay.layer_bytes[0])
+
     def _staging_views(self, n: int) -> list[torch.Tensor]:
         bb = self.layout.block_bytes
         if self._staging is None or self._staging[1].numel() < n * bb:
@@ -219,12 +249,19 @@ class KVTierWorker:
         oks = list(r.ok)
         good = [i for i, ok in enumerate(oks) if ok]
         if good:
-            L = len(self.layout.layer_bytes)
-            src = []
-            for i in good:
-                v = bufs[i]
-                src.extend(v[self.layout.offsets[li]:self.layout.offsets[li + 1]] for li in range(L))
-            jobs.append((self._gpu_views([op.block_ids[i] for i in good]), src))
+            blocks = [op.block_ids[i] for i in good]
+            if self._runs_ok:
+                if op.via:
+                    jobs.append(("rows", self._pool3[0], [op.via[i] for i in good], blocks))
+                else:
+                    jobs.append(("rows", self._staging_rows(len(op.slots)), good, blocks))
+            else:
+                L = len(self.layout.layer_bytes)
+                src = []
+                for i in good:
+                    v = bufs[i]
+                    src.extend(v[self.layout.offsets[li]:self.layout.offsets[li + 1]] for li in range(L))
+                jobs.append(("views", self._gpu_views(blocks), src))
         corrupt = [s for s, b in zip(op.slots, bad) if b]
         if corrupt:
             self.corrupt_blocks += len(corrupt)
@@ -245,7 +282,7 @@ class KVTierWorker:
         self.finish_loads()
         self._open_nvme(meta)
         t0 = time.perf_counter()
-        jobs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        jobs: list[tuple] = []  # ("rows", rows3, rows, block_ids) or ("views", dst views, src views)
         for op in meta.loads:
             name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
             oks = [False] * len(op.slots)
@@ -253,7 +290,10 @@ class KVTierWorker:
                 if self.fail_loads:
                     raise RuntimeError("fail_loads test hook")
                 if op.tier == 0:
-                    jobs.append((self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots)))
+                    if self._runs_ok:
+                        jobs.append(("rows", self._pool3[0], op.slots, op.block_ids))
+                    else:
+                        jobs.append(("views", self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots)))
                     oks = [True] * len(op.slots)
                 else:
                     oks = self._load_nvme(op, jobs)
@@ -278,13 +318,17 @@ class KVTierWorker:
         L = len(events)
         try:
             for li in range(L):
+                t0 = time.perf_counter()
                 d: list[torch.Tensor] = []
                 s: list[torch.Tensor] = []
-                for dst, src in jobs:  # block-major lists: layer li is every L-th view
-                    d.extend(dst[li::L])
-                    s.extend(src[li::L])
-                t0 = time.perf_counter()
-                self._copy(d, s)
+                for kind, a, b, *c in jobs:
+                    if kind == "rows":
+                        self._copy_runs(li, a, b, c[0], to_kv=True)
+                    else:  # block-major view lists: layer li is every L-th view
+                        d.extend(a[li::L])
+                        s.extend(b[li::L])
+                if d:
+                    self._copy(d, s)
                 self._copy_s += time.perf_counter() - t0
                 events[li].set()
         finally:
@@ -341,7 +385,11 @@ class KVTierWorker:
             try:
                 if op.tier >= len(self.pools):
                     raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
-                self._copy(self._tier_views(op.tier, op.slots), self._gpu_views(op.block_ids))
+                if self._runs_ok and self._pool3[op.tier] is not None:
+                    for li in range(len(self.layout.tensors)):
+                        self._copy_runs(li, self._pool3[op.tier], op.slots, op.block_ids, to_kv=False)
+                else:
+                    self._copy(self._tier_views(op.tier, op.slots), self._gpu_views(op.block_ids))
                 oks = [True] * len(op.slots)
             except Exception as e:
                 log.warning("kvtier: store of %d blocks failed: %s", len(op.slots), e)
@@ -427,6 +475,7 @@ class KVTierWorker:
             self.nvme = None
         self._staging = None
         self._slot_layer = []
+        self._pool3 = []
         for p in self.pools:
             p.close()
         self.pools = []

@@ -129,16 +129,15 @@ def test_layer_pipelined_load_waits_per_layer():
         t[10].zero_()
         t[11].zero_()
     gate = [threading.Event() for _ in names]
-    real_copy = w._copy
+    real_copy = w._copy_runs
     copied = []
 
-    def slow_copy(d, s):  # layer li's copy waits for gate li
-        li = len(copied)
+    def slow_copy(li, *a, **k):  # layer li's copy waits for gate li
         gate[li].wait(10)
-        real_copy(d, s)
+        real_copy(li, *a, **k)
         copied.append(li)
 
-    w._copy = slow_copy
+    w._copy_runs = slow_copy
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [10, 11])]))
     w.start_load()
     gate[0].set()
@@ -154,4 +153,34 @@ def test_layer_pipelined_load_waits_per_layer():
     for n in names:
         assert torch.equal(caches[n][10], orig[n][3]) and torch.equal(caches[n][11], orig[n][4])
     assert w.totals["blocks_loaded.cpu"] == 2
+    w.close()
+
+
+def test_runs_of_consecutive_blocks_and_slots():
+    from kvtier.connector.worker import _runs
+    assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(4, 0, 3), (9, 3, 2), (2, 8, 1)]
+    assert _runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
+    assert _runs([], []) == []
+
+
+def test_scattered_blocks_and_slots_round_trip():
+    """Blocks and slots in no order: the run-based copies still put every byte in its place."""
+    caches = cpu_layout_caches(layers=3)
+    w = KVTierWorker(lambda bb: 16, pin=False)
+    w.register_kv_caches(caches)
+    assert w._runs_ok
+    orig = {n: t.clone() for n, t in caches.items()}
+    blocks, slots = [3, 4, 5, 9, 1, 2], [7, 8, 9, 0, 15, 14]
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))
+    w.save()
+    w.take_result()
+    for t in caches.values():
+        t.zero_()
+    dst = [10, 11, 12, 0, 6, 7]
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst)]))
+    w.start_load()
+    assert w.take_result().loaded == {"r": True}
+    for n, t in caches.items():
+        for b, d in zip(blocks, dst):
+            assert torch.equal(t[d], orig[n][b])
     w.close()
