@@ -3,8 +3,9 @@
 `register_kv_caches` reads vLLM's per-layer KV tensors; a block below the GPU is one
 contiguous region of `block_bytes`: layer 0's bytes of that block, then layer 1's, ... (each
 layer's block copied as raw bytes, so the attention backend's inner layout never matters).
-Loads start in `start_load_kv` (NVMe reads and checksums there; the copies into vLLM's KV run
-layer by layer on a loader thread, and `wait_for_layer_load` waits for its layer), stores in `wait_for_save`
+Loads run in `start_load_kv` (NVMe reads and checksums there; with a GPU the copies into vLLM's
+KV then run layer by layer on a loader thread and `wait_for_layer_load` waits for its layer; on
+the CPU backend they run at once, on the calling thread), stores in `wait_for_save`
 (after the forward that wrote them); both are batched copies over cached per-block views
 (memcpy split over the cores on the CPU backend). With CUDA, copies run on a side stream
 into pinned host memory.
@@ -13,14 +14,16 @@ into pinned host memory.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-from kvtier.tiers.cpu_pool import CpuPool, copy_blocks, cuda_available
+from kvtier.tiers.cpu_pool import CpuPool, _copier, copy_blocks, cuda_available
 
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 
@@ -81,15 +84,28 @@ class KVLayout:
                 "contiguous_blocks": all(f is not None for f in self._flat)}
 
 
-def _runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(first block, first row, length) of each run where both advance by one."""
-    out: list[tuple[int, int, int]] = []
+def _runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
+    """(first block, first row, length, block step, row step) of each run where blocks and rows
+    each move by one (up or down) from pair to pair."""
+    out: list[list[int]] = []
     for b, r in zip(block_ids, rows):
-        if out and b == out[-1][0] + out[-1][2] and r == out[-1][1] + out[-1][2]:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((b, r, 1))
-    return out
+        if out:
+            b0, r0, n, db, dr = out[-1]
+            if n == 1 and abs(b - b0) == 1 and abs(r - r0) == 1:
+                out[-1] = [b0, r0, 2, b - b0, r - r0]
+                continue
+            if n > 1 and b == b0 + db * n and r == r0 + dr * n:
+                out[-1][2] = n + 1
+                continue
+        out.append([b, r, 1, 1, 1])
+    return [tuple(x) for x in out]  # type: ignore[misc]
+
+
+def _sl(start: int, n: int, step: int) -> slice:
+    if step == 1:
+        return slice(start, start + n)
+    stop = start - n
+    return slice(start, stop if stop >= 0 else None, -1)
 
 
 def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
@@ -147,7 +163,8 @@ class KVTierWorker:
         # [slot, layer, layer_bytes] views: runs of consecutive (block, slot) pairs copy as one
         # strided copy per layer (torch splits it over the cores; no per-block Python call)
         self._runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay._flat)
-        self._pool3 = [pool.buffer.view(n, len(lay.layer_bytes), lay.layer_bytes[0])] if self._runs_ok else [None]
+        self._pool3 = [pool.buffer.view(n, len(lay.layer_bytes), lay.layer_bytes[0]).numpy()] if self._runs_ok else [None]
+        self._flat_np = [f.numpy() for f in lay._flat] if self._runs_ok else []
         if lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
             self._stream = torch.cuda.Stream(device=lay.device)
         log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
@@ -180,15 +197,30 @@ class KVTierWorker:
         elif d2:
             copy_blocks(d2, s2, d2[0].numel() * d2[0].element_size())
 
-    def _copy_runs(self, li: int, rows3: torch.Tensor, rows: Sequence[int], block_ids: Sequence[int],
-                   to_kv: bool) -> None:
-        """Layer `li` of blocks `block_ids` <-> layer `li` of `rows3[rows]`, one copy per run."""
-        flat = self.layout._flat[li]
-        for b0, r0, n in _runs(block_ids, rows):
+    def _copy_runs(self, li: int, rows3, runs, to_kv: bool) -> None:
+        """Layer `li` of runs of blocks <-> layer `li` of rows of `rows3` ([row, layer, bytes],
+        numpy): one copy per run, in either direction (numpy takes the negative strides)."""
+        flat = self._flat_np[li]
+        for b0, r0, n, db, dr in runs:
+            kv, rows = flat[_sl(b0, n, db)], rows3[_sl(r0, n, dr), li]
             if to_kv:
-                flat[b0:b0 + n].copy_(rows3[r0:r0 + n, li])
+                np.copyto(kv, rows)
             else:
-                rows3[r0:r0 + n, li].copy_(flat[b0:b0 + n])
+                np.copyto(rows, kv)
+
+    def _copy_rows(self, jobs: list, layers: Sequence[int], to_kv: bool) -> None:
+        for li in layers:
+            for _, rows3, runs in jobs:
+                self._copy_runs(li, rows3, runs, to_kv)
+
+    def _copy_rows_parallel(self, jobs: list, to_kv: bool) -> None:
+        """Every layer of `jobs`, the layers split over the cores (numpy drops the GIL)."""
+        L = len(self.layout.tensors)
+        workers = min(os.cpu_count() or 1, L)
+        futs = [_copier().submit(self._copy_rows, jobs, range(w, L, workers), to_kv) for w in range(1, workers)]
+        self._copy_rows(jobs, range(0, L, workers), to_kv)
+        for f in futs:
+            f.result()
 
     def _gpu_views(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         out = []
@@ -225,7 +257,7 @@ class KVTierWorker:
     def _staging_rows(self, n: int) -> torch.Tensor:
         self._staging_views(n)
         lay = self.layout
-        return self._staging[1][:n * lay.block_bytes].view(n, len(lay.layer_bytes), lay.layer_bytes[0])
+        return self._staging[1][:n * lay.block_bytes].view(n, len(lay.layer_bytes), lay.layer_bytes[0]).numpy()
 
     def _staging_views(self, n: int) -> list[torch.Tensor]:
         bb = self.layout.block_bytes
@@ -252,9 +284,9 @@ class KVTierWorker:
             blocks = [op.block_ids[i] for i in good]
             if self._runs_ok:
                 if op.via:
-                    jobs.append(("rows", self._pool3[0], [op.via[i] for i in good], blocks))
+                    jobs.append(("rows", self._pool3[0], _runs(blocks, [op.via[i] for i in good])))
                 else:
-                    jobs.append(("rows", self._staging_rows(len(op.slots)), good, blocks))
+                    jobs.append(("rows", self._staging_rows(len(op.slots)), _runs(blocks, good)))
             else:
                 L = len(self.layout.layer_bytes)
                 src = []
@@ -282,7 +314,7 @@ class KVTierWorker:
         self.finish_loads()
         self._open_nvme(meta)
         t0 = time.perf_counter()
-        jobs: list[tuple] = []  # ("rows", rows3, rows, block_ids) or ("views", dst views, src views)
+        jobs: list[tuple] = []  # ("rows", rows3, runs) or ("views", dst views, src views)
         for op in meta.loads:
             name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
             oks = [False] * len(op.slots)
@@ -291,7 +323,7 @@ class KVTierWorker:
                     raise RuntimeError("fail_loads test hook")
                 if op.tier == 0:
                     if self._runs_ok:
-                        jobs.append(("rows", self._pool3[0], op.slots, op.block_ids))
+                        jobs.append(("rows", self._pool3[0], _runs(op.block_ids, op.slots)))
                     else:
                         jobs.append(("views", self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots)))
                     oks = [True] * len(op.slots)
@@ -305,14 +337,26 @@ class KVTierWorker:
         self._sync_s = time.perf_counter() - t0  # NVMe reads + checksums, before the forward
         self._copy_s = 0.0
         meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
-        if jobs:
+        if jobs and self.layout.device.type != "cpu":
+            # a GPU: copies on the loader thread's stream overlap the forward, layer by layer
             L = len(self.layout.tensors)
             self._layer_events = [threading.Event() for _ in range(L)]
             if self._loader is None:
                 self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
             self._load_job = self._loader.submit(self._copy_layers, jobs, self._layer_events)
-        else:
-            self.finish_loads()
+            return
+        if jobs:
+            # the CPU backend: copy now, before the forward, over every core (numpy copies in
+            # plain threads; torch ops in a second thread would start a second OpenMP team)
+            t1 = time.perf_counter()
+            rows = [j for j in jobs if j[0] == "rows"]
+            if rows:
+                self._copy_rows_parallel(rows, to_kv=True)
+            views = [j for j in jobs if j[0] == "views"]
+            if views:
+                self._copy_layers(views, [threading.Event() for _ in self.layout.tensors])
+            self._copy_s += time.perf_counter() - t1
+        self.finish_loads()
 
     def _copy_layers(self, jobs, events: list[threading.Event]) -> None:
         L = len(events)
@@ -321,9 +365,9 @@ class KVTierWorker:
                 t0 = time.perf_counter()
                 d: list[torch.Tensor] = []
                 s: list[torch.Tensor] = []
-                for kind, a, b, *c in jobs:
+                for kind, a, b in jobs:
                     if kind == "rows":
-                        self._copy_runs(li, a, b, c[0], to_kv=True)
+                        self._copy_runs(li, a, b, to_kv=True)
                     else:  # block-major view lists: layer li is every L-th view
                         d.extend(a[li::L])
                         s.extend(b[li::L])
@@ -386,8 +430,8 @@ class KVTierWorker:
                 if op.tier >= len(self.pools):
                     raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
                 if self._runs_ok and self._pool3[op.tier] is not None:
-                    for li in range(len(self.layout.tensors)):
-                        self._copy_runs(li, self._pool3[op.tier], op.slots, op.block_ids, to_kv=False)
+                    self._copy_rows_parallel([("rows", self._pool3[op.tier], _runs(op.block_ids, op.slots))],
+                                             to_kv=False)
                 else:
                     self._copy(self._tier_views(op.tier, op.slots), self._gpu_views(op.block_ids))
                 oks = [True] * len(op.slots)
@@ -476,6 +520,7 @@ class KVTierWorker:
         self._staging = None
         self._slot_layer = []
         self._pool3 = []
+        self._flat_np = []
         for p in self.pools:
             p.close()
         self.pools = []

@@ -113,14 +113,15 @@ def test_gpu_roundtrip():  # pragma: no cover - GPU only
     assert torch.equal(buf[:, 8], orig[:, 3])
 
 
-def test_layer_pipelined_load_waits_per_layer():
-    """The forward's wait_for_layer_load(name) returns only once that layer's blocks are in place;
-    later layers may still be copying."""
+def test_layer_pipelined_load_waits_per_layer(monkeypatch):
+    """With a GPU, the forward's wait_for_layer_load(name) returns only once that layer's blocks
+    are in place; later layers may still be copying. (The layout is told it is on a GPU.)"""
     import threading
     caches = cpu_layout_caches(layers=4)
     names = list(caches)
     w = KVTierWorker(lambda bb: 8, pin=False)
     w.register_kv_caches(caches)
+    monkeypatch.setattr(w.layout, "device", torch.device("meta"))  # anything but "cpu": the GPU path
     orig = {n: t.clone() for n, t in caches.items()}
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 4])]))
     w.save()
@@ -158,8 +159,10 @@ def test_layer_pipelined_load_waits_per_layer():
 
 def test_runs_of_consecutive_blocks_and_slots():
     from kvtier.connector.worker import _runs
-    assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(4, 0, 3), (9, 3, 2), (2, 8, 1)]
-    assert _runs([1, 2], [5, 7]) == [(1, 5, 1), (2, 7, 1)]
+    assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(4, 0, 3, 1, 1), (9, 3, 2, 1, 1), (2, 8, 1, 1, 1)]
+    assert _runs([1, 2], [5, 7]) == [(1, 5, 1, 1, 1), (2, 7, 1, 1, 1)]
+    assert _runs([10, 9, 8, 0], [0, 1, 2, 3]) == [(10, 0, 3, -1, 1), (0, 3, 1, 1, 1)]  # vLLM hands blocks out in reverse
+    assert _runs([3, 4, 5], [2, 1, 0]) == [(3, 2, 3, 1, -1)]
     assert _runs([], []) == []
 
 
@@ -170,13 +173,13 @@ def test_scattered_blocks_and_slots_round_trip():
     w.register_kv_caches(caches)
     assert w._runs_ok
     orig = {n: t.clone() for n, t in caches.items()}
-    blocks, slots = [3, 4, 5, 9, 1, 2], [7, 8, 9, 0, 15, 14]
+    blocks, slots = [3, 4, 5, 9, 1, 2, 8, 7, 6], [7, 8, 9, 0, 15, 14, 1, 2, 3]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))
     w.save()
     w.take_result()
     for t in caches.values():
         t.zero_()
-    dst = [10, 11, 12, 0, 6, 7]
+    dst = [10, 11, 12, 0, 15, 14, 13, 4, 5]
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst)]))
     w.start_load()
     assert w.take_result().loaded == {"r": True}
