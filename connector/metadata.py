@@ -144,3 +144,21 @@ class KVTierStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+class Counting:
+    """Counters kept on each side: cumulative `totals`, and the interval vLLM collects."""
+
+    def _init_counters(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._interval = KVTierStats()
+
+    def _count(self, key: str, v: float = 1) -> None:
+        self._interval.add(key, v)
+        self.totals[key] = self.totals.get(key, 0) + v
+
+    def take_interval_stats(self) -> KVTierStats | None:
+        if self._interval.is_empty():
+            return None
+        s, self._interval = self._interval, KVTierStats()
+        return s

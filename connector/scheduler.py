@@ -21,9 +21,9 @@ from typing import Any, Iterable, Sequence
 
 from kvtier.keys import GROUP_ID_BYTES
 from kvtier.leases import LeaseTable
-from kvtier.tiers.base import SlotTier, TierFull
+from kvtier.tiers.base import SlotTier
 
-from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, LoadOp, NvmeWriteOp, StoreOp
+from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta, LoadOp, NvmeWriteOp, StoreOp
 
 log = logging.getLogger("kvtier.connector")
 
@@ -39,7 +39,7 @@ class _Req:
     load_tier_blocks: dict[int, int] = field(default_factory=dict)
 
 
-class KVTierScheduler:
+class KVTierScheduler(Counting):
     def __init__(self, tiers: Sequence[SlotTier], block_tokens: int, group_id: int = 0,
                  store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
                  max_blocks_per_step: int | None = 64, promote: bool = True) -> None:
@@ -71,8 +71,7 @@ class KVTierScheduler:
         self._pending_stores: dict[int, tuple[int, list[int], list[bytes]]] = {}
         self._pending_keys: set[bytes] = set()
         self._op_ids = itertools.count(1)
-        self._interval = KVTierStats()
-        self.totals: dict[str, float] = {}
+        self._init_counters()
 
     # ---- pins over (tier, slot) ------------------------------------------------------
     def _by_tier(self, blocks: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
@@ -91,10 +90,6 @@ class KVTierScheduler:
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
         for t, slots in self._by_tier(blocks).items():
             self.tiers[t].free_blocks(slots)
-
-    def _count(self, key: str, v: float = 1) -> None:
-        self._interval.add(key, v)
-        self.totals[key] = self.totals.get(key, 0) + v
 
     # ---- requests ----------------------------------------------------------------------
     def _track(self, request: Any) -> _Req:
@@ -439,12 +434,6 @@ class KVTierScheduler:
     # ---- introspection -----------------------------------------------------------------
     def pinned_blocks(self) -> int:
         return sum(sum(t._ref) for t in self.tiers)
-
-    def take_interval_stats(self) -> KVTierStats | None:
-        if self._interval.is_empty():
-            return None
-        s, self._interval = self._interval, KVTierStats()
-        return s
 
     def stats(self) -> dict:
         return {"totals": dict(self.totals), "tiers": [t.stats() for t in self.tiers],

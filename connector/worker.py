@@ -25,7 +25,7 @@ import torch
 
 from kvtier.tiers.cpu_pool import CpuPool, _copier, copy_blocks, cuda_available
 
-from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
 
 log = logging.getLogger("kvtier.connector")
 
@@ -115,7 +115,7 @@ def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
         t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
 
 
-class KVTierWorker:
+class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto") -> None:
         self._cpu_blocks_fn = cpu_blocks_fn
@@ -127,8 +127,7 @@ class KVTierWorker:
         self._meta: KVTierMetadata | None = None
         self._result = KVTierWorkerMeta()
         self._load_errors: set[int] = set()
-        self._interval = KVTierStats()
-        self.totals: dict[str, float] = {}
+        self._init_counters()
         self._stream = None
         self.tier_names = ["cpu", "nvme"]
         self.nvme = None                      # NvmeData, opened on the first step that names its dir
@@ -234,10 +233,6 @@ class KVTierWorker:
         for s in slots:
             out.extend(self._slot_views(tier, s))
         return out
-
-    def _count(self, key: str, v: float) -> None:
-        self._interval.add(key, v)
-        self.totals[key] = self.totals.get(key, 0) + v
 
     # ---- per step ----------------------------------------------------------------------
     def bind(self, meta: Any) -> None:
@@ -496,12 +491,6 @@ class KVTierWorker:
         self.finish_loads()
         e, self._load_errors = self._load_errors, set()
         return e
-
-    def take_interval_stats(self) -> KVTierStats | None:
-        if self._interval.is_empty():
-            return None
-        s, self._interval = self._interval, KVTierStats()
-        return s
 
     def stats(self) -> dict:
         return {"totals": dict(self.totals), "layout": self.layout.describe() if self.layout else None,

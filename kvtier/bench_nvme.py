@@ -20,7 +20,7 @@ import torch
 
 from kvtier.blockgen import block_key
 from kvtier.policies.lru import LRU
-from kvtier.tiers.io_engines import ALIGN, MAX_IO_BYTES, _Bounce, round_up
+from kvtier.tiers.io_engines import ALIGN, MAX_IO_BYTES, round_up
 from kvtier.tiers.nvme import NvmeTier
 
 

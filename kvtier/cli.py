@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from .config import ConfigError
 

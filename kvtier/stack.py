@@ -45,12 +45,6 @@ class Match:
                 out.append((t, i, i + 1))
         return out
 
-    def per_tier(self, num_tiers: int) -> list[int]:
-        counts = [0] * num_tiers
-        for t in self.tier:
-            counts[t] += 1
-        return counts
-
 
 def build_tier(cfg: StackConfig, index: int, with_data: bool, fingerprint: dict | None) -> SlotTier:
     t = cfg.storage_tiers()[index]

@@ -167,7 +167,6 @@ class NextUse(EvictionPolicy):
             never = max(0.0, self.N[c] - tot_r)
             hits_after = 0.0
             time_after_mid = 0.0   # sum over reuses at >= b of mid
-            cnt_after = 0.0
             for b in range(nb - 1, -1, -1):
                 if b < nb - 1:
                     hits_after += row[b]

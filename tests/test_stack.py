@@ -1,6 +1,5 @@
 """TierStack on real CPU tiers: byte-exact round trips, write-back demotion, promotion, leases."""
 
-import pytest
 import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule

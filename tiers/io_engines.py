@@ -281,10 +281,7 @@ class PosixEngine(IOEngine):
                     self.syscalls += 1
                 return IOResult(ok=[True] * len(idx), nbytes=len(idx) * length)
             except OSError as e:
-                msg = f"write of {len(idx)} blocks at offset {offsets[idx[0]]} in {f.path}: " \
-                      f"[Errno {e.errno}] {e.strerror}"
-                log.error("nvme io: %s", msg)
-                return IOResult(ok=[False] * len(idx), errors=[msg])
+                return _failed("write", len(idx), offsets[idx[0]], f.path, e)
             finally:
                 if bounce is not None:
                     self._bounces.put(bounce)
@@ -337,10 +334,7 @@ class PosixEngine(IOEngine):
                     ok.append(good)
                 return IOResult(ok=ok, nbytes=len(idx) * length, errors=errs)
             except OSError as e:
-                msg = f"read of {len(idx)} blocks at offset {offsets[idx[0]]} in {f.path}: " \
-                      f"[Errno {e.errno}] {e.strerror}"
-                log.error("nvme io: %s", msg)
-                return IOResult(ok=[False] * len(idx), errors=[msg])
+                return _failed("read", len(idx), offsets[idx[0]], f.path, e)
             finally:
                 if bounce is not None:
                     self._bounces.put(bounce)
@@ -359,6 +353,13 @@ class PosixEngine(IOEngine):
     def stats(self) -> dict:
         return {"engine": self.description, "io_mode": self.mode, "io_threads": self.threads,
                 "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "fallback": self.fallback}
+
+
+def _failed(what: str, n: int, offset: int, path: str, e: OSError) -> IOResult:
+    """A batch that failed with `e`: every block not ok, the cause logged and kept."""
+    msg = f"{what} of {n} blocks at offset {offset} in {path}: [Errno {e.errno}] {e.strerror}"
+    log.error("nvme io: %s", msg)
+    return IOResult(ok=[False] * n, errors=[msg])
 
 
 def _pwritev_all(fd: int, iov: list, off: int) -> None:
