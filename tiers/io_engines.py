@@ -362,30 +362,26 @@ def _failed(what: str, n: int, offset: int, path: str, e: OSError) -> IOResult:
     return IOResult(ok=[False] * n, errors=[msg])
 
 
-def _pwritev_all(fd: int, iov: list, off: int) -> None:
+def _all(syscall, fd: int, iov: list, off: int, short: str) -> None:
+    """pwritev/preadv until every byte of `iov` moved (short transfers resumed; 0 bytes is EIO)."""
     total = sum(len(v) for v in iov)
     done = 0
     while True:
-        n = os.pwritev(fd, iov, off + done)
+        n = syscall(fd, iov, off + done)
         done += n
         if done >= total:
             return
         if n == 0:
-            raise OSError(_errno.EIO, f"short write ({done} of {total} bytes)")
+            raise OSError(_errno.EIO, f"short {short} ({done} of {total} bytes)")
         iov = _advance(iov, n)
+
+
+def _pwritev_all(fd: int, iov: list, off: int) -> None:
+    _all(os.pwritev, fd, iov, off, "write")
 
 
 def _preadv_all(fd: int, iov: list, off: int, path: str) -> None:
-    total = sum(len(v) for v in iov)
-    done = 0
-    while True:
-        n = os.preadv(fd, iov, off + done)
-        done += n
-        if done >= total:
-            return
-        if n == 0:
-            raise OSError(_errno.EIO, f"short read ({done} of {total} bytes; file {path} truncated?)")
-        iov = _advance(iov, n)
+    _all(os.preadv, fd, iov, off, f"read; file {path} truncated?")
 
 
 def _advance(iov: list, n: int) -> list:
