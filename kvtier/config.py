@@ -71,6 +71,8 @@ class TierConfig(_Model):
     @field_validator("capacity", mode="before")
     @classmethod
     def _cap(cls, v: Any) -> Any:
+        if isinstance(v, str) and "$" in v:
+            v = expand_path(v)
         return None if v is None else _size(v)
 
     @field_validator("capacity_blocks")

@@ -8,6 +8,8 @@ from kvtier.units import parse_size
 
 def test_shipped_configs_load(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_DATA", str(tmp_path / "data"))
+    # The shipped sizes are defaults; the disk check must not depend on this machine's free space.
+    monkeypatch.setenv("KVTIER_NVME_CAPACITY", "64MiB")
     assert {"cpu-only.yaml", "cpu-nvme.yaml", "gpu-cpu-nvme.yaml"} <= set(shipped_configs())
     for name in shipped_configs():
         cfg = load_config(name)
@@ -17,6 +19,21 @@ def test_shipped_configs_load(tmp_path, monkeypatch):
     assert cfg.tiers[1].path == str(tmp_path / "data")
     assert cfg.block_bytes == 262144
     assert cfg.tiers[0].blocks(cfg.block_bytes) == 4096
+    assert cfg.tiers[1].blocks(cfg.block_bytes) == 256
+
+
+def test_shipped_capacity_defaults_and_overrides(monkeypatch):
+    monkeypatch.delenv("KVTIER_NVME_CAPACITY", raising=False)
+    monkeypatch.delenv("KVTIER_CPU_CAPACITY", raising=False)
+    cfg = load_config("gpu-cpu-nvme", check_env=False)
+    assert [t.capacity for t in cfg.tiers[1:]] == [8 << 30, 64 << 30]
+    monkeypatch.setenv("KVTIER_CPU_CAPACITY", "3GiB")
+    monkeypatch.setenv("KVTIER_NVME_CAPACITY", "12GiB")
+    cfg = load_config("gpu-cpu-nvme", check_env=False)
+    assert [t.capacity for t in cfg.tiers[1:]] == [3 << 30, 12 << 30]
+    monkeypatch.setenv("KVTIER_NVME_CAPACITY", "lots")
+    with pytest.raises(ConfigError, match="tiers.2.capacity"):
+        load_config("gpu-cpu-nvme", check_env=False)
 
 
 def test_issue_yaml_shape(tmp_path):

@@ -29,6 +29,7 @@ def test_yaml_then_overrides(tmp_path):
 
 def test_shipped_vllm_stack_policies(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_DATA", str(tmp_path))
+    monkeypatch.setenv("KVTIER_NVME_CAPACITY", "64MiB")
     from kvtier.connector.config import load_settings
     s = load_settings({"config": "gpu-cpu-nvme"})
     assert (s.eviction, s.nvme_eviction, s.offload) == ("nextuse", "lru", "lazy")
