@@ -13,7 +13,8 @@ DEFAULT_CPU_BLOCKS = 256
 
 _INLINE = {"cpu_capacity_blocks", "cpu_capacity", "eviction", "nvme_path", "nvme_capacity_blocks",
            "nvme_capacity", "store", "lease_timeout_s", "min_store_blocks", "pin", "config", "offload",
-           "max_blocks_per_step", "nvme_io", "nvme_io_threads", "nvme_direct", "nvme_on_mismatch", "promote"}
+           "max_blocks_per_step", "nvme_io", "nvme_io_threads", "nvme_direct", "nvme_on_mismatch", "promote",
+           "nvme_write_lag_steps"}
 DEFAULT_NVME_BLOCKS = 1024
 
 
@@ -35,6 +36,7 @@ class Settings:
     nvme_io_threads: int = 4
     nvme_direct: bool | str = "auto"
     nvme_on_mismatch: str = "refuse"
+    nvme_write_lag_steps: int = 4  # write-behind: NVMe writes reported within N steps (0: in the step)
     lease_timeout_s: float = 300.0
     source: str = "<defaults>"
     extra: dict[str, Any] = field(default_factory=dict)
@@ -129,6 +131,10 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
             setattr(s, k, str(extra[k]))
     if "nvme_io_threads" in extra:
         s.nvme_io_threads = int(extra["nvme_io_threads"])
+    if "nvme_write_lag_steps" in extra:
+        s.nvme_write_lag_steps = int(extra["nvme_write_lag_steps"])
+        if s.nvme_write_lag_steps < 0:
+            raise ValueError(f"kvtier connector: nvme_write_lag_steps must be >= 0, got {s.nvme_write_lag_steps}")
     if "nvme_direct" in extra:
         s.nvme_direct = extra["nvme_direct"]
     if "lease_timeout_s" in extra:

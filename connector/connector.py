@@ -114,8 +114,13 @@ class KVTierConnector(KVConnectorBase_V1):
                                          lease_timeout_s=st.lease_timeout_s, offload="eager",
                                          max_blocks_per_step=st.max_blocks_per_step, promote=st.promote)
         else:
+            # ranks must report an NVMe write in the same step (their reports are aggregated
+            # per step), so with more than one rank the writes complete within the step
+            ranks = getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1
+            lag = st.nvme_write_lag_steps if ranks == 1 else 0
             self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=st.pin, nvme_io=st.nvme_io,
-                                       nvme_io_threads=st.nvme_io_threads, nvme_direct=st.nvme_direct)
+                                       nvme_io_threads=st.nvme_io_threads, nvme_direct=st.nvme_direct,
+                                       nvme_write_lag_steps=lag)
         _LIVE.add(self)
         log.info("kvtier connector (%s): cpu tier %d blocks x %d B, block %d tokens, config %s",
                  self.role_name, cpu_blocks, bb, self.block_tokens, self.settings.source)
@@ -167,7 +172,8 @@ class KVTierConnector(KVConnectorBase_V1):
             self.worker.save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Loads are synchronous and stores complete within the step: nothing is ever delayed.
+        # Loads finish before the forward and GPU->CPU copies within the step (NVMe writes run
+        # behind from the CPU copy), so no GPU block is ever held past its request: nothing delayed.
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -445,6 +445,11 @@ class KVTierScheduler(Counting):
         self.gpu = ctx
 
     def close(self) -> None:
+        pending = sum(len(slots) for slots, _ in self._nvme_writes.values())
+        if pending:
+            log.warning("kvtier: %d NVMe blocks still unreported at shutdown: not committed to the index "
+                        "(misses after a restart, never served)", pending)
+            self._count("nvme_uncommitted_at_close", pending)
         for t in self.tiers:
             c = getattr(t, "close", None)
             if c is not None:

@@ -9,6 +9,11 @@ the CPU backend they run at once, on the calling thread), stores in `wait_for_sa
 (after the forward that wrote them); both are batched copies over cached per-block views
 (memcpy split over the cores on the CPU backend). With CUDA, copies run on a side stream
 into pinned host memory.
+
+NVMe write-through is write-behind: `wait_for_save` copies the step's blocks into CPU slots and
+queues their NVMe writes; a flusher thread writes them, fdatasyncs and hands the per-slot
+checksums to the report of a later step (at most `nvme_write_lag_steps` later; 0 = this step).
+The scheduler keeps the CPU source pinned and the NVMe slot invisible until that report.
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
 
 class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
-                 nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto") -> None:
+                 nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
+                 nvme_write_lag_steps: int = 4) -> None:
         self._cpu_blocks_fn = cpu_blocks_fn
         self._pin = pin
         self._expected = expected_block_bytes
@@ -134,6 +140,11 @@ class KVTierWorker(Counting):
         self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
         self._staging = None                  # page-aligned buffer for NVMe loads without CPU slots
         self.corrupt_blocks = 0
+        # write-behind: batches of NVMe writes in flight, oldest first: (step, future of results)
+        self._write_lag = max(0, int(nvme_write_lag_steps))
+        self._writes: list[tuple[int, Future]] = []
+        self._flusher: ThreadPoolExecutor | None = None
+        self._step = 0
         # layer-pipelined loads: copies run layer by layer on a loader thread while the forward
         # runs; wait_layer(name) blocks until that layer's blocks are in place
         self._loader: ThreadPoolExecutor | None = None
@@ -245,6 +256,7 @@ class KVTierWorker(Counting):
             return
         from .nvme import NvmeData
         if self.nvme is not None:
+            self._reap_writes(wait=True)
             self.nvme.close()
         io, threads, direct = self._nvme_args
         self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct)
@@ -445,42 +457,70 @@ class KVTierWorker(Counting):
             self._write_nvme(meta, failed_cpu)
 
     def _write_nvme(self, meta: KVTierMetadata, failed_cpu: set[int]) -> None:
-        """Write-through CPU slots -> NVMe slots, then fdatasync; report per-slot checksums.
-
-        Completed within the step: the scheduler commits the index when it reads the report, so
-        what a step stored is durable before the next step is planned (and before a restart).
-        """
-        t0 = time.perf_counter()
-        handles = []
+        """Queue CPU slots -> NVMe slots; the flusher writes, fdatasyncs and returns per-slot
+        checksums (-1: not durable), reported by `take_result` once done (see `_reap_writes`)."""
+        ops, meta.nvme_writes = list(meta.nvme_writes), []
         try:
             self._open_nvme(meta)
             if self.nvme is None:
                 raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
-            for op in meta.nvme_writes:
+            batch = []
+            for op in ops:
                 sums = [0] * len(op.slots)
                 srcs = [self.pools[0].views[s] for s in op.src_slots]
-                handles.append((op, sums, self.nvme.write(op.slots, srcs, sums)))
-            results = [(op, sums, h.wait()) for op, sums, h in handles]
+                batch.append((op, sums, self.nvme.write(op.slots, srcs, sums)))
+        except Exception as e:
+            log.warning("kvtier: NVMe write-through of %d ops failed: %s", len(ops), e)
+            for op in ops:
+                self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
+            return
+        if self._flusher is None:
+            self._flusher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nvme-flush")
+        fut = self._flusher.submit(self._flush, self.nvme, batch, set(failed_cpu), time.perf_counter())
+        self._writes.append((self._step, fut))
+        if self._write_lag == 0:
+            self._reap_writes(wait=True)
+
+    @staticmethod
+    def _flush(nvme, batch, failed_cpu: set[int], t0: float) -> tuple[list, float]:
+        """Flusher thread: wait for a batch's writes, fdatasync once, per-op checksums (-1: failed)."""
+        try:
+            results = [(op, sums, h.wait()) for op, sums, h in batch]
             if any(any(r.ok) for _, _, r in results):
-                self.nvme.sync()
+                nvme.sync()
         except Exception as e:
             log.warning("kvtier: NVMe write-through failed: %s", e)
-            for op in meta.nvme_writes:
-                self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
-            meta.nvme_writes = []
-            return
-        n = 0
-        for op, sums, r in results:
-            out = [c if ok and src not in failed_cpu else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)]
-            self._result.nvme_written[op.op_id] = out
-            n += sum(1 for c in out if c >= 0)
-        meta.nvme_writes = []
-        self._count("bytes_stored.nvme", n * self.layout.block_bytes)
-        self._count("seconds_stored.nvme", time.perf_counter() - t0)
-        self._count("blocks_stored.nvme", n)
+            return [(op, [-1] * len(op.slots)) for op, _, _ in batch], time.perf_counter() - t0
+        out = [(op, [c if ok and src not in failed_cpu else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)])
+               for op, sums, r in results]
+        return out, time.perf_counter() - t0
+
+    def _reap_writes(self, wait: bool = False) -> None:
+        """Report finished write batches; wait for those `nvme_write_lag_steps` old (all if `wait`)."""
+        keep = []
+        for step, fut in self._writes:
+            if not (wait or fut.done() or self._step - step >= self._write_lag):
+                keep.append((step, fut))
+                continue
+            done, dt = fut.result()
+            n = 0
+            for op, out in done:
+                self._result.nvme_written[op.op_id] = out
+                n += sum(1 for c in out if c >= 0)
+            self._count("bytes_stored.nvme", n * self.layout.block_bytes)
+            self._count("seconds_stored.nvme", dt)
+            self._count("blocks_stored.nvme", n)
+        self._writes = keep
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self._writes)
 
     def take_result(self) -> KVTierWorkerMeta | None:
+        """This step's report (called once per step): loads, stores, NVMe writes now durable."""
         self.finish_loads()
+        self._reap_writes()
+        self._step += 1
         r = self._result
         if not r.stored and not r.loaded and not r.nvme_written and not r.corrupt:
             return None
@@ -500,6 +540,16 @@ class KVTierWorker(Counting):
 
     def close(self) -> None:
         self.finish_loads()
+        if self._writes:  # durable on disk, but the scheduler never hears of them: not indexed
+            self._reap_writes(wait=True)
+            lost = sum(1 for v in self._result.nvme_written.values() for c in v if c >= 0)
+            if lost:
+                log.warning("kvtier: %d blocks reached NVMe after the last step's report; they are not in "
+                            "the index (misses after a restart)", lost)
+                self._count("nvme_unreported_blocks", lost)
+        if self._flusher is not None:
+            self._flusher.shutdown(wait=True)
+            self._flusher = None
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None

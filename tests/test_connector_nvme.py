@@ -33,8 +33,8 @@ def sched(path, cap=8):
     return KVTierScheduler([cpu, nv], BT), cpu, nv
 
 
-def worker(seed):
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_direct="auto")
+def worker(seed, lag=0):
+    w = KVTierWorker(lambda bb: 8, pin=False, nvme_direct="auto", nvme_write_lag_steps=lag)
     c = caches(seed)
     w.register_kv_caches(c)
     return w, c
@@ -101,3 +101,60 @@ def test_write_through_restart_and_corruption(tmp_path):
     assert s.pinned_blocks() == 0
     s.close()
     w.close()
+
+
+def test_write_behind_reports_within_lag(tmp_path):
+    """NVMe writes run behind the step: the index commits only after the report, the CPU source
+    stays pinned until then, and the report comes at the latest `lag` steps later."""
+    import threading
+    d = tmp_path / "nvme"
+    lag = 3
+    s, cpu, nv = sched(d)
+    w, c = worker(0, lag=lag)
+    gate = threading.Event()
+    r = Req("a", list(range(4 * BT + 3)))
+    ids = [1, 2, 3, 4, 5]
+    s.lookup(r, 0)
+    s.on_alloc(r, ids, 0)
+    meta = s.build_meta([("a", r.num_tokens, ids)])
+    w.bind(meta)
+    w.start_load()
+    w.save()                                    # GPU -> CPU now; the NVMe write is queued
+    real_sync = w.nvme.sync
+    w.nvme.sync = lambda: (gate.wait(30), real_sync())
+    try:
+        s.on_worker_meta(w.take_result())
+        assert cpu.num_resident == 4 and len(nv.index) == 0 and w.writes_in_flight == 1
+        assert sum(cpu._ref) == 4                   # the CPU copies are the write's source
+        assert s.lookup(Req("b", r.tokens), 0) == 4 * BT   # served from the CPU tier meanwhile
+        s.on_finished("b")
+    finally:
+        gate.set()
+    for _ in range(lag):
+        step(s, w, [])
+    assert w.writes_in_flight == 0 and len(nv.index) == 4 and s.pinned_blocks() == 0
+    assert s.totals["stored_blocks.nvme"] == 4 and w.totals["blocks_stored.nvme"] == 4
+    s.close()
+    w.close()
+    s, cpu, nv = sched(d)
+    assert nv.restored_blocks == 4
+    s.close()
+
+
+def test_write_behind_unreported_at_close_is_not_indexed(tmp_path):
+    d = tmp_path / "nvme"
+    s, cpu, nv = sched(d)
+    w, c = worker(0, lag=8)
+    r = Req("a", list(range(2 * BT + 1)))
+    s.lookup(r, 0)
+    s.on_alloc(r, [1, 2, 3], 0)
+    meta = s.build_meta([("a", r.num_tokens, [1, 2, 3])])
+    w.bind(meta)
+    w.start_load()
+    w.save()
+    w.close()                                   # written and synced, but never reported
+    s.close()
+    assert w.totals["nvme_unreported_blocks"] == 2 and s.totals["nvme_uncommitted_at_close"] == 2
+    s, cpu, nv = sched(d)
+    assert nv.restored_blocks == 0 and s.lookup(Req("b", r.tokens), 0) == 0
+    s.close()

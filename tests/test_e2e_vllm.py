@@ -153,6 +153,8 @@ def nvme_written(model_dir, prompts, baseline, tmp_path_factory):
     try:
         s, w = _parts()
         out = U.generate(llm, prompts, MAX_TOKENS)
+        # write-behind (default nvme_write_lag_steps=4): every write is reported within 4 steps
+        U.run_steps(llm, 5)
         stored = sum((len(p) + MAX_TOKENS - 1) // U.BLOCK for p in prompts)
         t = dict(s.sched.totals)
         assert out == baseline

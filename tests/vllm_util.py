@@ -72,6 +72,12 @@ def generate(llm, token_prompts: list[list[int]], max_tokens: int = 8) -> list[l
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def run_steps(llm, steps: int) -> None:
+    """Drive `steps` engine steps that store nothing (a prompt shorter than one block), so that
+    NVMe writes running behind (write-behind, `nvme_write_lag_steps`) are reported."""
+    generate(llm, [[5, 6, 7]], max_tokens=min(steps, BLOCK - 4))
+
+
 def kvtier_config(failure_policy: str = "recompute", **extra):
     """KVTransferConfig mounting kvtier; `extra` goes to kv_connector_extra_config."""
     from vllm.config import KVTransferConfig
