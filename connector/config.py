@@ -14,7 +14,7 @@ DEFAULT_CPU_BLOCKS = 256
 _INLINE = {"cpu_capacity_blocks", "cpu_capacity", "eviction", "nvme_path", "nvme_capacity_blocks",
            "nvme_capacity", "store", "lease_timeout_s", "min_store_blocks", "pin", "config", "offload",
            "max_blocks_per_step", "nvme_io", "nvme_io_threads", "nvme_direct", "nvme_on_mismatch", "promote",
-           "nvme_write_lag_steps"}
+           "nvme_write_lag_steps", "admission", "nvme_admission"}
 DEFAULT_NVME_BLOCKS = 1024
 
 
@@ -24,6 +24,9 @@ class Settings:
     cpu_capacity_bytes: int | None = None
     eviction: str = "lru"
     nvme_eviction: str | None = None  # None: the same as `eviction`
+    admission: str = "all"            # is a block worth a CPU slot (registry name)
+    nvme_admission: str | None = None  # ... an NVMe slot; None: the same as `admission`
+    policy_params: dict[str, Any] = field(default_factory=dict)  # YAML policy.params
     pin: str | bool = "auto"
     nvme_path: str | None = None
     nvme_capacity_blocks: int | None = None
@@ -68,6 +71,10 @@ def _size(v: Any) -> int:
 
 def load_settings(extra: dict[str, Any] | None) -> Settings:
     extra = dict(extra or {})
+    unknown = sorted(set(extra) - _INLINE)
+    if unknown:
+        raise ValueError(f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; "
+                         f"known: {sorted(_INLINE)}")
     s = Settings(extra=extra)
     path = extra.get("config")
     if path:
@@ -75,6 +82,8 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
         cfg = load_config(path)
         s.source = str(getattr(cfg, "source", path))
         s.eviction = cfg.policy.eviction
+        s.admission = cfg.policy.admission
+        s.policy_params = dict(cfg.policy.params)
         s.offload = cfg.policy.offload
         off = cfg.policy.params.get(cfg.policy.offload)
         mbs = (off or {}).get("max_blocks_per_step") if isinstance(off, dict) else None
@@ -89,6 +98,8 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
                 s.pin = t.pin
                 if t.eviction:
                     s.eviction = t.eviction
+                if t.admission:
+                    s.admission = t.admission
             elif t.kind == "nvme":
                 s.nvme_path = t.path
                 s.nvme_capacity_blocks = t.capacity_blocks
@@ -98,6 +109,8 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
                 s.nvme_on_mismatch = t.on_fingerprint_mismatch
                 if t.eviction:
                     s.nvme_eviction = t.eviction
+                if t.admission:
+                    s.nvme_admission = t.admission
     if "cpu_capacity_blocks" in extra:
         s.cpu_capacity_blocks = int(extra["cpu_capacity_blocks"])
         s.cpu_capacity_bytes = None
@@ -106,6 +119,9 @@ def load_settings(extra: dict[str, Any] | None) -> Settings:
         s.cpu_capacity_blocks = None
     if "eviction" in extra:
         s.eviction = str(extra["eviction"])
+    for k in ("admission", "nvme_admission"):
+        if k in extra:
+            setattr(s, k, str(extra[k]))
     if "pin" in extra:
         s.pin = extra["pin"]
     if "nvme_path" in extra:

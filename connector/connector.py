@@ -27,7 +27,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 
-from kvtier.policies import EVICTION
+from kvtier.policies import ADMISSION, EVICTION
 from kvtier.tiers.base import SlotTier
 
 from .config import Settings, load_settings
@@ -73,6 +73,11 @@ def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int, int]:
     return int(spec.page_size_bytes) * len(g.layer_names), int(spec.block_size), len(groups)
 
 
+def _params(params: dict, name: str) -> dict:
+    p = params.get(name, {})
+    return p if isinstance(p, dict) else {}
+
+
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -109,10 +114,13 @@ class KVTierConnector(KVConnectorBase_V1):
                     tiers.append(NvmeControl("nvme", st.nvme_path, n, bb, EVICTION.get(st.nvme_eviction or st.eviction)(n),
                                              fingerprint=self._fingerprint(vllm_config, bb),
                                              on_mismatch=st.nvme_on_mismatch))
+            names = [st.admission, st.nvme_admission or st.admission][:len(tiers)]
+            admission = [ADMISSION.get(n)(**_params(st.policy_params, n)) for n in names]
             self.sched = KVTierScheduler(tiers, self.block_tokens, group_id=0,
                                          store=st.store == "eager" and self.enabled,
                                          lease_timeout_s=st.lease_timeout_s, offload="eager",
-                                         max_blocks_per_step=st.max_blocks_per_step, promote=st.promote)
+                                         max_blocks_per_step=st.max_blocks_per_step, promote=st.promote,
+                                         admission=admission)
         else:
             # ranks must report an NVMe write in the same step (their reports are aggregated
             # per step), so with more than one rank the writes complete within the step

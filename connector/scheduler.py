@@ -21,6 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from kvtier.keys import GROUP_ID_BYTES
 from kvtier.leases import LeaseTable
+from kvtier.policies.base import _NO_INFO, AdmissionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier
 
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta, LoadOp, NvmeWriteOp, StoreOp
@@ -36,14 +37,17 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)   # group 0, chain order (own tracking)
     stored_upto: int = 0            # chain positions below this were offered to the store
     loaded_blocks: int = 0          # external hit blocks accepted (stats, hit sources)
+    hit_blocks: int = 0             # leading blocks found (vLLM's own cache + kvtier), at lookup
     load_tier_blocks: dict[int, int] = field(default_factory=dict)
 
 
 class KVTierScheduler(Counting):
     def __init__(self, tiers: Sequence[SlotTier], block_tokens: int, group_id: int = 0,
                  store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
-                 max_blocks_per_step: int | None = 64, promote: bool = True) -> None:
+                 max_blocks_per_step: int | None = 64, promote: bool = True,
+                 admission: Sequence[AdmissionPolicy | None] | None = None) -> None:
         """`tiers`: tier 0 is the CPU tier; an NVMe tier (kind "nvme", an `NvmeControl`) may follow.
+        `admission[i]`: whether a block is worth writing to tier i (None: every block).
 
         offload: "eager" stores each full block in the step that computes it; "lazy" walks the
         GPU free queue (`bind_gpu`) from its LRU head, at most `max_blocks_per_step` blocks a
@@ -57,6 +61,9 @@ class KVTierScheduler(Counting):
         self.offload = offload
         self.max_blocks_per_step = max_blocks_per_step if max_blocks_per_step and max_blocks_per_step > 0 else None
         self.promote = promote
+        adm = list(admission or [])
+        self.admission: list[AdmissionPolicy | None] = [a if a is None or a.name != "all" else None
+                                                        for a in adm + [None] * (len(self.tiers) - len(adm))]
         self.nvme = next((i for i, t in enumerate(self.tiers) if t.kind == "nvme"), None)
         self.nvme_dir: str | None = getattr(self.tiers[self.nvme], "dir", None) if self.nvme is not None else None
         self.gpu = None                      # SchedulerContext (lazy offload)
@@ -128,6 +135,7 @@ class KVTierScheduler(Counting):
             self.leases.release(r.req_id)
             return 0
         want = r.keys[start:end]
+        r.hit_blocks = start
         lease = self.leases.get(r.req_id, start, want)
         if lease is None:
             blocks = []
@@ -152,6 +160,7 @@ class KVTierScheduler(Counting):
                 self.leases.release(r.req_id)
                 return 0
             lease = self.leases.take(r.req_id, start, want, blocks)
+        r.hit_blocks = start + lease.num_blocks
         return lease.num_blocks * bt
 
     def on_alloc(self, request: Any, block_ids: Sequence[int] | None, num_external_tokens: int) -> None:
@@ -244,6 +253,7 @@ class KVTierScheduler(Counting):
         cpu = self.tiers[0]
         keys: list[bytes] = []
         gpu: list[int] = []
+        to_nvme: set[bytes] = set()
         for rid, computed_after, block_ids in scheduled:
             r = self._reqs.get(rid)
             if r is None:
@@ -252,17 +262,34 @@ class KVTierScheduler(Counting):
                 block_ids = r.block_ids
             self._track(r.request)
             full = min(len(r.keys), computed_after // bt, len(block_ids))
-            for p in range(r.stored_upto, full):
-                k = r.keys[p]
-                if k in self._pending_keys or k in cpu:
-                    continue
-                self._pending_keys.add(k)
-                keys.append(k)
-                gpu.append(block_ids[p])
+            new = [p for p in range(r.stored_upto, full) if r.keys[p] not in self._pending_keys and r.keys[p] not in cpu]
             if full > r.stored_upto:
                 r.stored_upto = full
+            if not new:
+                continue
+            info = RequestInfo(keys=r.keys, start=new[0], hit_blocks=r.hit_blocks,
+                               num_tokens=getattr(r.request, "num_tokens", 0), block_tokens=bt, request_id=rid)
+            new = self._admit(0, new, [r.keys[p] for p in new], info)
+            if self.nvme is not None and new:
+                nk = [r.keys[p] for p in new]
+                to_nvme.update(nk[i] for i in self._admit(self.nvme, range(len(nk)), nk, info))
+            for p in new:
+                self._pending_keys.add(r.keys[p])
+                keys.append(r.keys[p])
+                gpu.append(block_ids[p])
         if keys:
-            self._plan_store(keys, gpu, meta)
+            self._plan_store(keys, gpu, meta, to_nvme)
+
+    def _admit(self, t: int, items: Sequence, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list:
+        """The items whose keys tier `t`'s admission policy admits (all without one); counts the rest."""
+        pol = self.admission[t]
+        if pol is None:
+            return list(items)
+        ok = pol.admit(keys, info)
+        out = [x for x, a in zip(items, ok) if a]
+        if len(out) < len(ok):
+            self._count(f"not_admitted_blocks.{self.tiers[t].name}", len(ok) - len(out))
+        return out
 
     def _plan_lazy(self, meta: KVTierMetadata) -> None:
         """Walk the GPU free queue from the cursor (LRU head first); protect and store up to
@@ -284,6 +311,9 @@ class KVTierScheduler(Counting):
             if k is None or k in self._pending_keys or k in cpu:
                 last = b.block_id
                 continue
+            if self.admission[0] is not None and not self._admit(0, (k,), (k,)):
+                last = b.block_id
+                continue
             keys.append(k)
             gpu.append(b.block_id)
             if budget is not None and len(keys) >= budget:
@@ -295,7 +325,10 @@ class KVTierScheduler(Counting):
             return
         self.gpu.touch(gpu)                 # vLLM cannot reuse them until the copy is done
         self._pending_keys.update(keys)
-        op_id = self._plan_store(keys, gpu, meta)
+        to_nvme = None
+        if self.nvme is not None and self.admission[self.nvme] is not None:
+            to_nvme = set(self._admit(self.nvme, keys, keys))
+        op_id = self._plan_store(keys, gpu, meta, to_nvme)
         if op_id is None:
             self.gpu.free_blocks(gpu)
         else:
@@ -304,17 +337,29 @@ class KVTierScheduler(Counting):
 
     def _cpu_room(self, n: int) -> int:
         """Evict unpinned CPU blocks until `n` slots are free (or nothing more can go); free slots."""
-        tier = self.tiers[0]
-        need = n - tier.num_free_slots
-        if need > 0:
-            victims = list(itertools.islice(tier.iter_free_slots(), need))
-            if victims:
-                tier.evict(victims)
-                self._count(f"evicted_blocks.{tier.name}", len(victims))
-        return tier.num_free_slots
+        self._make_room(0, n)
+        return self.tiers[0].num_free_slots
 
-    def _plan_store(self, keys: list[bytes], gpu: list[int], meta: KVTierMetadata) -> int | None:
-        """GPU blocks -> CPU slots, and (write-through) those CPU slots -> NVMe for keys NVMe lacks."""
+    def _make_room(self, t: int, n: int) -> None:
+        """Evict unpinned blocks of tier `t`, head of its cursor first, until `n` slots are free."""
+        tier = self.tiers[t]
+        need = n - tier.num_free_slots
+        if need <= 0:
+            return
+        victims = list(itertools.islice(tier.iter_free_slots(), need))
+        if not victims:
+            return
+        pol = self.admission[t]
+        keys = [tier.get_block(v).block_hash for v in victims] if pol is not None else ()
+        tier.evict(victims)
+        self._count(f"evicted_blocks.{tier.name}", len(victims))
+        for k in keys:  # ghost history of admission policies that keep one
+            pol.on_evict(k)
+
+    def _plan_store(self, keys: list[bytes], gpu: list[int], meta: KVTierMetadata,
+                    to_nvme: set[bytes] | None = None) -> int | None:
+        """GPU blocks -> CPU slots, and (write-through) those CPU slots -> NVMe for keys NVMe lacks
+        (only `to_nvme` keys when given: NVMe admission)."""
         tier = self.tiers[0]
         n = min(len(keys), self._cpu_room(len(keys)))
         if n < len(keys):
@@ -330,7 +375,10 @@ class KVTierScheduler(Counting):
         meta.stores.append(StoreOp(op_id, 0, slots, gpu))
         self._count(f"store_planned_blocks.{tier.name}", len(slots))
         if self.nvme is not None:
-            self._plan_nvme_write(list(zip(slots, keys)), meta)
+            src = list(zip(slots, keys))
+            if to_nvme is not None:
+                src = [(s, k) for s, k in src if k in to_nvme]
+            self._plan_nvme_write(src, meta)
         return op_id
 
     def _plan_nvme_write(self, src: list[tuple[int, bytes]], meta: KVTierMetadata) -> None:
@@ -338,12 +386,7 @@ class KVTierScheduler(Counting):
         src = [(s, k) for s, k in src if k not in nv]
         if not src:
             return
-        need = len(src) - nv.num_free_slots
-        if need > 0:
-            victims = list(itertools.islice(nv.iter_free_slots(), need))
-            if victims:
-                nv.evict(victims)
-                self._count(f"evicted_blocks.{nv.name}", len(victims))
+        self._make_room(self.nvme, len(src))
         src = src[:nv.num_free_slots]
         if not src:
             return

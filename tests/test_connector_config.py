@@ -34,3 +34,21 @@ def test_shipped_vllm_stack_policies(tmp_path, monkeypatch):
     s = load_settings({"config": "gpu-cpu-nvme"})
     assert (s.eviction, s.nvme_eviction, s.offload) == ("nextuse", "lru", "lazy")
     assert s.nvme_path == str(tmp_path)
+
+
+def test_unknown_inline_key_is_an_error():
+    from kvtier.connector.config import load_settings
+    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['cpu_capcity'\]"):
+        load_settings({"cpu_capcity": "1GiB"})
+
+
+def test_admission_from_yaml_and_inline(tmp_path):
+    from kvtier.connector.config import load_settings
+    p = tmp_path / "stack.yaml"
+    p.write_text(f"tiers:\n  - {{name: cpu, kind: cpu, capacity_blocks: 40}}\n"
+                 f"  - {{name: nvme, kind: nvme, path: {tmp_path}/nv, capacity_blocks: 8, admission: second_hit}}\n"
+                 "policy: {eviction: lru, admission: all, params: {second_hit: {threshold: 2}}}\n")
+    s = load_settings({"config": str(p)})
+    assert (s.admission, s.nvme_admission, s.policy_params["second_hit"]) == ("all", "second_hit", {"threshold": 2})
+    s = load_settings({"config": str(p), "nvme_admission": "all", "admission": "second_hit"})
+    assert (s.admission, s.nvme_admission) == ("second_hit", "all")

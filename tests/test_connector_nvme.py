@@ -158,3 +158,33 @@ def test_write_behind_unreported_at_close_is_not_indexed(tmp_path):
     s, cpu, nv = sched(d)
     assert nv.restored_blocks == 0 and s.lookup(Req("b", r.tokens), 0) == 0
     s.close()
+
+
+def test_nvme_admission_second_hit(tmp_path):
+    """`second_hit` on the NVMe tier: a block's first store goes to DRAM only (counted); once it
+    has been seen before, it is written through to NVMe. The CPU tier admits everything."""
+    from kvtier.policies import ADMISSION
+    bb = 2 * H * BT * D2 * 4
+    cpu = SlotTier("cpu", 4, bb, EVICTION.get("lru")(4))
+    nv = NvmeControl("nvme", str(tmp_path / "nvme"), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
+    s = KVTierScheduler([cpu, nv], BT, admission=[ADMISSION.get("all")(), ADMISSION.get("second_hit")()])
+    w, c = worker(0)
+    r = Req("a", list(range(4 * BT + 1)))
+    ids = [1, 2, 3, 4, 5]
+    s.lookup(r, 0)
+    s.on_alloc(r, ids, 0)
+    step(s, w, [("a", r.num_tokens, ids)])
+    s.on_finished("a")
+    assert "store_planned_blocks.nvme" not in s.totals and cpu.num_resident == 4 and nv.num_resident == 0
+    assert s.totals["not_admitted_blocks.nvme"] == 4 and "not_admitted_blocks.cpu" not in s.totals
+    cpu.evict(list(cpu.iter_free_slots()))       # DRAM loses them; the same prefix comes back
+    r2 = Req("b", r.tokens)
+    assert s.lookup(r2, 0) == 0
+    s.on_alloc(r2, ids, 0)
+    step(s, w, [("b", r2.num_tokens, ids)])
+    assert s.totals["store_planned_blocks.nvme"] == 4 and len(nv.index) == 4
+    assert s.totals["not_admitted_blocks.nvme"] == 4 and s.totals["stored_blocks.nvme"] == 4
+    s.on_finished("b")
+    assert s.pinned_blocks() == 0
+    s.close()
+    w.close()
