@@ -113,6 +113,45 @@ def _sl(start: int, n: int, step: int) -> slice:
     return slice(start, stop if stop >= 0 else None, -1)
 
 
+def _layers_view(lay: "KVLayout") -> torch.Tensor | None:
+    """[layer, block, layer_bytes] uint8 view of all layers' KV when every layer's blocks are
+    contiguous rows of one storage and the layers are equally spaced in it; else None."""
+    ts = lay.tensors
+    lb = lay.layer_bytes[0]
+    if lay.device.type != "cpu" or any(f is None or f.stride(0) != lb for f in lay._flat):
+        return None
+    st = ts[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
+        return None
+    ptrs = [t.data_ptr() for t in ts]
+    d = ptrs[1] - ptrs[0] if len(ptrs) > 1 else lay.num_blocks * lb
+    if d <= 0 or any(b - a != d for a, b in zip(ptrs, ptrs[1:])):
+        return None
+    base = _bytes_storage(ts[0])
+    if (len(ts) - 1) * d + lay.num_blocks * lb > base.numel():
+        return None
+    return torch.as_strided(base, (len(ts), lay.num_blocks, lb), (d, lb, 1))
+
+
+def _copy_run_torch(kv3: torch.Tensor, rows: torch.Tensor, run: tuple, to_kv: bool) -> bool:
+    """One ascending run (blocks b0.., rows r0..) of every layer as one torch copy; False when
+    the run steps downwards (torch views have no negative strides: the numpy path takes it)."""
+    b0, r0, n, db, dr = run
+    if n > 1 and db == dr == -1:    # the same pairs, walked upwards
+        b0, r0 = b0 - n + 1, r0 - n + 1
+    elif n > 1 and (db != 1 or dr != 1):
+        return False
+    kv = kv3[:, b0:b0 + n]
+    rw = rows[r0:r0 + n].transpose(0, 1)
+    if kv.shape[-1] % 8 == 0:  # 8-byte elements: a wider inner loop than bytes
+        kv, rw = kv.view(torch.int64), rw.view(torch.int64)
+    if to_kv:
+        kv.copy_(rw)
+    else:
+        rw.copy_(kv)
+    return True
+
+
 def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over t's whole storage, starting at t's first element."""
     n = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
@@ -175,6 +214,11 @@ class KVTierWorker(Counting):
         self._runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay._flat)
         self._pool3 = [pool.buffer.view(n, len(lay.layer_bytes), lay.layer_bytes[0]).numpy()] if self._runs_ok else [None]
         self._flat_np = [f.numpy() for f in lay._flat] if self._runs_ok else []
+        # every layer's blocks as one strided [layer, block, bytes] view when the layers sit in one
+        # allocation at a fixed distance (vLLM's allocate_kv_cache): a run of blocks is then one
+        # torch copy over all layers, run by the OpenMP team that the forward uses
+        self._kv3 = _layers_view(lay) if self._runs_ok else None
+        self._pool3_t = [pool.buffer.view(n, len(lay.layer_bytes), lay.layer_bytes[0])] if self._kv3 is not None else [None]
         if lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
             self._stream = torch.cuda.Stream(device=lay.device)
         log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
@@ -224,7 +268,25 @@ class KVTierWorker(Counting):
                 self._copy_runs(li, rows3, runs, to_kv)
 
     def _copy_rows_parallel(self, jobs: list, to_kv: bool) -> None:
-        """Every layer of `jobs`, the layers split over the cores (numpy drops the GIL)."""
+        """Every layer of `jobs`: one torch copy per run over all layers when the KV layers are one
+        strided view (torch's OpenMP team splits it over the cores), else the layers split over
+        the cores in plain threads (numpy drops the GIL).
+
+        Why not plain threads first: on the CPU backend this runs right after vLLM's own torch
+        ops (input preparation before a load, the forward before a store), whose OpenMP worker
+        threads keep spinning for a while (libgomp's GOMP_SPINCOUNT); a second Python thread then
+        shares a core with a spinning OpenMP thread and the split copy runs at one core's speed."""
+        if self._kv3 is not None:
+            rest = []
+            for job in jobs:
+                rows3 = job[1]
+                rows_t = self._pool3_t[0] if rows3 is self._pool3[0] else torch.from_numpy(rows3)
+                left = [r for r in job[2] if not _copy_run_torch(self._kv3, rows_t, r, to_kv)]
+                if left:
+                    rest.append((job[0], rows3, left))
+            jobs = rest
+            if not jobs:
+                return
         L = len(self.layout.tensors)
         workers = min(os.cpu_count() or 1, L)
         futs = [_copier().submit(self._copy_rows, jobs, range(w, L, workers), to_kv) for w in range(1, workers)]

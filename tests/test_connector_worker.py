@@ -166,12 +166,15 @@ def test_runs_of_consecutive_blocks_and_slots():
     assert _runs([], []) == []
 
 
-def test_scattered_blocks_and_slots_round_trip():
-    """Blocks and slots in no order: the run-based copies still put every byte in its place."""
-    caches = cpu_layout_caches(layers=3)
+@pytest.mark.parametrize("one_buffer", [True, False])
+def test_scattered_blocks_and_slots_round_trip(one_buffer):
+    """Blocks and slots in no order, runs up, down and mixed: every byte lands in its place, both
+    with the layers in one allocation (one torch copy per run over all layers) and without (numpy
+    copies per layer)."""
+    caches = cpu_layout_caches(layers=3) if one_buffer else {f"l{i}": torch.randn(NB, H, BS, D2) for i in range(3)}
     w = KVTierWorker(lambda bb: 16, pin=False)
     w.register_kv_caches(caches)
-    assert w._runs_ok
+    assert w._runs_ok and (w._kv3 is not None) == one_buffer
     orig = {n: t.clone() for n, t in caches.items()}
     blocks, slots = [3, 4, 5, 9, 1, 2, 8, 7, 6], [7, 8, 9, 0, 15, 14, 1, 2, 3]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))

