@@ -1,12 +1,12 @@
 """The policy engine: turns the policies' answers into decisions over the tiers' cursors.
 
 It never touches bytes (that is the stack's data plane) and never reaches into a tier's
-internals: victims come from `iter_free_blocks`, in the order the eviction policy keeps.
+internals: victims come from the tier's cursor (`free_slots`, the batch form of
+`iter_free_blocks`), in the order the eviction policy keeps.
 """
 
 from __future__ import annotations
 
-from itertools import islice
 from typing import Any, Sequence
 
 from kvtier.policies import ADMISSION, EVICTION, PROMOTION, AdmissionPolicy, EvictionPolicy, RequestInfo
@@ -36,20 +36,23 @@ class PolicyEngine:
             name = t.admission or cfg.policy.admission
             self.admission.append(ADMISSION.get(name)(**_params(cfg, name)))
         self.promotion = PROMOTION.get(cfg.policy.promotion)(**_params(cfg, cfg.policy.promotion))
+        # admission policies that keep eviction history (others inherit the no-op on_evict)
+        self._evict_hooks = [type(a).on_evict is not AdmissionPolicy.on_evict for a in self.admission]
 
     def victims(self, tier_index: int, n: int) -> list[int]:
         """Up to `n` evictable slots of a tier, head of its cursor first."""
         if n <= 0:
             return []
-        return list(islice(self.tiers[tier_index].iter_free_slots(), n))
+        return self.tiers[tier_index].free_slots(n)
 
     def admit(self, tier_index: int, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[bool]:
         return self.admission[tier_index].admit(keys, info)
 
     def on_evict(self, tier_index: int, keys: Sequence[bytes]) -> None:
-        adm = self.admission[tier_index]
-        for k in keys:
-            adm.on_evict(k)
+        if self._evict_hooks[tier_index]:
+            on_evict = self.admission[tier_index].on_evict
+            for k in keys:
+                on_evict(k)
 
     def promote_target(self, hit_tier: int) -> int | None:
         return self.promotion.target(hit_tier, len(self.tiers))

@@ -58,7 +58,7 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
     slot_of = tier._slot_of  # read-only fast path (same dict lookup() walks)
     lookup, touch, free, hit = tier.lookup, tier.touch, tier.free_blocks, tier.hit
     allocate, commit, evict = tier.allocate, tier.commit, tier.evict
-    iter_free = tier.iter_free_slots
+    free_slots = tier.free_slots
     admit, on_evict = adm.admit, adm.on_evict
     admit_all = admission == "all"
     hits = refs = 0
@@ -108,12 +108,7 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
                 missing = missing[:room]
             need = len(missing) - tier.num_free_slots
             if need > 0:
-                vic = []
-                for s in iter_free():
-                    vic.append(s)
-                    if len(vic) == need:
-                        break
-                gone = evict(vic)
+                gone = evict(free_slots(need))
                 evictions += len(gone)
                 if not admit_all:
                     for g in gone:

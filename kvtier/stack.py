@@ -37,8 +37,11 @@ class Match:
 
     def segments(self) -> list[tuple[int, int, int]]:
         """Runs of consecutive blocks in one tier: (tier, start, end)."""
+        tier = self.tier
+        if not tier or tier.count(tier[0]) == len(tier):  # the common case: one tier
+            return [(tier[0], 0, len(tier))] if tier else []
         out: list[tuple[int, int, int]] = []
-        for i, t in enumerate(self.tier):
+        for i, t in enumerate(tier):
             if out and out[-1][0] == t:
                 out[-1] = (t, out[-1][1], i + 1)
             else:
@@ -72,6 +75,7 @@ class TierStack:
         self.metrics = StackMetrics()
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
         self._index = [t._slot_of for t in self.tiers]  # read-only fast path for lookups
+        self._tier_index = list(enumerate(self._index))
         self._names = [t.name for t in self.tiers]
         # blocks cleaned per write-back batch: cfg.writeback_bytes worth, at most a quarter of the tier
         self._writeback = [max(1, min(cfg.writeback_bytes // cfg.block_bytes, t.capacity_blocks // 4))
@@ -110,9 +114,9 @@ class TierStack:
         """Where each block of the present prefix lives (the topmost copy)."""
         tier_l: list[int] = []
         slot_l: list[int] = []
-        idx = self._index
+        idx = self._tier_index
         for k in keys:
-            for ti, d in enumerate(idx):
+            for ti, d in idx:
                 s = d.get(k)
                 if s is not None:
                     tier_l.append(ti)
@@ -123,13 +127,24 @@ class TierStack:
         return Match(tier_l, slot_l)
 
     # ---- leases ----------------------------------------------------------------------------
+    def _by_tier(self, blocks: Sequence[tuple[int, int]]) -> list[tuple[SlotTier, list[int]]]:
+        """(tier, its slots) for each tier with some of these (tier, slot) blocks."""
+        if len(self.tiers) == 1:
+            return [(self.tiers[0], [s for _, s in blocks])] if blocks else []
+        out = []
+        for ti, tier in enumerate(self.tiers):
+            slots = [s for t, s in blocks if t == ti]
+            if slots:
+                out.append((tier, slots))
+        return out
+
     def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
-        for ti, s in blocks:
-            self.tiers[ti].touch((s,))
+        for tier, slots in self._by_tier(blocks):
+            tier.touch(slots)
 
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
-        for ti, s in blocks:
-            self.tiers[ti].free_blocks((s,))
+        for tier, slots in self._by_tier(blocks):
+            tier.free_blocks(slots)
 
     def plan(self, request_id: str, keys: Sequence[bytes], start: int = 0) -> Lease:
         """Match keys[start:] and pin the matched blocks under a lease (idempotent per range)."""
@@ -192,12 +207,18 @@ class TierStack:
         return served
 
     def _promote(self, keys: Sequence[bytes], m: Match, n: int, dsts, info: RequestInfo) -> None:
+        tier_l = m.tier
+        if not any(tier_l[:n]):  # every block was served by the top tier
+            return
         by_target: dict[int, list[int]] = {}
+        targets: dict[int, int | None] = {}  # hit tier -> promotion target, asked once per call
         for i in range(n):
-            ti = m.tier[i]
+            ti = tier_l[i]
             if ti == 0:
                 continue
-            tgt = self.engine.promote_target(ti)
+            if ti not in targets:
+                targets[ti] = self.engine.promote_target(ti)
+            tgt = targets[ti]
             if tgt is not None and tgt < ti:
                 by_target.setdefault(tgt, []).append(i)
         for tgt, idxs in by_target.items():
@@ -217,8 +238,9 @@ class TierStack:
     def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor] | None = None,
             info: RequestInfo = _NO_INFO) -> int:
         """Store blocks that no tier holds yet into the top tier; returns blocks stored."""
-        idx = self._index
-        new = [i for i, k in enumerate(keys) if not any(k in d for d in idx)]
+        new: Sequence[int] = range(len(keys))
+        for d in self._index:
+            new = [i for i in new if keys[i] not in d]
         stored = 0
         for lo, hi in _runs(new):  # each run of consecutive chain positions, so info.start is right
             run_info = info if lo == 0 else replace(info, start=info.start + lo)
@@ -229,12 +251,15 @@ class TierStack:
                info: RequestInfo, admit: bool = True) -> int:
         tier = self.tiers[ti]
         name = self._names[ti]
+        resident = self._index[ti]
         if admit:
             verdict = self.engine.admit(ti, keys, info)
-            keep = [i for i, a in enumerate(verdict) if a and keys[i] not in tier]
-            self.metrics.not_admitted[name] += sum(1 for a in verdict if not a)
+            admitted: Sequence[int] = (range(len(verdict)) if all(verdict) else
+                                       [i for i, a in enumerate(verdict) if a])
+            self.metrics.not_admitted[name] += len(verdict) - len(admitted)
         else:
-            keep = [i for i, k in enumerate(keys) if k not in tier]
+            admitted = range(len(keys))
+        keep = [i for i in admitted if keys[i] not in resident]
         if not keep:
             return 0
         step = tier.capacity_blocks
@@ -250,7 +275,7 @@ class TierStack:
             keep = keep[:room]
         if not keep:
             return 0
-        slots = tier.allocate([keys[i] for i in keep], info)
+        slots = tier.allocate(keys if len(keep) == len(keys) else [keys[i] for i in keep], info)
         if self.with_data:
             if srcs is None:
                 raise ValueError("put without data on a stack built with data")
@@ -275,8 +300,8 @@ class TierStack:
         if not victims:
             return
         if ti + 1 < len(self.tiers):
-            lower, key_of = self.tiers[ti + 1]._slot_of, tier._key_of
-            if any(key_of[s] not in lower for s in victims):
+            lower, key_of = self._index[ti + 1], tier._key_of
+            if not lower.keys() >= {key_of[s] for s in victims}:  # some victim is dirty
                 # write back ahead: clean the next `writeback` victims in one batch (one sync,
                 # one index commit); they stay resident here and later leave without I/O
                 ahead = self.engine.victims(ti, max(need, self._writeback[ti]))
@@ -285,7 +310,7 @@ class TierStack:
 
     def _demote(self, ti: int, slots: Sequence[int]) -> None:
         """Write-back: copy blocks to the next tier (admission permitting); they stay here."""
-        tier, lower = self.tiers[ti], self.tiers[ti + 1]._slot_of
+        tier, lower = self.tiers[ti], self._index[ti + 1]
         key_of = tier._key_of
         slots = [s for s in slots if key_of[s] not in lower]
         if not slots:
@@ -336,7 +361,9 @@ class TierStack:
 
 
 def _runs(positions: list[int]) -> list[tuple[int, int]]:
-    """[2,3,4,7,8] -> [(2,5), (7,9)]."""
+    """[2,3,4,7,8] -> [(2,5), (7,9)] (positions ascending)."""
+    if not positions or positions[-1] - positions[0] == len(positions) - 1:  # one run, or none
+        return [(positions[0], positions[-1] + 1)] if positions else []
     out: list[tuple[int, int]] = []
     for p in positions:
         if out and out[-1][1] == p:

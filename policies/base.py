@@ -67,6 +67,22 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victims(self, after: int | None = None) -> Iterator[int]: ...
 
+    def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        """on_remove for each (slot, key), in order (a batch; overridable)."""
+        for s, k in zip(slots, keys):
+            self.on_remove(s, k)
+
+    def take_victims(self, n: int, pinned: Sequence[int]) -> list[int]:
+        """The first `n` slots of victims() whose `pinned[slot]` is 0 (a batch; overridable)."""
+        out: list[int] = []
+        if n > 0:
+            for s in self.victims(None):
+                if not pinned[s]:
+                    out.append(s)
+                    if len(out) >= n:
+                        break
+        return out
+
     def contains(self, slot: int) -> bool:  # pragma: no cover - optional
         raise NotImplementedError
 

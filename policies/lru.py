@@ -17,9 +17,7 @@ class LRU(EvictionPolicy):
         self._list = SlotList(capacity)
 
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
-        push = self._list.push
-        for s in slots:
-            push(s)
+        self._list.extend(slots)
 
     def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
         mv = self._list.move_to_tail
@@ -29,8 +27,18 @@ class LRU(EvictionPolicy):
     def on_remove(self, slot: int, key: bytes) -> None:
         self._list.unlink(slot)
 
+    def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        unlink = self._list.unlink
+        for s in slots:
+            unlink(s)
+
     def victims(self, after: int | None = None) -> Iterator[int]:
         return self._list.iter_from(after)
+
+    def take_victims(self, n: int, pinned: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        self._list.take(n, pinned, out)
+        return out
 
     def contains(self, slot: int) -> bool:
         return slot in self._list

@@ -187,23 +187,17 @@ class NextUse(EvictionPolicy):
 
     def _age(self) -> None:
         """Move blocks whose age crossed their bucket's upper edge into the next bucket."""
-        lists, tacc, vt, edges, nb = self.lists, self.tacc, self.vt, self.edges, self.nb
+        lists, nxt, tacc, vt, edges, nb = self.lists, self.nxt, self.tacc, self.vt, self.edges, self.nb
         for c in range(self.nc):
             off = 1 + c * nb
             for b in range(nb - 2, -1, -1):
-                src, dst = lists[off + b], lists[off + b + 1]
+                src = lists[off + b]
                 lim = vt - edges[b + 1]
-                h = src.head
+                h, last, k = src.head, _NIL, 0
                 while h != _NIL and tacc[h] <= lim:
-                    src.unlink(h)
-                    dst.push(h)
-                    h = src.head
-
-    def _place(self, s: int, c: int) -> None:
-        self.cls[s] = c
-        self.tacc[s] = self.vt
-        self.N[c] += 1.0
-        self.lists[1 + c * self.nb].push(s)
+                    last, h, k = h, nxt[h], k + 1
+                if k:
+                    src.move_head_run(lists[off + b + 1], last, k)
 
     # ---- interface -----------------------------------------------------------------------
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
@@ -213,17 +207,19 @@ class NextUse(EvictionPolicy):
         n = len(slots)
         self.vt += n
         vt = self.vt
-        ghost, slot_of, nc, H = self.ghost, self.slot_of, self.nc, self.H
-        check_partial = self.doom_partial and info.num_tokens and info.block_tokens
-        order = range(n - 1, -1, -1) if self.leaf_first else range(n)
-        R = self.R
-        for i in order:
+        ghost, nc, nb, H, R = self.ghost, self.nc, self.nb, self.H, self.R
+        hits, tip, cls, tacc, N = self.hits, self.tip, self.cls, self.tacc, self.N
+        bt, ntok = info.block_tokens, info.num_tokens
+        check_partial = self.doom_partial and ntok and bt   # then block pos is full iff (pos+1)*bt <= ntok
+        self.slot_of.update(zip(keys, slots))
+        c0 = d if d < nc else nc - 1        # the class of a block without history
+        first: list[int] = []               # new slots of c0's youngest cell, in push order
+        other: dict[int, list[int]] = {}    # the other cells' new slots (keys are unique)
+        for i in (range(n - 1, -1, -1) if self.leaf_first else range(n)):
             s, k = slots[i], keys[i]
-            slot_of[k] = s
-            pos = start + i
-            g = ghost.pop(k, None)
-            h = 0
-            if g is not None:
+            tacc[s] = vt
+            if k in ghost:
+                g = ghost.pop(k)
                 age = vt - g[1]
                 if age < H:
                     R[g[0]][self._bucket(age)] += 1.0
@@ -231,15 +227,31 @@ class NextUse(EvictionPolicy):
                         e = self.E[g[0]]
                         e[g[4]] = max(0.0, e[g[4]] - 1.0)
                 h = g[3] + 1
-            self.hits[s] = h
-            self.tip[s] = d if pos == tip_pos else (g[2] if g is not None else -1)
-            if check_partial and not info.is_full(pos):
-                self.cls[s] = 0
-                self.tacc[s] = vt
-                self.lists[0].push(s)
+                hits[s] = h
+                tip[s] = g[2]
+                c = d if d > h else h
+                if c >= nc:
+                    c = nc - 1
+            else:
+                hits[s] = 0
+                tip[s] = -1
+                c = c0
+            if check_partial and (start + i + 1) * bt > ntok:
+                cls[s] = 0
+                other.setdefault(0, []).append(s)
                 continue
-            c = d if d > h else h
-            self._place(s, c if c < nc else nc - 1)
+            cls[s] = c
+            N[c] += 1.0
+            if c == c0:
+                first.append(s)
+            else:
+                other.setdefault(1 + c * nb, []).append(s)
+        if start <= tip_pos < start + n:
+            tip[slots[tip_pos - start]] = d
+        lists = self.lists
+        lists[1 + c0 * nb].extend(first)
+        for cell, run in other.items():
+            lists[cell].extend(run)
         if vt - self._aged_at >= self._age_step:  # ages move in batches: each edge is wide
             self._aged_at = vt
             self._age()
@@ -249,47 +261,73 @@ class NextUse(EvictionPolicy):
         d = self._request_depth(info) if info.keys else 0
         tip_pos = self._tip_pos(info) if info.keys else -1
         tip_key = info.keys[tip_pos] if tip_pos >= 0 else None
-        member, lists, tacc, vt, nc, R = self.member, self.lists, self.tacc, self.vt, self.nc, self.R
-        order = reversed(slots) if self.leaf_first else slots
-        slot_of = self.slot_of
-        ts = slot_of.get(tip_key) if tip_key is not None else None
-        for s in order:
+        member, lists, tacc, vt, nc, nb, H, R = self.member, self.lists, self.tacc, self.vt, self.nc, self.nb, self.H, self.R
+        cls, hits, N = self.cls, self.hits, self.N
+        ts = self.slot_of.get(tip_key) if tip_key is not None else None
+        for s in (reversed(slots) if self.leaf_first else slots):
             t = member[s]
             if t == 0:
                 continue
             lists[t - 1].unlink(s)
             if t > 1:
                 age = vt - tacc[s]
-                if age < self.H:
-                    R[self.cls[s]][self._bucket(age)] += 1.0
-            h = self.hits[s] + 1
-            self.hits[s] = h
+                if age < H:
+                    R[cls[s]][self._bucket(age)] += 1.0
+            h = hits[s] + 1
+            hits[s] = h
             if s == ts:
                 self.tip[s] = d
-            if t == 1:   # doomed block reused after all: treat it like any other
-                pass
+            # placed like a new access (a doomed block, t == 1, reused after all too)
             c = d if d > h else h
-            self._place(s, c if c < nc else nc - 1)
+            if c >= nc:
+                c = nc - 1
+            cls[s] = c
+            tacc[s] = vt
+            N[c] += 1.0
+            lists[1 + c * nb].push(s)
 
     def on_remove(self, slot: int, key: bytes) -> None:
-        t = self.member[slot]
-        if t:
-            self.lists[t - 1].unlink(slot)
-            self.slot_of.pop(key, None)
-            if t > 1:
-                g = self.ghost
-                c, ta = self.cls[slot], self.tacc[slot]
-                if self.observed:
-                    b = self._bucket(self.vt - ta)
-                    self.E[c][b] += 1.0
-                    g[key] = (c, ta, self.tip[slot], self.hits[slot], b)
-                else:
-                    g[key] = (c, ta, self.tip[slot], self.hits[slot])
-                if len(g) > self.ghost_cap:
-                    g.popitem(last=False)
+        self.on_remove_many((slot,), (key,))
+
+    def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        member, lists, slot_of, ghost, cap = self.member, self.lists, self.slot_of, self.ghost, self.ghost_cap
+        cls, tacc, tip, hits, observed = self.cls, self.tacc, self.tip, self.hits, self.observed
+        for s, k in zip(slots, keys):
+            t = member[s]
+            if not t:
+                continue
+            lists[t - 1].unlink(s)
+            slot_of.pop(k, None)
+            if t == 1:
+                continue  # doomed blocks leave no ghost
+            c, ta = cls[s], tacc[s]
+            if observed:
+                b = self._bucket(self.vt - ta)
+                self.E[c][b] += 1.0
+                ghost[k] = (c, ta, tip[s], hits[s], b)
+            else:
+                ghost[k] = (c, ta, tip[s], hits[s])
+            if len(ghost) > cap:
+                ghost.popitem(last=False)
 
     def contains(self, slot: int) -> bool:
         return self.member[slot] != 0
+
+    def take_victims(self, n: int, pinned: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        if n <= 0:
+            return out
+        append, lists, nxt = out.append, self.lists, self.nxt
+        for cell in self._order:  # the walk of victims(None), inlined: this runs per write-back
+            s = lists[cell].head
+            while s != _NIL:
+                if not pinned[s]:
+                    append(s)
+                    n -= 1
+                    if not n:
+                        return out
+                s = nxt[s]
+        return out
 
     def victims(self, after: int | None = None) -> Iterator[int]:
         lists, nxt, order = self.lists, self.nxt, self._order

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator, Sequence
 
 _NIL = -1
 
@@ -56,6 +56,63 @@ class SlotList:
             self.prev[n] = p
         self.member[slot] = 0
         self.size -= 1
+
+    def extend(self, slots: Iterable[int]) -> None:
+        """Append `slots` at the tail, in order (one push each, without the calls)."""
+        prev, nxt, member, tag = self.prev, self.nxt, self.member, self.tag
+        t, n = self.tail, 0
+        for s in slots:
+            prev[s] = t
+            if t == _NIL:
+                self.head = s
+            else:
+                nxt[t] = s
+            member[s] = tag
+            t = s
+            n += 1
+        if n:
+            nxt[t] = _NIL
+            self.tail = t
+            self.size += n
+
+    def move_head_run(self, dst: "SlotList", last: int, count: int) -> None:
+        """Move the first `count` slots (head .. `last`) to the tail of `dst`, in order."""
+        prev, nxt, member, tag = self.prev, self.nxt, self.member, dst.tag
+        first = self.head
+        s = first
+        for _ in range(count):
+            member[s] = tag
+            s = nxt[s]
+        self.head = s
+        if s == _NIL:
+            self.tail = _NIL
+        else:
+            prev[s] = _NIL
+        self.size -= count
+        t = dst.tail
+        prev[first] = t
+        if t == _NIL:
+            dst.head = first
+        else:
+            nxt[t] = first
+        nxt[last] = _NIL
+        dst.tail = last
+        dst.size += count
+
+    def take(self, n: int, pinned: Sequence[int], out: list[int]) -> int:
+        """Append to `out` up to `n` slots, head first, whose `pinned` count is 0; returns how many."""
+        if n <= 0:
+            return 0
+        nxt, append = self.nxt, out.append
+        s, left = self.head, n
+        while s != -1:  # _NIL, spelled as a constant in this hot loop
+            if not pinned[s]:
+                append(s)
+                left -= 1
+                if not left:
+                    break
+            s = nxt[s]
+        return n - left
 
     def move_to_tail(self, slot: int) -> None:
         if self.tail != slot:

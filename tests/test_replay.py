@@ -69,3 +69,36 @@ def test_bad_trace_line(tmp_path, capsys):
     assert main(["replay", "--trace", str(t), "--no-data", "--capacity-blocks", "4"]) == 2
     err = capsys.readouterr().err
     assert "t.jsonl:2:" in err and "input_length" in err
+
+
+# Exact results of metadata replays (first 3000 requests), recorded before the replay fast paths:
+# hit blocks, hit tokens, then per tier (hit blocks, promoted in, demoted in, evicted). Any change
+# here means a policy, tier or stack change altered decisions, not just speed.
+PINNED = {
+    "two-tier": [5036, 2577504, [3833, 1203, 0, 76274], [1203, 0, 77337, 75289]],
+    "nextuse": [3840, 1966080, [3840, 0, 0, 76279]],
+    "lru": [3071, 1572352, [3071, 0, 0, 77048]],
+    "arc": [3545, 1815040, [3545, 0, 0, 76574]],
+    "s3fifo": [3708, 1898496, [3708, 0, 0, 76408]],
+    "pslru": [4498, 2302976, [4498, 0, 0, 75489]],
+}
+
+
+@pytest.mark.parametrize("case", sorted(PINNED))
+def test_replay_results_are_pinned(tmp_path, capsys, trace_path, case):
+    if case == "two-tier":  # the shipped cpu-nvme shape (nextuse over lru, write-back), scaled down
+        cfg = tmp_path / "s.yaml"
+        cfg.write_text(f"""
+block_bytes: 256KiB
+tiers:
+  - {{name: cpu, kind: cpu, capacity_blocks: 512}}
+  - {{name: nvme, kind: nvme, path: {tmp_path}/nvme, capacity_blocks: 2048, eviction: lru}}
+policy: {{eviction: nextuse, admission: all, promotion: inclusive}}
+""")
+        args = ["--config", str(cfg)]
+    else:
+        args = ["--capacity-blocks", "500", "--policy", case]
+    d = run_json(capsys, "--trace", str(trace_path), "--limit", "3000", "--no-data", "--no-belady", *args)
+    got = [d["hit_blocks"], d["hit_tokens"]] + [[t["hit_blocks"], t["promoted_in"], t["demoted_in"], t["evicted"]]
+                                                 for t in d["per_tier"]]
+    assert got == PINNED[case]

@@ -150,49 +150,66 @@ class SlotTier:
                 yield BlockView(s, 0, keys[s], False)
 
     def iter_free_slots(self) -> Iterator[int]:
-        """Fast path of iter_free_blocks for the engine: slot ids only."""
+        """Fast path of iter_free_blocks: slot ids only."""
         ref = self._ref
         for s in self.eviction.victims(None):
             if ref[s] == 0:
                 yield s
 
+    def free_slots(self, n: int) -> list[int]:
+        """The first `n` slots of iter_free_slots(), as a list (the engine's batch path)."""
+        return self.eviction.take_victims(n, self._ref)
+
     # ---- allocation --------------------------------------------------------------------
     def allocate(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[int]:
         """Reserve a pinned, invisible slot per key; commit() publishes them."""
-        if len(keys) > len(self._free):
-            raise TierFull(f"tier {self.name!r}: {len(keys)} blocks asked, {len(self._free)} slots free")
-        slots = []
-        for k in keys:
-            if k in self._slot_of:
-                raise ValueError(f"tier {self.name!r}: key {k.hex()} is already resident")
-            s = self._free.pop()
-            self._state[s] = _PENDING
-            self._key_of[s] = k
-            self._ref[s] = 1
-            self._pending.add(s)
-            slots.append(s)
+        free, slot_of = self._free, self._slot_of
+        if len(keys) > len(free):
+            raise TierFull(f"tier {self.name!r}: {len(keys)} blocks asked, {len(free)} slots free")
+        if not slot_of.keys().isdisjoint(keys):
+            k = next(k for k in keys if k in slot_of)
+            raise ValueError(f"tier {self.name!r}: key {k.hex()} is already resident")
+        cut = len(free) - len(keys)
+        slots = free[cut:]
+        slots.reverse()             # the order free.pop() would give them in
+        del free[cut:]
+        state, key_of, ref = self._state, self._key_of, self._ref
+        for s, k in zip(slots, keys):
+            state[s] = _PENDING
+            key_of[s] = k
+            ref[s] = 1
+        self._pending.update(slots)
         return slots
 
     def commit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
         """Pending -> resident: visible to lookup, evictable once unpinned."""
-        for s in slots:
-            if self._state[s] != _PENDING:
-                raise ValueError(f"tier {self.name!r}: commit of slot {s} that is not pending")
+        state = self._state
+        if not self._pending.issuperset(slots):  # the fast check; this loop finds the culprit
+            for s in slots:
+                if state[s] != _PENDING:
+                    raise ValueError(f"tier {self.name!r}: commit of slot {s} that is not pending")
         self._on_commit(slots)
-        keys = []
-        for s in slots:
-            k = self._key_of[s]
-            old = self._slot_of.get(k)
-            if old is not None:  # a twin committed meanwhile: keep the old one
-                self._release(s)
-                continue
-            self._pending.discard(s)
-            self._state[s] = _RESIDENT
-            self._slot_of[k] = s
-            self._ref[s] -= 1
-            keys.append(s)
-        if keys:
-            self.eviction.on_insert(keys, [self._key_of[s] for s in keys], info)
+        slot_of, key_of, ref = self._slot_of, self._key_of, self._ref
+        keys = [key_of[s] for s in slots]
+        new = list(slots)
+        if not slot_of.keys().isdisjoint(keys) or len(set(keys)) < len(keys):
+            new, keys = [], []
+            for s in slots:
+                k = key_of[s]
+                if k in slot_of:  # a twin committed meanwhile: keep the old one
+                    self._release(s)
+                    continue
+                slot_of[k] = s
+                new.append(s)
+                keys.append(k)
+        else:
+            slot_of.update(zip(keys, slots))
+        for s in new:
+            state[s] = _RESIDENT
+            ref[s] -= 1
+        if new:
+            self._pending.difference_update(new)
+            self.eviction.on_insert(new, keys, info)
 
     def abort(self, slots: Sequence[int]) -> None:
         """Pending -> free (the write failed or was cancelled)."""
@@ -209,19 +226,22 @@ class SlotTier:
 
     def evict(self, block_ids: Sequence[int]) -> list[bytes]:
         """Drop resident, unpinned blocks; returns their keys."""
-        for s in block_ids:
-            if self._state[s] != _RESIDENT:
-                raise ValueError(f"tier {self.name!r}: evict of slot {s} that is not resident")
-            if self._ref[s]:
-                raise ValueError(f"tier {self.name!r}: evict of pinned slot {s} (ref_cnt {self._ref[s]})")
-        self._on_evict(block_ids)
+        state, ref, key_of = self._state, self._ref, self._key_of
         out = []
         for s in block_ids:
-            k = self._key_of[s]
-            del self._slot_of[k]
-            self.eviction.on_remove(s, k)
-            self._release(s)
-            out.append(k)
+            if state[s] != _RESIDENT:
+                raise ValueError(f"tier {self.name!r}: evict of slot {s} that is not resident")
+            if ref[s]:
+                raise ValueError(f"tier {self.name!r}: evict of pinned slot {s} (ref_cnt {ref[s]})")
+            out.append(key_of[s])
+        self._on_evict(block_ids)
+        slot_of = self._slot_of
+        for s, k in zip(block_ids, out):  # resident and unpinned: releasing is state + key only
+            del slot_of[k]
+            state[s] = _FREE
+            key_of[s] = None
+        self.eviction.on_remove_many(block_ids, out)
+        self._free.extend(block_ids)
         return out
 
     def _restore(self, entries: Sequence[tuple[int, bytes]]) -> None:
