@@ -6,8 +6,9 @@ layer's block copied as raw bytes, so the attention backend's inner layout never
 Loads run in `start_load_kv` (NVMe reads and checksums there; with a GPU the copies into vLLM's
 KV then run layer by layer on a loader thread and `wait_for_layer_load` waits for its layer; on
 the CPU backend they run at once, on the calling thread), stores in `wait_for_save`
-(after the forward that wrote them); both are batched copies over cached per-block views
-(memcpy split over the cores on the CPU backend). With CUDA, copies run on a side stream
+(after the forward that wrote them). On the CPU backend a run of consecutive (block, slot)
+pairs is one strided torch copy over all layers (numpy per layer where the layers are not one
+allocation or a run goes up on one side and down on the other). With CUDA, copies run on a side stream
 into pinned host memory.
 
 NVMe write-through is write-behind: `wait_for_save` copies the step's blocks into CPU slots and
@@ -134,8 +135,8 @@ def _layers_view(lay: "KVLayout") -> torch.Tensor | None:
 
 
 def _copy_run_torch(kv3: torch.Tensor, rows: torch.Tensor, run: tuple, to_kv: bool) -> bool:
-    """One ascending run (blocks b0.., rows r0..) of every layer as one torch copy; False when
-    the run steps downwards (torch views have no negative strides: the numpy path takes it)."""
+    """One run (blocks b0.., rows r0..) of every layer as one torch copy; False when the run goes
+    up on one side and down on the other (torch views have no negative strides: numpy takes it)."""
     b0, r0, n, db, dr = run
     if n > 1 and db == dr == -1:    # the same pairs, walked upwards
         b0, r0 = b0 - n + 1, r0 - n + 1
