@@ -22,7 +22,7 @@ from typing import Any, Iterable, Sequence
 from kvtier.keys import GROUP_ID_BYTES
 from kvtier.leases import LeaseTable
 from kvtier.policies.base import _NO_INFO, AdmissionPolicy, RequestInfo
-from kvtier.tiers.base import SlotTier
+from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
 
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta, LoadOp, NvmeWriteOp, StoreOp
 
@@ -61,6 +61,7 @@ class KVTierScheduler(Counting):
         self.offload = offload
         self.max_blocks_per_step = max_blocks_per_step if max_blocks_per_step and max_blocks_per_step > 0 else None
         self.promote = promote
+        self._index = [t._slot_of for t in self.tiers]   # read-only fast path over the tiers' indexes
         adm = list(admission or [])
         self.admission: list[AdmissionPolicy | None] = [a if a is None or a.name != "all" else None
                                                         for a in adm + [None] * (len(self.tiers) - len(adm))]
@@ -81,21 +82,12 @@ class KVTierScheduler(Counting):
         self._init_counters()
 
     # ---- pins over (tier, slot) ------------------------------------------------------
-    def _by_tier(self, blocks: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for t, s in blocks:
-            lst = out.get(t)
-            if lst is None:
-                lst = out[t] = []
-            lst.append(s)
-        return out
-
     def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
-        for t, slots in self._by_tier(blocks).items():
+        for t, slots in group_by_tier(blocks).items():
             self.tiers[t].touch(slots)
 
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
-        for t, slots in self._by_tier(blocks).items():
+        for t, slots in group_by_tier(blocks).items():
             self.tiers[t].free_blocks(slots)
 
     # ---- requests ----------------------------------------------------------------------
@@ -111,13 +103,6 @@ class KVTierScheduler(Counting):
             sfx = self._suffix
             r.keys.extend(bytes(h) + sfx for h in hashes[len(r.keys):])
         return r
-
-    def _find(self, key: bytes) -> tuple[int, int] | None:
-        for i, t in enumerate(self.tiers):
-            s = t.find(key)
-            if s is not None:
-                return i, s
-        return None
 
     # ---- lookup / lease ----------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int) -> int:
@@ -138,24 +123,7 @@ class KVTierScheduler(Counting):
         r.hit_blocks = start
         lease = self.leases.get(r.req_id, start, want)
         if lease is None:
-            blocks = []
-            index = [t._slot_of for t in self.tiers]   # read-only fast path over the tiers' indexes
-            if len(index) == 1:
-                d = index[0]
-                for k in want:
-                    slot = d.get(k)
-                    if slot is None:
-                        break
-                    blocks.append((0, slot))
-            else:
-                for k in want:
-                    for ti, d in enumerate(index):
-                        slot = d.get(k)
-                        if slot is not None:
-                            blocks.append((ti, slot))
-                            break
-                    else:
-                        break
+            blocks = list(zip(*match_prefix(self._index, want)))
             if not blocks:
                 self.leases.release(r.req_id)
                 return 0
@@ -228,6 +196,9 @@ class KVTierScheduler(Counting):
         for ops in self._load_plan.values():
             meta.loads.extend(ops)
         self._load_plan.clear()
+        if self.nvme_dir is not None:  # the worker opens the data plane from it (loads and stores)
+            meta.nvme_dir = self.nvme_dir
+            meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
         self.leases.expire()
         if self.store_enabled:
             self._plan_stores(scheduled, meta)
@@ -243,9 +214,6 @@ class KVTierScheduler(Counting):
             r.block_ids.extend(new_ids)
 
     def _plan_stores(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]], meta: KVTierMetadata) -> None:
-        if self.nvme_dir is not None:
-            meta.nvme_dir = self.nvme_dir
-            meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
         if self.offload == "lazy" and self.gpu is not None:
             self._plan_lazy(meta)
             return
@@ -346,7 +314,7 @@ class KVTierScheduler(Counting):
         need = n - tier.num_free_slots
         if need <= 0:
             return
-        victims = list(itertools.islice(tier.iter_free_slots(), need))
+        victims = tier.free_slots(need)
         if not victims:
             return
         pol = self.admission[t]

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from kvtier.policies.base import RequestInfo, _NO_INFO
-from kvtier.tiers.base import SlotTier
+from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
 
 from .config import StackConfig, load_config
 from .engine import PolicyEngine, make_eviction
@@ -75,7 +75,6 @@ class TierStack:
         self.metrics = StackMetrics()
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
         self._index = [t._slot_of for t in self.tiers]  # read-only fast path for lookups
-        self._tier_index = list(enumerate(self._index))
         self._names = [t.name for t in self.tiers]
         # blocks cleaned per write-back batch: cfg.writeback_bytes worth, at most a quarter of the tier
         self._writeback = [max(1, min(cfg.writeback_bytes // cfg.block_bytes, t.capacity_blocks // 4))
@@ -112,39 +111,16 @@ class TierStack:
 
     def match(self, keys: Sequence[bytes]) -> Match:
         """Where each block of the present prefix lives (the topmost copy)."""
-        tier_l: list[int] = []
-        slot_l: list[int] = []
-        idx = self._tier_index
-        for k in keys:
-            for ti, d in idx:
-                s = d.get(k)
-                if s is not None:
-                    tier_l.append(ti)
-                    slot_l.append(s)
-                    break
-            else:
-                break
-        return Match(tier_l, slot_l)
+        return Match(*match_prefix(self._index, keys))
 
     # ---- leases ----------------------------------------------------------------------------
-    def _by_tier(self, blocks: Sequence[tuple[int, int]]) -> list[tuple[SlotTier, list[int]]]:
-        """(tier, its slots) for each tier with some of these (tier, slot) blocks."""
-        if len(self.tiers) == 1:
-            return [(self.tiers[0], [s for _, s in blocks])] if blocks else []
-        out = []
-        for ti, tier in enumerate(self.tiers):
-            slots = [s for t, s in blocks if t == ti]
-            if slots:
-                out.append((tier, slots))
-        return out
-
     def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
-        for tier, slots in self._by_tier(blocks):
-            tier.touch(slots)
+        for ti, slots in group_by_tier(blocks).items():
+            self.tiers[ti].touch(slots)
 
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
-        for tier, slots in self._by_tier(blocks):
-            tier.free_blocks(slots)
+        for ti, slots in group_by_tier(blocks).items():
+            self.tiers[ti].free_blocks(slots)
 
     def plan(self, request_id: str, keys: Sequence[bytes], start: int = 0) -> Lease:
         """Match keys[start:] and pin the matched blocks under a lease (idempotent per range)."""

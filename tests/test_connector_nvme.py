@@ -188,3 +188,35 @@ def test_nvme_admission_second_hit(tmp_path):
     assert s.pinned_blocks() == 0
     s.close()
     w.close()
+
+
+def test_load_only_scheduler_still_names_the_nvme_dir(tmp_path):
+    """With stores off (`store: off`), a step that only loads from NVMe still tells the worker
+    where the data file is, so a fresh worker serves the restored blocks."""
+    d = tmp_path / "nvme"
+    r = Req("a", list(range(3 * BT + 1)))
+    s, cpu, nv = sched(d)
+    w, c = worker(0)
+    s.lookup(r, 0)
+    s.on_alloc(r, [1, 2, 3, 4], 0)
+    step(s, w, [("a", r.num_tokens, [1, 2, 3, 4])])
+    want = [torch.cat([c[n][b].reshape(-1).view(torch.uint8) for n in c]) for b in (1, 2, 3)]
+    s.close()
+    w.close()
+
+    bb = 2 * H * BT * D2 * 4
+    cpu = SlotTier("cpu", 8, bb, EVICTION.get("lru")(8))
+    nv = NvmeControl("nvme", str(d), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
+    s = KVTierScheduler([cpu, nv], BT, store=False)
+    w, c = worker(1)
+    r2 = Req("b", r.tokens)
+    assert s.lookup(r2, 0) == 3 * BT
+    s.on_alloc(r2, [9, 10, 11, 12], 3 * BT)
+    meta = step(s, w, [("b", r2.num_tokens, [9, 10, 11, 12])])
+    assert meta.nvme_dir == nv.dir and not meta.stores
+    assert w.take_load_errors() == set() and w.totals["blocks_loaded.nvme"] == 3
+    got = [torch.cat([c[n][b].reshape(-1).view(torch.uint8) for n in c]) for b in (9, 10, 11)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    s.on_finished("b")
+    s.close()
+    w.close()

@@ -9,7 +9,7 @@ being written) -> commit() -> resident (visible; evictable when ref_cnt == 0) ->
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
 
@@ -44,6 +44,42 @@ class TierProtocol(Protocol):
     def iter_free_blocks(self, after: BlockView | int | None = None) -> Iterator[BlockView]: ...
     def allocate(self, keys: Sequence[bytes]) -> list[int]: ...
     def evict(self, block_ids: Sequence[int]) -> list[bytes]: ...
+
+
+def match_prefix(indexes: Sequence[dict[bytes, int]], keys: Iterable[bytes]) -> tuple[list[int], list[int]]:
+    """(tier indices, slots) of the longest prefix of `keys` found in `indexes` (each tier's
+    key -> slot map, top tier first); a block in several tiers is taken from the topmost."""
+    tiers: list[int] = []
+    slots: list[int] = []
+    if len(indexes) == 1:
+        d = indexes[0]
+        for k in keys:
+            s = d.get(k)
+            if s is None:
+                break
+            slots.append(s)
+        return [0] * len(slots), slots
+    for k in keys:
+        for ti, d in enumerate(indexes):
+            s = d.get(k)
+            if s is not None:
+                tiers.append(ti)
+                slots.append(s)
+                break
+        else:
+            break
+    return tiers, slots
+
+
+def group_by_tier(blocks: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
+    """(tier, slot) pairs -> {tier: its slots, in order}."""
+    out: dict[int, list[int]] = {}
+    for t, s in blocks:
+        lst = out.get(t)
+        if lst is None:
+            lst = out[t] = []
+        lst.append(s)
+    return out
 
 
 class SlotTier:
