@@ -27,6 +27,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 
+from kvtier.engine import policy_params
 from kvtier.policies import ADMISSION, EVICTION
 from kvtier.tiers.base import SlotTier
 
@@ -73,11 +74,6 @@ def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int, int]:
     return int(spec.page_size_bytes) * len(g.layer_names), int(spec.block_size), len(groups)
 
 
-def _params(params: dict, name: str) -> dict:
-    p = params.get(name, {})
-    return p if isinstance(p, dict) else {}
-
-
 class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -104,18 +100,20 @@ class KVTierConnector(KVConnectorBase_V1):
             log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier fails to load (I/O error, "
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         if role == KVConnectorRole.SCHEDULER:
+            def eviction(name: str, capacity: int):
+                return EVICTION.get(name)(capacity, **policy_params(st.policy_params, name))
+
             tiers: list[SlotTier] = []
             if self.enabled:
-                ev = EVICTION.get(st.eviction)(cpu_blocks)
-                tiers.append(SlotTier("cpu", cpu_blocks, bb, ev))
+                tiers.append(SlotTier("cpu", cpu_blocks, bb, eviction(st.eviction, cpu_blocks)))
                 if st.nvme_path:
                     from .nvme import NvmeControl
                     n = st.nvme_blocks(bb)
-                    tiers.append(NvmeControl("nvme", st.nvme_path, n, bb, EVICTION.get(st.nvme_eviction or st.eviction)(n),
+                    tiers.append(NvmeControl("nvme", st.nvme_path, n, bb, eviction(st.nvme_eviction or st.eviction, n),
                                              fingerprint=self._fingerprint(vllm_config, bb),
                                              on_mismatch=st.nvme_on_mismatch))
             names = [st.admission, st.nvme_admission or st.admission][:len(tiers)]
-            admission = [ADMISSION.get(n)(**_params(st.policy_params, n)) for n in names]
+            admission = [ADMISSION.get(n)(**policy_params(st.policy_params, n)) for n in names]
             self.sched = KVTierScheduler(tiers, self.block_tokens, group_id=0,
                                          store=st.store == "eager" and self.enabled,
                                          lease_timeout_s=st.lease_timeout_s, offload="eager",

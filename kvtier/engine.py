@@ -15,14 +15,15 @@ from kvtier.policies.base import _NO_INFO
 from .config import StackConfig, TierConfig
 
 
-def _params(cfg: StackConfig, name: str) -> dict[str, Any]:
-    p = cfg.policy.params.get(name, {})
+def policy_params(params: dict[str, Any], name: str) -> dict[str, Any]:
+    """The keyword arguments YAML `policy.params` gives policy `name` (none when not a mapping)."""
+    p = params.get(name, {})
     return p if isinstance(p, dict) else {}
 
 
 def make_eviction(cfg: StackConfig, tcfg: TierConfig, capacity: int) -> EvictionPolicy:
     name = tcfg.eviction or cfg.policy.eviction
-    return EVICTION.get(name)(capacity, **_params(cfg, name))
+    return EVICTION.get(name)(capacity, **policy_params(cfg.policy.params, name))
 
 
 class PolicyEngine:
@@ -34,8 +35,8 @@ class PolicyEngine:
         self.admission: list[AdmissionPolicy] = []
         for t in storage:
             name = t.admission or cfg.policy.admission
-            self.admission.append(ADMISSION.get(name)(**_params(cfg, name)))
-        self.promotion = PROMOTION.get(cfg.policy.promotion)(**_params(cfg, cfg.policy.promotion))
+            self.admission.append(ADMISSION.get(name)(**policy_params(cfg.policy.params, name)))
+        self.promotion = PROMOTION.get(cfg.policy.promotion)(**policy_params(cfg.policy.params, cfg.policy.promotion))
         # admission policies that keep eviction history (others inherit the no-op on_evict)
         self._evict_hooks = [type(a).on_evict is not AdmissionPolicy.on_evict for a in self.admission]
 
