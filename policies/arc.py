@@ -12,9 +12,7 @@ from collections import OrderedDict
 from typing import Iterator, Sequence
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
-from .slotlist import SlotList
-
-_NIL = -1
+from .slotlist import _NIL, SlotList
 
 
 @EVICTION.register

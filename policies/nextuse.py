@@ -36,9 +36,7 @@ from collections import OrderedDict
 from typing import Iterator, Sequence
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
-from .slotlist import SlotList
-
-_NIL = -1
+from .slotlist import _NIL, SlotList, walk_lists
 
 
 @EVICTION.register
@@ -330,19 +328,4 @@ class NextUse(EvictionPolicy):
         return out
 
     def victims(self, after: int | None = None) -> Iterator[int]:
-        lists, nxt, order = self.lists, self.nxt, self._order
-        t = self.member[after] if after is not None and after >= 0 else 0
-        if t:
-            oi, s = self._rank[t - 1], nxt[after]
-        else:
-            oi, s = 0, lists[order[0]].head
-        n = len(order)
-        while True:
-            while s != _NIL:
-                nx = nxt[s]
-                yield s
-                s = nx
-            oi += 1
-            if oi >= n:
-                return
-            s = lists[order[oi]].head
+        return walk_lists(self.lists, self._order, self._rank, self.nxt, self.member, after)

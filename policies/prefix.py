@@ -31,9 +31,7 @@ from collections import OrderedDict
 from typing import Iterator, Sequence
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
-from .slotlist import SlotList
-
-_NIL = -1
+from .slotlist import _NIL, SlotList, walk_lists
 
 
 @EVICTION.register
@@ -108,18 +106,5 @@ class PrefixSLRU(EvictionPolicy):
         return self.member[slot] != 0
 
     def victims(self, after: int | None = None) -> Iterator[int]:
-        lists, nxt = self.lists, self.nxt
-        t = self.member[after] if after is not None and after >= 0 else 0
-        if t:
-            li, s = t - 1, nxt[after]
-        else:
-            li, s = 0, lists[0].head
-        while True:
-            while s != _NIL:
-                n = nxt[s]
-                yield s
-                s = n
-            li += 1
-            if li >= len(lists):
-                return
-            s = lists[li].head
+        order = range(len(self.lists))
+        return walk_lists(self.lists, order, order, self.nxt, self.member, after)

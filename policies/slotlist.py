@@ -136,3 +136,25 @@ class SlotList:
             n = nxt[s]
             yield s
             s = n
+
+
+def walk_lists(lists: Sequence[SlotList], order: Sequence[int], rank: Sequence[int], nxt: list[int],
+               member: list[int], after: int | None = None) -> Iterator[int]:
+    """Slots of `lists` (sharing `nxt`/`member`, tag i + 1 for lists[i]), the lists taken in
+    `order`, each head to tail; resumes after slot `after` when it is in one of them (`rank[i]` is
+    the position of list i in `order`), else starts at the first list's head."""
+    t = member[after] if after is not None and after >= 0 else 0
+    if t:
+        oi, s = rank[t - 1], nxt[after]
+    else:
+        oi, s = 0, lists[order[0]].head
+    n = len(order)
+    while True:
+        while s != _NIL:
+            nx = nxt[s]
+            yield s
+            s = nx
+        oi += 1
+        if oi >= n:
+            return
+        s = lists[order[oi]].head

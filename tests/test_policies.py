@@ -12,23 +12,24 @@ from kvtier.tiers.base import SlotTier
 POLICIES = ["lru", "arc", "s3fifo", "pslru"]
 CAP = 12
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(0, 600)),
-    st.tuples(st.just("hit"), st.lists(st.integers(0, CAP - 1), min_size=1, max_size=4), st.just(0)),
-    st.tuples(st.just("remove"), st.integers(0, CAP - 1), st.just(0)),
-    st.tuples(st.just("victims"), st.integers(-1, CAP - 1), st.integers(0, CAP + 2)),
-), max_size=60)
+def op_lists(max_size: int):
+    """Random insert / hit / remove / walk sequences over a CAP-slot policy."""
+    return st.lists(st.one_of(
+        st.tuples(st.just("insert"), st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(0, 600)),
+        st.tuples(st.just("hit"), st.lists(st.integers(0, CAP - 1), min_size=1, max_size=4), st.integers(0, 1)),
+        st.tuples(st.just("remove"), st.integers(0, CAP - 1), st.just(0)),
+        st.tuples(st.just("victims"), st.integers(-1, CAP - 1), st.integers(0, CAP + 2)),
+    ), max_size=max_size)
 
 
 def _key(i: int) -> bytes:
     return make_key(i)
 
 
-@pytest.mark.parametrize("name", POLICIES)
-@settings(max_examples=60, deadline=None)
-@given(seq=ops)
-def test_victims_yield_each_resident_exactly_once(name, seq):
-    pol = EVICTION.get(name)(CAP)
+def drive(pol, seq, resume_is_suffix: bool = False) -> None:
+    """Run `seq` on `pol` the way a tier does, checking after every walk that the victims are
+    each resident slot exactly once (and, if `resume_is_suffix`, that a resumed walk is the
+    suffix of the full walk after its start)."""
     resident: dict[int, bytes] = {}
     free = list(range(CAP))
     for op, a, b in seq:
@@ -38,13 +39,13 @@ def test_victims_yield_each_resident_exactly_once(name, seq):
                 continue
             slots = [free.pop() for _ in ids]
             keys = [_key(x) for x in ids]
-            info = RequestInfo(keys, 0, 0, b, 64, 0.0)
-            pol.on_insert(slots, keys, info)
+            pol.on_insert(slots, keys, RequestInfo(keys, 0, 0, b, 64, 0.0))
             resident.update(zip(slots, keys))
         elif op == "hit":
             slots = [s for s in dict.fromkeys(a) if s in resident]
             if slots:
-                pol.on_hit(slots, RequestInfo())
+                keys = [resident[s] for s in slots]
+                pol.on_hit(slots, RequestInfo(keys, 0, len(keys), 64 * len(keys), 64, 0.0) if b else RequestInfo())
         elif op == "remove":
             if a in resident:
                 pol.on_remove(a, resident.pop(a))
@@ -58,13 +59,23 @@ def test_victims_yield_each_resident_exactly_once(name, seq):
             assert set(part) <= set(resident)
             if after is not None and after in resident:
                 assert after not in part
+                if resume_is_suffix:
+                    assert part == full[full.index(after) + 1:]
             # evict the first few victims the way a tier does (unlink while walking)
             it = pol.victims(None)
             for _ in range(min(b, len(resident))):
                 s = next(it)
                 pol.on_remove(s, resident.pop(s))
                 free.append(s)
+            assert sorted(pol.victims(None)) == sorted(resident)
     assert sorted(pol.victims(None)) == sorted(resident)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@settings(max_examples=60, deadline=None)
+@given(seq=op_lists(60))
+def test_victims_yield_each_resident_exactly_once(name, seq):
+    drive(EVICTION.get(name)(CAP), seq)
 
 
 @pytest.mark.parametrize("name", ["lru", "pslru"])

@@ -2,67 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from hypothesis import given, settings, strategies as st
 
-from kvtier.keys import make_key
 from kvtier.policies import EVICTION, RequestInfo
 
-CAP = 12
-
-
-def _key(i: int) -> bytes:
-    return make_key(i)
-
-
-ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(0, 600)),
-    st.tuples(st.just("hit"), st.lists(st.integers(0, CAP - 1), min_size=1, max_size=4), st.just(0)),
-    st.tuples(st.just("remove"), st.integers(0, CAP - 1), st.just(0)),
-    st.tuples(st.just("victims"), st.integers(-1, CAP - 1), st.integers(0, CAP + 2)),
-), max_size=80)
+sys.path.insert(0, os.path.dirname(__file__))
+from test_policies import CAP, _key, drive, op_lists  # noqa: E402
 
 
 @settings(max_examples=150, deadline=None)
-@given(seq=ops, classes=st.integers(1, 5), ghost=st.sampled_from([0.5, 1.0, 4.0]),
+@given(seq=op_lists(80), classes=st.integers(1, 5), ghost=st.sampled_from([0.5, 1.0, 4.0]),
        lifetimes=st.sampled_from(["horizon", "observed"]))
 def test_victims_each_resident_once_and_resume(seq, classes, ghost, lifetimes):
-    pol = EVICTION.get("nextuse")(CAP, classes=classes, ghost_ratio=ghost, lifetimes=lifetimes)
-    resident: dict[int, bytes] = {}
-    free = list(range(CAP))
-    for op, a, b in seq:
-        if op == "insert":
-            ids = [x for x in dict.fromkeys(a) if _key(x) not in resident.values()][:len(free)]
-            if not ids:
-                continue
-            slots = [free.pop() for _ in ids]
-            keys = [_key(x) for x in ids]
-            pol.on_insert(slots, keys, RequestInfo(keys, 0, 0, b, 64, 0.0))
-            resident.update(zip(slots, keys))
-        elif op == "hit":
-            slots = [s for s in dict.fromkeys(a) if s in resident]
-            if slots:
-                keys = [resident[s] for s in slots]
-                pol.on_hit(slots, RequestInfo(keys, 0, len(keys), 64 * len(keys), 64, 0.0) if b else RequestInfo())
-        elif op == "remove":
-            if a in resident:
-                pol.on_remove(a, resident.pop(a))
-                free.append(a)
-        else:
-            full = list(pol.victims(None))
-            assert sorted(full) == sorted(resident)
-            after = a if a >= 0 else None
-            part = list(pol.victims(after))
-            assert len(part) == len(set(part)) and set(part) <= set(resident)
-            if after is not None and after in resident:
-                # resume = the suffix of the full walk after `after`
-                assert part == full[full.index(after) + 1:]
-            it = pol.victims(None)
-            for _ in range(min(b, len(resident))):
-                s = next(it)
-                pol.on_remove(s, resident.pop(s))
-                free.append(s)
-            assert sorted(pol.victims(None)) == sorted(resident)
-    assert sorted(pol.victims(None)) == sorted(resident)
+    drive(EVICTION.get("nextuse")(CAP, classes=classes, ghost_ratio=ghost, lifetimes=lifetimes), seq,
+          resume_is_suffix=True)
 
 
 def test_partial_last_block_goes_first_and_leaf_first():
