@@ -190,7 +190,7 @@ class KVTierWorker(Counting):
         self._loader: ThreadPoolExecutor | None = None
         self._load_job: Future | None = None
         self._layer_events: list[threading.Event] | None = None
-        self._load_done: list[tuple[Any, str, list[bool], float]] = []
+        self._load_done: list[tuple[Any, str, list[bool]]] = []
         self._sync_s = self._copy_s = 0.0
         # test hook: corrupt / fail loads on purpose
         self.fail_loads = False
@@ -210,8 +210,8 @@ class KVTierWorker(Counting):
             self._slot_layer = [pool.buffer.view(n * L, lay.layer_bytes[0]).unbind(0)]
         else:
             self._slot_layer = [None]
-        # [slot, layer, layer_bytes] views: runs of consecutive (block, slot) pairs copy as one
-        # strided copy per layer (torch splits it over the cores; no per-block Python call)
+        # [slot, layer, layer_bytes] views: a run of consecutive (block, slot) pairs is one
+        # strided copy per layer (no per-block Python call)
         self._runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay._flat)
         self._pool3 = [pool.buffer.view(n, len(lay.layer_bytes), lay.layer_bytes[0]).numpy()] if self._runs_ok else [None]
         self._flat_np = [f.numpy() for f in lay._flat] if self._runs_ok else []
@@ -219,7 +219,6 @@ class KVTierWorker(Counting):
         # allocation at a fixed distance (vLLM's allocate_kv_cache): a run of blocks is then one
         # torch copy over all layers, run by the OpenMP team that the forward uses
         self._kv3 = _layers_view(lay) if self._runs_ok else None
-        self._pool3_t = [pool.buffer.view(n, len(lay.layer_bytes), lay.layer_bytes[0])] if self._kv3 is not None else [None]
         if lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
             self._stream = torch.cuda.Stream(device=lay.device)
         log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
@@ -279,12 +278,11 @@ class KVTierWorker(Counting):
         shares a core with a spinning OpenMP thread and the split copy runs at one core's speed."""
         if self._kv3 is not None:
             rest = []
-            for job in jobs:
-                rows3 = job[1]
-                rows_t = self._pool3_t[0] if rows3 is self._pool3[0] else torch.from_numpy(rows3)
-                left = [r for r in job[2] if not _copy_run_torch(self._kv3, rows_t, r, to_kv)]
+            for kind, rows3, runs in jobs:
+                rows_t = torch.from_numpy(rows3)  # a view: no copy
+                left = [r for r in runs if not _copy_run_torch(self._kv3, rows_t, r, to_kv)]
                 if left:
-                    rest.append((job[0], rows3, left))
+                    rest.append((kind, rows3, left))
             jobs = rest
             if not jobs:
                 return
@@ -309,6 +307,9 @@ class KVTierWorker(Counting):
         return out
 
     # ---- per step ----------------------------------------------------------------------
+    def _tier_name(self, tier: int) -> str:
+        return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
+
     def bind(self, meta: Any) -> None:
         self._meta = meta if isinstance(meta, KVTierMetadata) else None
 
@@ -386,7 +387,7 @@ class KVTierWorker(Counting):
         t0 = time.perf_counter()
         jobs: list[tuple] = []  # ("rows", rows3, runs) or ("views", dst views, src views)
         for op in meta.loads:
-            name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
+            name = self._tier_name(op.tier)
             oks = [False] * len(op.slots)
             try:
                 if self.fail_loads:
@@ -403,7 +404,7 @@ class KVTierWorker(Counting):
                 log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
                 if op.via:
                     self._result.stored[op.op_id] = [False] * len(op.slots)
-            self._load_done.append((op, name, oks, t0))
+            self._load_done.append((op, name, oks))
         self._sync_s = time.perf_counter() - t0  # NVMe reads + checksums, before the forward
         self._copy_s = 0.0
         meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
@@ -416,8 +417,7 @@ class KVTierWorker(Counting):
             self._load_job = self._loader.submit(self._copy_layers, jobs, self._layer_events)
             return
         if jobs:
-            # the CPU backend: copy now, before the forward, over every core (numpy copies in
-            # plain threads; torch ops in a second thread would start a second OpenMP team)
+            # the CPU backend: copy now, before the forward, over every core (see _copy_rows_parallel)
             t1 = time.perf_counter()
             rows = [j for j in jobs if j[0] == "rows"]
             if rows:
@@ -472,7 +472,7 @@ class KVTierWorker(Counting):
         self._layer_events = None
         done, self._load_done = self._load_done, []
         busy = self._sync_s + self._copy_s  # time spent loading (the copies overlap the forward)
-        for op, name, oks, _ in done:
+        for op, name, oks in done:
             if failed is not None:
                 oks = [False] * len(oks)
             bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
@@ -494,7 +494,7 @@ class KVTierWorker(Counting):
             return
         failed_cpu: set[int] = set()
         for op in meta.stores:
-            name = self.tier_names[op.tier] if op.tier < len(self.tier_names) else str(op.tier)
+            name = self._tier_name(op.tier)
             t0 = time.perf_counter()
             try:
                 if op.tier >= len(self.pools):

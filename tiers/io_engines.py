@@ -257,25 +257,23 @@ class PosixEngine(IOEngine):
                 for k, i in enumerate(idx):
                     t = bufs[i]
                     if self._zero_copy(f, t, length):
-                        iov.append(memoryview(t.numpy())[:length])
-                        if checksums is not None:
-                            checksums[i] = _xxh3(iov[-1])
+                        block = memoryview(t.numpy())[:length]
+                        iov.append(block)
                         if stride != length:  # buffered file: keep later blocks at their slots
                             iov.append(_ZEROS[:stride - length])
-                        continue
                     else:
                         if bounce is None:
                             bounce = self._get_bounce(len(idx) * stride)
                         lo = k * stride
-                        bt = bounce.t[lo:lo + length]
-                        bt.copy_(t[:length])
+                        bounce.t[lo:lo + length].copy_(t[:length])
                         if stride != length:
                             bounce.t[lo + length:lo + stride].zero_()
+                        block = bounce.mv[lo:lo + length]
                         iov.append(bounce.mv[lo:lo + stride])
                         with self._lock:
                             self.bounced_blocks += 1
                     if checksums is not None:
-                        checksums[i] = _xxh3(iov[-1][:length])
+                        checksums[i] = _xxh3(block)
                 _pwritev_all(fd, iov, offsets[idx[0]])
                 with self._lock:
                     self.syscalls += 1
