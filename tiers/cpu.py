@@ -35,7 +35,8 @@ class CpuTier(SlotTier):
     def io_engine(self) -> str:
         if self.pool is None:
             return "none (metadata only)"
-        return "torch foreach_copy (pinned)" if self.pool.pinned else "torch foreach_copy"
+        eng = "memcpy split over the cores (torch foreach_copy for GPU buffers)"
+        return f"{eng}, pinned" if self.pool.pinned else eng
 
     def stats(self) -> dict:
         d = super().stats()

@@ -56,7 +56,7 @@ def copy_blocks(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], bloc
             return
         nb = d.numel() * d.element_size()
         if nb != s.numel() * s.element_size():
-            raise ValueError(f"block copy: {nb} bytes into {s.numel() * s.element_size()}")
+            raise ValueError(f"block copy: {s.numel() * s.element_size()} bytes into {nb}")
         triples.append((d.data_ptr(), s.data_ptr(), nb))
     workers = min(os.cpu_count() or 1, n, max(1, n * block_bytes // PARALLEL_MIN_BYTES))
     if workers <= 1:
