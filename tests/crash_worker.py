@@ -8,13 +8,15 @@ seed SEED, flushed) — only after commit returned. Before evicting it prints ``
 so a kill mid-eviction never makes a reported block "missing". ``R <resident>`` once open.
 
 `serve` imports everything once, then for each stdin line ``run DIR SEED START MAX`` forks a
-child that does one life, prints ``PID <pid>`` and, when the child ends, ``EXIT <pid> <status>``.
+child that does one life, prints ``PID <pid>`` and, when the child ends, ``EXIT <pid> <status>``. SIGUSR1 makes a child print every thread's stack to stderr.
 That makes a trial cost milliseconds instead of a fresh interpreter + torch import.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 
 BLOCK_BYTES = 20000   # not a multiple of 4096: exercises padding + bounce buffers
@@ -72,6 +74,7 @@ def serve() -> None:
         _, d, seed, start, mx = parts
         pid = os.fork()
         if pid == 0:
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test dumps a stuck child's stacks
             try:
                 life(d, int(seed), int(start), int(mx))
                 os._exit(0)

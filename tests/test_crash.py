@@ -94,6 +94,28 @@ def verify(directory: str, lines: list[str]) -> tuple[int, int]:
         return len(keys), len(must)
 
 
+def wait_for_open(rd: Lines, pid: int, trial: int, timeout: float = 60.0) -> list[str]:
+    """Lines up to and including the child's ``R`` (tier open). A child that fails or stalls fails
+    the test with its output; a stalled child's thread stacks go to stderr (SIGUSR1, faulthandler)."""
+    lines: list[str] = []
+    t0 = time.monotonic()
+    while True:
+        try:
+            ln = rd.next(timeout - (time.monotonic() - t0))
+        except TimeoutError:
+            os.kill(pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"trial {trial}: child {pid} did not open the tier in {timeout:.0f}s "
+                        f"(its stacks are on stderr); its output: {lines[-5:]}")
+        assert ln is not None, f"trial {trial}: fork server closed stdout; child output: {lines[-5:]}"
+        lines.append(ln)
+        if ln.startswith("R "):
+            return lines
+        if ln.startswith(("F ", "EXIT ")):
+            pytest.fail(f"trial {trial}: child {pid} ended before opening the tier: {lines[-5:]}")
+
+
 def test_sigkill_fork_trials(tmp_path):
     rng = random.Random(int(os.environ.get("KVTIER_CRASH_SEED", "1234")))
     d = str(tmp_path / "tier")
@@ -117,9 +139,8 @@ def test_sigkill_fork_trials(tmp_path):
             if rng.random() < 0.15:
                 delay = rng.uniform(0, 0.02)       # often during open / recovery
             else:
-                while not (ln := rd.next()).startswith("R "):
-                    lines.append(ln)
-                lines.append(ln)
+                if not any(x.startswith("R ") for x in lines):  # the child may print R before the server's PID
+                    lines += wait_for_open(rd, pid, trial)
                 delay = rng.uniform(0.0, 0.4)
             time.sleep(delay)
             os.kill(pid, signal.SIGKILL)
@@ -139,7 +160,11 @@ def test_sigkill_fork_trials(tmp_path):
             srv.stdin.close()
         except OSError:
             pass
-        srv.wait(30)
+        try:
+            srv.wait(30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            raise
 
 
 def test_sigkill_fresh_subprocess(tmp_path):
