@@ -179,6 +179,7 @@ class KVTierWorker(Counting):
         self.nvme = None                      # NvmeData, opened on the first step that names its dir
         self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
         self._staging = None                  # page-aligned buffer for NVMe loads without CPU slots
+        self.nvme_load_chunk_bytes = 8 << 20  # CPU backend: copy NVMe loads into the KV per chunk read
         self.corrupt_blocks = 0
         # write-behind: batches of NVMe writes in flight, oldest first: (step, future of results)
         self._write_lag = max(0, int(nvme_write_lag_steps))
@@ -325,12 +326,15 @@ class KVTierWorker(Counting):
         io, threads, direct = self._nvme_args
         self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct)
 
-    def _staging_rows(self, n: int) -> torch.Tensor:
-        self._staging_views(n)
+    def _staging_rows(self) -> np.ndarray:
+        """The staging buffer as [row, layer, layer bytes] (numpy view)."""
         lay = self.layout
-        return self._staging[1][:n * lay.block_bytes].view(n, len(lay.layer_bytes), lay.layer_bytes[0]).numpy()
+        t = self._staging[1]
+        return t[:t.numel() // lay.block_bytes * lay.block_bytes].view(
+            -1, len(lay.layer_bytes), lay.layer_bytes[0]).numpy()
 
     def _staging_views(self, n: int) -> list[torch.Tensor]:
+        """Rows 0..n-1 of the staging buffer (grown to n rows; its contents are not kept)."""
         bb = self.layout.block_bytes
         if self._staging is None or self._staging[1].numel() < n * bb:
             import mmap
@@ -340,52 +344,88 @@ class KVTierWorker(Counting):
             self._staging = (mm, t)
         return list(self._staging[1][:n * bb].view(n, bb).unbind(0))
 
-    def _load_nvme(self, op, jobs: list) -> list[bool]:
-        """NVMe slots -> (CPU slots `op.via` or staging), checksums verified; queues the copies to the GPU."""
+    def _load_nvme(self, op, jobs: list, stage: list[torch.Tensor], row0: int, copy_now: bool) -> list[bool]:
+        """NVMe slots -> (CPU slots `op.via`, or staging rows row0..), checksums verified; the copies
+        into the KV go to `jobs`, or with `copy_now` run chunk by chunk as each chunk's reads land
+        (the next chunks are still reading meanwhile)."""
         if self.nvme is None:
             raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
-        if op.checksums is None or len(op.checksums) != len(op.slots):
+        n = len(op.slots)
+        if op.checksums is None or len(op.checksums) != n:
             raise RuntimeError("NVMe load without expected checksums")
-        bufs = [self.pools[0].views[s] for s in op.via] if op.via else self._staging_views(len(op.slots))
-        bad = [False] * len(op.slots)
-        r = self.nvme.read(op.slots, bufs, op.checksums, bad).wait()
-        oks = list(r.ok)
-        good = [i for i, ok in enumerate(oks) if ok]
-        if good:
+        bufs = [self.pools[0].views[s] for s in op.via] if op.via else stage[row0:row0 + n]
+        step = max(1, self.nvme_load_chunk_bytes // self.layout.block_bytes) if copy_now else n
+        reads = []  # all chunks in flight at once: the engine's pool keeps the disk busy
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            bad = [False] * (hi - lo)
+            reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad)))
+        oks: list[bool] = []
+        corrupt: list[int] = []
+        errors: list[str] = []
+        for lo, bad, h in reads:
+            r = h.wait()
+            oks.extend(r.ok)
+            errors.extend(r.errors)
+            corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
+            good = [lo + i for i, ok in enumerate(r.ok) if ok]
+            if not good:
+                continue
             blocks = [op.block_ids[i] for i in good]
             if self._runs_ok:
                 if op.via:
-                    jobs.append(("rows", self._pool3[0], _runs(blocks, [op.via[i] for i in good])))
+                    job = ("rows", self._pool3[0], _runs(blocks, [op.via[i] for i in good]))
                 else:
-                    jobs.append(("rows", self._staging_rows(len(op.slots)), _runs(blocks, good)))
+                    job = ("rows", self._staging_rows(), _runs(blocks, [row0 + i for i in good]))
             else:
                 L = len(self.layout.layer_bytes)
                 src = []
                 for i in good:
                     v = bufs[i]
                     src.extend(v[self.layout.offsets[li]:self.layout.offsets[li + 1]] for li in range(L))
-                jobs.append(("views", self._gpu_views(blocks), src))
-        corrupt = [s for s, b in zip(op.slots, bad) if b]
+                job = ("views", self._gpu_views(blocks), src)
+            if copy_now:
+                self._copy_jobs_now([job])
+            else:
+                jobs.append(job)
         if corrupt:
             self.corrupt_blocks += len(corrupt)
             self._count("corrupt_blocks.nvme", len(corrupt))
             self._result.corrupt.setdefault(op.tier, []).extend(corrupt)
             log.error("kvtier: %d NVMe blocks of %s failed their checksum; reported for recompute: %s",
-                      len(corrupt), op.req_id, r.errors[:2])
+                      len(corrupt), op.req_id, errors[:2])
         if op.via:
             self._result.stored[op.op_id] = oks
         return oks
 
+    def _copy_jobs_now(self, jobs: list) -> None:
+        """Run copies into the KV on this thread (the CPU backend: before the forward)."""
+        t1 = time.perf_counter()
+        rows = [j for j in jobs if j[0] == "rows"]
+        if rows:
+            self._copy_rows_parallel(rows, to_kv=True)
+        self._copy_s += time.perf_counter() - t1
+        views = [j for j in jobs if j[0] == "views"]
+        if views:  # counts its own time
+            self._copy_layers(views, [threading.Event() for _ in self.layout.tensors])
+
     def start_load(self) -> None:
-        """Read what this step loads (NVMe reads and checksums now), then copy into vLLM's KV
-        layer by layer on the loader thread; the forward waits per layer (wait_layer)."""
+        """Read what this step loads (NVMe reads and checksums now), then copy into vLLM's KV:
+        on a GPU layer by layer on the loader thread (the forward waits per layer, wait_layer);
+        on the CPU backend now, NVMe chunks as their reads land."""
         meta = self._meta
         if meta is None or not meta.loads or self.layout is None:
             return
         self.finish_loads()
         self._open_nvme(meta)
         t0 = time.perf_counter()
+        self._copy_s = 0.0
+        copy_now = self.layout.device.type == "cpu"
         jobs: list[tuple] = []  # ("rows", rows3, runs) or ("views", dst views, src views)
+        # NVMe loads without CPU slots each get their own staging rows for this step
+        staged = sum(len(op.slots) for op in meta.loads if op.tier != 0 and not op.via)
+        stage = self._staging_views(staged) if staged else []
+        row0 = 0
         for op in meta.loads:
             name = self._tier_name(op.tier)
             oks = [False] * len(op.slots)
@@ -399,17 +439,18 @@ class KVTierWorker(Counting):
                         jobs.append(("views", self._gpu_views(op.block_ids), self._tier_views(op.tier, op.slots)))
                     oks = [True] * len(op.slots)
                 else:
-                    oks = self._load_nvme(op, jobs)
+                    oks = self._load_nvme(op, jobs, stage, row0, copy_now)
             except Exception as e:
                 log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
                 if op.via:
                     self._result.stored[op.op_id] = [False] * len(op.slots)
+            if op.tier != 0 and not op.via:
+                row0 += len(op.slots)
             self._load_done.append((op, name, oks))
-        self._sync_s = time.perf_counter() - t0  # NVMe reads + checksums, before the forward
-        self._copy_s = 0.0
         meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
-        if jobs and self.layout.device.type != "cpu":
+        if jobs and not copy_now:
             # a GPU: copies on the loader thread's stream overlap the forward, layer by layer
+            self._sync_s = time.perf_counter() - t0  # NVMe reads + checksums, before the forward
             L = len(self.layout.tensors)
             self._layer_events = [threading.Event() for _ in range(L)]
             if self._loader is None:
@@ -417,15 +458,8 @@ class KVTierWorker(Counting):
             self._load_job = self._loader.submit(self._copy_layers, jobs, self._layer_events)
             return
         if jobs:
-            # the CPU backend: copy now, before the forward, over every core (see _copy_rows_parallel)
-            t1 = time.perf_counter()
-            rows = [j for j in jobs if j[0] == "rows"]
-            if rows:
-                self._copy_rows_parallel(rows, to_kv=True)
-            views = [j for j in jobs if j[0] == "views"]
-            if views:
-                self._copy_layers(views, [threading.Event() for _ in self.layout.tensors])
-            self._copy_s += time.perf_counter() - t1
+            self._copy_jobs_now(jobs)
+        self._sync_s = time.perf_counter() - t0 - self._copy_s  # NVMe reads + checksums not hidden
         self.finish_loads()
 
     def _copy_layers(self, jobs, events: list[threading.Event]) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connector.metadata import KVTierMetadata, LoadOp, NvmeWriteOp, StoreOp
+from kvtier.connector.nvme import NvmeControl
 from kvtier.connector.worker import KVLayout, KVTierWorker
+from kvtier.policies.lru import LRU
 
 NB, H, BS, D2 = 16, 2, 32, 64
 
@@ -190,3 +192,35 @@ def test_scattered_blocks_and_slots_round_trip(one_buffer):
         for b, d in zip(blocks, dst):
             assert torch.equal(t[d], orig[n][b])
     w.close()
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def test_nvme_loads_of_two_requests_in_one_step(tmp_path, chunk_bytes):
+    """Two requests loading straight from NVMe (no CPU promotion) in the same step each get their
+    own bytes (they once shared one staging buffer: the second read overwrote the first's rows),
+    whether the copies run per read chunk or all at once."""
+    caches = cpu_layout_caches()
+    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0)
+    if chunk_bytes is not None:
+        w.nvme_load_chunk_bytes = chunk_bytes   # one block per chunk: copies interleave with reads
+    w.register_kv_caches(caches)
+    orig = {n: t.clone() for n, t in caches.items()}
+    nv = dict(nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
+    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))  # creates the data file
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5])],
+                          nvme_writes=[NvmeWriteOp(2, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14])], **nv))
+    w.save()
+    sums = w.take_result().nvme_written[2]
+    assert len(sums) == 5 and min(sums) >= 0
+    for t in caches.values():
+        t[8:14].zero_()
+    w.bind(KVTierMetadata(loads=[LoadOp("a", 1, [10, 11, 12], [8, 9, 10], sums[:3]),
+                                 LoadOp("b", 1, [13, 14], [12, 13], sums[3:])], **nv))
+    w.start_load()
+    assert w.take_result().loaded == {"a": True, "b": True}
+    for n, t in caches.items():
+        for dst, src in ((8, 1), (9, 2), (10, 3), (12, 4), (13, 5)):
+            assert torch.equal(t[dst], orig[n][src]), (n, dst, src)
+    assert w.totals["blocks_loaded.nvme"] == 5 and not w.take_load_errors()
+    w.close()
+    ctl.close()
