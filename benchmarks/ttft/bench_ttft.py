@@ -22,6 +22,10 @@ Hit settings (the same prompt every repeat, after one warm-up pass that computes
                    runs the data file gets posix_fadvise(DONTNEED) (drops its clean cached pages,
                    for the buffered case). Its warm-up pass only opens files and threads: with
                    promotion off the CPU tier never gets the prefix.
+- nvme-disk-read   not a TTFT: right after each kvtier-nvme-cold run, the disk alone reads the
+                   same number of bytes from the same data file (O_DIRECT, 4 threads, 8 MiB
+                   preadv: kvtier's engine settings). The run prints kvtier-nvme-cold's paired
+                   difference from the floor minus this, per repeat: kvtier's own cost of a cold load.
 
 Miss settings (in the first `--recompute-reps` repeats; a fresh random prompt each repeat, the
 same prompt for both, paired against each other):
@@ -148,6 +152,36 @@ class Engines:
             pass
 
 
+def disk_read_s(path: str, nbytes: int, threads: int = 4, chunk: int = 8 << 20) -> float:
+    """The disk's own time for `nbytes` of `path`: plain O_DIRECT preadv in `chunk` pieces over
+    `threads` threads (kvtier's engine settings), page cache bypassed (dropped first if the
+    filesystem refuses O_DIRECT)."""
+    import concurrent.futures as cf
+    import mmap
+    nbytes = (nbytes + 4095) // 4096 * 4096
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    buf = mmap.mmap(-1, nbytes)
+    mv = memoryview(buf)
+    try:
+        offs = list(range(0, nbytes, chunk))
+
+        def go(i: int) -> None:
+            for o in offs[i::threads]:
+                os.preadv(fd, [mv[o:o + min(chunk, nbytes - o)]], o)
+        with cf.ThreadPoolExecutor(threads) as ex:
+            t0 = time.perf_counter()
+            list(ex.map(go, range(threads)))
+            return time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        mv.release()
+        buf.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true")
@@ -208,13 +242,18 @@ def main() -> None:
             finally:
                 os.close(fd)
 
-    res: dict[str, dict] = {k: {"reps_ms": [], "tokens": set()} for k in hits + ["recompute", "kvtier-miss+store"]}
+    res: dict[str, dict] = {k: {"reps_ms": [], "tokens": set()}
+                            for k in hits + ["recompute", "kvtier-miss+store", "nvme-disk-read"]}
+    cold_bytes = 0  # bytes one cold pass loads from NVMe: its full blocks but the last (vLLM recomputes that)
     for k in hits:  # warm-up: computes and stores the prompt (nvme-cold: opens its files)
         if k == "kvtier-nvme-cold":
             drop_cache()
         dt, _ = E.generate(k, prompt)
         res[k]["first_pass_ms"] = round(dt * 1e3, 1)
     print(f"warm-up done, peak RSS {peak_rss_gib()} GiB", flush=True)
+    w = getattr(E.agents.get("kvtier-nvme-cold"), "worker", None)
+    if w is not None and w.layout is not None:
+        cold_bytes = (a.tokens // BLOCK - 1) * w.layout.block_bytes
 
     miss_rng = random.Random(1)
     for rep in range(a.reps):
@@ -235,6 +274,13 @@ def main() -> None:
             line.append(f"{k} {dt * 1e3:.1f}")
             if k == "kvtier-miss+store":
                 time.sleep(0.5)  # let NVMe writes that run behind the step finish before the next run
+            if k == "kvtier-nvme-cold":  # the same bytes read by the disk alone, right after
+                data = glob.glob(os.path.join(nvme_cold, "**", "data.0"), recursive=True)
+                if data:
+                    drop_cache()
+                    dr = disk_read_s(data[0], cold_bytes)
+                    res["nvme-disk-read"]["reps_ms"].append(round(dr * 1e3, 1))
+                    line.append(f"nvme-disk-read {dr * 1e3:.1f}")
         print(f"rep {rep}: " + ", ".join(line), flush=True)
 
     stats = kv_stats(E, a, nvme_cpu, nvme_cold)
@@ -249,7 +295,8 @@ def main() -> None:
     print(f"\nTTFT, median ms (prompt {a.tokens} tokens, {dtype}, block {BLOCK}; hits {a.reps} interleaved repeats, "
           f"misses {min(a.reps, a.recompute_reps)}); 'paired' = median of per-repeat differences from the base")
     print(f"{'setting':<19}{'ttft_ms':>9}{'base':>13}{'paired':>9}{'p25..p75 of paired':>22}  token")
-    rows = [(k, "vllm-prefix") for k in hits] + [("recompute", None), ("kvtier-miss+store", "recompute")]
+    rows = [(k, "vllm-prefix") for k in hits] + [("nvme-disk-read", None), ("recompute", None),
+                                                  ("kvtier-miss+store", "recompute")]
     for k, base in rows:
         r = res[k]
         if not r["reps_ms"]:
@@ -264,6 +311,13 @@ def main() -> None:
         q = statistics.quantiles(d, n=4) if len(d) >= 2 else [d[0]] * 3
         print(f"{k:<19}{r['ttft_ms']:>9}{base:>13}{statistics.median(d):>+9.1f}"
               f"{f'{q[0]:+.1f}..{q[2]:+.1f}':>22}  {tok}")
+    disk = res["nvme-disk-read"]["reps_ms"]
+    if disk and len(disk) == len(res["kvtier-nvme-cold"]["reps_ms"]):
+        # cold NVMe over the floor, minus the disk's own read of the same bytes in the same repeat
+        own = [c - f - d for c, f, d in zip(res["kvtier-nvme-cold"]["reps_ms"], res["vllm-prefix"]["reps_ms"], disk)]
+        res["kvtier-nvme-cold"]["paired_minus_disk_ms"] = round(statistics.median(own), 1)
+        print(f"kvtier-nvme-cold minus floor minus the disk's own read of the same {cold_bytes / 2**20:.0f} MiB "
+              f"(O_DIRECT, same repeat): median {statistics.median(own):+.1f} ms")
     for r in res.values():
         if isinstance(r, dict):
             r["tokens"] = sorted(r["tokens"])
