@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ MANIFEST = "spill-manifest.json"
 def _progress(args: argparse.Namespace, total: int, desc: str):
     from tqdm import tqdm
     return tqdm(total=total, desc=desc, unit="blk", disable=args.quiet or args.json or None,
-                file=os.sys.stderr, dynamic_ncols=True)
+                file=sys.stderr, dynamic_ncols=True)
 
 
 def _nvme_index(stack: TierStack) -> int:
