@@ -79,6 +79,7 @@ class TierStack:
         # blocks cleaned per write-back batch: cfg.writeback_bytes worth, at most a quarter of the tier
         self._writeback = [max(1, min(cfg.writeback_bytes // cfg.block_bytes, t.capacity_blocks // 4))
                            for t in self.tiers]
+        self._ahead = list(self._writeback)  # the current write-back window (adapts, see _make_room)
 
     @classmethod
     def from_config(cls, cfg: StackConfig | str | None = None, with_data: bool = True,
@@ -277,20 +278,34 @@ class TierStack:
             return
         if ti + 1 < len(self.tiers):
             lower, key_of = self._index[ti + 1], tier._key_of
-            if not lower.keys() >= {key_of[s] for s in victims}:  # some victim is dirty
-                # write back ahead: clean the next `writeback` victims in one batch (one sync,
-                # one index commit); they stay resident here and later leave without I/O
-                ahead = self.engine.victims(ti, max(need, self._writeback[ti]))
-                self._demote(ti, ahead)
+            for s in victims:
+                if key_of[s] not in lower:  # a victim is dirty
+                    self._write_back_ahead(ti, need)
+                    break
         self._evict(ti, victims)
 
-    def _demote(self, ti: int, slots: Sequence[int]) -> None:
-        """Write-back: copy blocks to the next tier (admission permitting); they stay here."""
+    def _write_back_ahead(self, ti: int, need: int) -> None:
+        """Clean the head of tier `ti`'s cursor in one batch (one sync, one index commit); the
+        blocks stay resident here and later leave without I/O. The window is `writeback_bytes`
+        while the head is mostly dirty (a fill, a recency-ordered tier) and halves while under a
+        quarter of it is (a policy that ranks new blocks first: the rest was cleaned before), so
+        the walk costs about what it cleans."""
+        window = self._ahead[ti]
+        ahead = self.engine.victims(ti, max(need, window))
+        dirty = self._demote(ti, ahead)
+        if 4 * dirty < len(ahead):
+            self._ahead[ti] = max(1, window // 2)
+        elif 4 * dirty >= 3 * len(ahead):
+            self._ahead[ti] = min(self._writeback[ti], 2 * window)
+
+    def _demote(self, ti: int, slots: Sequence[int]) -> int:
+        """Write-back: copy blocks to the next tier (admission permitting); they stay here.
+        Returns how many of `slots` the next tier lacked (the dirty ones)."""
         tier, lower = self.tiers[ti], self._index[ti + 1]
         key_of = tier._key_of
         slots = [s for s in slots if key_of[s] not in lower]
         if not slots:
-            return
+            return 0
         keys = [key_of[s] for s in slots]
         srcs = [tier.view(s) for s in slots] if self.with_data else None
         tier.touch(slots)
@@ -299,6 +314,7 @@ class TierStack:
         finally:
             tier.free_blocks(slots)
         self.metrics.demoted[self._names[ti + 1]] += n
+        return len(slots)
 
     def _evict(self, ti: int, slots: Sequence[int]) -> None:
         keys = self.tiers[ti].evict(slots)
