@@ -28,9 +28,7 @@ class LRU(EvictionPolicy):
         self._list.unlink(slot)
 
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        unlink = self._list.unlink
-        for s in slots:
-            unlink(s)
+        self._list.unlink_many(slots)
 
     def victims(self, after: int | None = None) -> Iterator[int]:
         return self._list.iter_from(after)

@@ -57,6 +57,24 @@ class SlotList:
         self.member[slot] = 0
         self.size -= 1
 
+    def unlink_many(self, slots: Sequence[int]) -> None:
+        """unlink() each of `slots` (all members of this list), without the calls."""
+        prev, nxt, member = self.prev, self.nxt, self.member
+        head, tail = self.head, self.tail
+        for s in slots:
+            p, n = prev[s], nxt[s]
+            if p == -1:  # _NIL
+                head = n
+            else:
+                nxt[p] = n
+            if n == -1:
+                tail = p
+            else:
+                prev[n] = p
+            member[s] = 0
+        self.head, self.tail = head, tail
+        self.size -= len(slots)
+
     def extend(self, slots: Iterable[int]) -> None:
         """Append `slots` at the tail, in order (one push each, without the calls)."""
         prev, nxt, member, tag = self.prev, self.nxt, self.member, self.tag
