@@ -17,7 +17,7 @@ def op_lists(max_size: int):
     return st.lists(st.one_of(
         st.tuples(st.just("insert"), st.lists(st.integers(0, 40), min_size=1, max_size=5), st.integers(0, 600)),
         st.tuples(st.just("hit"), st.lists(st.integers(0, CAP - 1), min_size=1, max_size=4), st.integers(0, 1)),
-        st.tuples(st.just("remove"), st.integers(0, CAP - 1), st.just(0)),
+        st.tuples(st.just("remove"), st.lists(st.integers(0, CAP - 1), min_size=1, max_size=4), st.integers(0, 1)),
         st.tuples(st.just("victims"), st.integers(-1, CAP - 1), st.integers(0, CAP + 2)),
     ), max_size=max_size)
 
@@ -46,10 +46,15 @@ def drive(pol, seq, resume_is_suffix: bool = False) -> None:
             if slots:
                 keys = [resident[s] for s in slots]
                 pol.on_hit(slots, RequestInfo(keys, 0, len(keys), 64 * len(keys), 64, 0.0) if b else RequestInfo())
-        elif op == "remove":
-            if a in resident:
-                pol.on_remove(a, resident.pop(a))
-                free.append(a)
+        elif op == "remove":  # b: one on_remove_many batch (a tier's evict), else on_remove each
+            slots = [x for x in dict.fromkeys(a) if x in resident]
+            keys = [resident.pop(x) for x in slots]
+            if b:
+                pol.on_remove_many(slots, keys)
+            else:
+                for x, k in zip(slots, keys):
+                    pol.on_remove(x, k)
+            free.extend(slots)
         else:
             full = list(pol.victims(None))
             assert sorted(full) == sorted(resident), "victims(None) must yield every resident slot once"
@@ -61,12 +66,21 @@ def drive(pol, seq, resume_is_suffix: bool = False) -> None:
                 assert after not in part
                 if resume_is_suffix:
                     assert part == full[full.index(after) + 1:]
-            # evict the first few victims the way a tier does (unlink while walking)
-            it = pol.victims(None)
-            for _ in range(min(b, len(resident))):
-                s = next(it)
-                pol.on_remove(s, resident.pop(s))
-                free.append(s)
+            # evict the first few victims the way a tier does: unlink while walking, or (odd b)
+            # take them as a batch (free_slots) and remove them in one call
+            k = min(b, len(resident))
+            if b % 2:
+                head = list(pol.victims(None))[:k]  # a fresh walk (s3fifo's walks move blocks lazily)
+                out = pol.take_victims(k, [0] * CAP)
+                assert out == head, "take_victims must be the head of victims(None)"
+                pol.on_remove_many(out, [resident.pop(s) for s in out])
+                free.extend(out)
+            else:
+                it = pol.victims(None)
+                for _ in range(k):
+                    s = next(it)
+                    pol.on_remove(s, resident.pop(s))
+                    free.append(s)
             assert sorted(pol.victims(None)) == sorted(resident)
     assert sorted(pol.victims(None)) == sorted(resident)
 
