@@ -54,6 +54,8 @@ def add_parser(sub) -> None:
                    help=f"cost model: prefill speed of the served model (default {DEFAULT_PREFILL_TPS:.0f})")
     p.add_argument("--load-gbps", default=None,
                    help="cost model: per-tier load bandwidth, e.g. 'cpu=20,nvme=5' (default by tier kind)")
+    p.add_argument("--warm", action="store_true",
+                   help="keep what persistent tiers hold from an earlier run (default: start cold, like Belady)")
     p.add_argument("--no-belady", action="store_true", help="skip the Belady yardstick")
     p.add_argument("--plot", default=None, help="PNG: hit ratio vs capacity for the policies")
     p.add_argument("--json", action="store_true")
@@ -69,7 +71,13 @@ def run(args: argparse.Namespace) -> int:
     reqs = load_trace(trace, limit=args.limit)
     cfg = _stack_config(args, unique_blocks(reqs))
     with TierStack.from_config(cfg, with_data=not args.no_data) as stack:
+        held = {t.name: t.num_resident for t in stack.tiers if t.num_resident}
+        if held and not args.warm:  # a replay is measured from empty tiers, as Belady is
+            stack.clear()
+            print(f"replay: starting cold: dropped the blocks an earlier run left in "
+                  f"{', '.join(f'{k} ({v})' for k, v in held.items())}; --warm keeps them", file=sys.stderr)
         res = replay(stack, reqs, progress=not (args.quiet or args.json))
+        res["start"] = {"warm": bool(args.warm), "blocks_held_at_open": held}
     res["trace"] = str(trace)
     res["config"] = cfg.source
     cap = sum(t.capacity_blocks for t in stack.tiers)

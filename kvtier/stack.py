@@ -334,6 +334,20 @@ class TierStack:
                 progress(len(todo[i:i + batch]))
         return self.metrics.demoted[lower.name] - before
 
+    def clear(self) -> int:
+        """Drop every resident block of every tier (a persistent tier's index too) and start each
+        eviction policy afresh; nothing may be leased. Returns the blocks dropped."""
+        if self.leases.leases:
+            raise RuntimeError(f"clear with {len(self.leases.leases)} leases held")
+        n = 0
+        for t, tcfg in zip(self.tiers, self.cfg.storage_tiers()):
+            slots = list(t._slot_of.values())
+            if slots:
+                t.evict(slots)
+                n += len(slots)
+            t.eviction = make_eviction(self.cfg, tcfg, t.capacity_blocks)
+        return n
+
     # ---- introspection ---------------------------------------------------------------------
     def stats(self) -> dict:
         return {"block_bytes": self.block_bytes, "tiers": [t.stats() for t in self.tiers],

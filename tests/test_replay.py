@@ -43,6 +43,25 @@ def test_data_and_metadata_replays_agree(tmp_path, capsys, trace_path, policy):
     assert 0 < data["hit_ratio"] <= data["belady_hit_ratio"] + 1e-9
 
 
+def test_replay_starts_cold_unless_warm(tmp_path, capsys, trace_path):
+    """A second replay on the same NVMe directory drops what the first left (same result as the
+    first); --warm keeps it and the NVMe tier serves some of it."""
+    cfg = stack_yaml(tmp_path)
+    argv = ("--trace", str(trace_path), "--config", cfg, "--limit", "300", "--no-belady")
+    first = run_json(capsys, *argv)
+    assert first["start"] == {"warm": False, "blocks_held_at_open": {}}
+    left = first["per_tier"][1]["demoted_in"] - first["per_tier"][1]["evicted"]
+    assert left > 0
+    again = run_json(capsys, *argv)
+    assert again["start"]["blocks_held_at_open"] == {"nvme": left}
+    assert [t["hit_blocks"] for t in again["per_tier"]] == [t["hit_blocks"] for t in first["per_tier"]]
+    assert again["hit_blocks"] == first["hit_blocks"]
+    warm = run_json(capsys, *argv, "--warm")
+    assert warm["start"] == {"warm": True, "blocks_held_at_open": {"nvme": left}}
+    assert warm["per_tier"][1]["hit_blocks"] > first["per_tier"][1]["hit_blocks"]
+    assert warm["content_mismatches"] == 0
+
+
 def test_single_tier_matches_simulator(capsys, trace_path):
     from kvtier.sim import simulate
     from kvtier.trace import load_trace, unique_blocks
