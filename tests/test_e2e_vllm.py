@@ -173,12 +173,14 @@ def _copy_tier(src, dst):
     return dst
 
 
-def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
+@pytest.mark.parametrize("promote", [True, False])
+def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_path, capsys, promote):
     """A new LLM (new connector objects, empty CPU tier) on the same NVMe path: every full block of
-    the repeat pass is an external hit from NVMe; a third pass hits the CPU (promoted on read)."""
+    the repeat pass is an external hit from NVMe; a third pass hits the CPU (promoted on read) or,
+    with promotion off, NVMe again (every prompt's blocks read through the step's staging rows)."""
     src, pass1 = nvme_written
     d = _copy_tier(src, tmp_path / "tier")
-    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d),
+    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d), promote=promote,
                                                 nvme_capacity_blocks=NVME_BLOCKS))
     try:
         s, w = _parts()
@@ -192,13 +194,17 @@ def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_p
         third = U.generate(llm, prompts, MAX_TOKENS)
         t2 = dict(s.sched.totals)
         p2, p3 = U.tier_hits(t0, t1), U.tier_hits(t1, t2)
-        _report(capsys, "restart", [("pass 1 (LLM #1, cold)", pass1), ("pass 2 (LLM #2, restart)", p2),
-                                    ("pass 3 (LLM #2)", p3)])
+        _report(capsys, f"restart (promotion {'on' if promote else 'off'})",
+                [("pass 1 (LLM #1, cold)", pass1), ("pass 2 (LLM #2, restart)", p2), ("pass 3 (LLM #2)", p3)])
         assert second == baseline and third == baseline
         assert p2 == {"cpu": 0, "nvme": want * U.BLOCK}
-        assert w.worker.totals["blocks_loaded.nvme"] == want
         assert w.worker.corrupt_blocks == 0
-        assert p3 == {"cpu": want * U.BLOCK, "nvme": 0}        # promoted into the CPU tier on read
+        if promote:
+            assert w.worker.totals["blocks_loaded.nvme"] == want
+            assert p3 == {"cpu": want * U.BLOCK, "nvme": 0}    # promoted into the CPU tier on read
+        else:
+            assert w.worker.totals["blocks_loaded.nvme"] == 2 * want
+            assert p3 == {"cpu": 0, "nvme": want * U.BLOCK}    # not promoted: NVMe again
         assert s.sched.leases.pinned() == 0 and s.sched.pinned_blocks() == 0
     finally:
         U.shutdown(llm)
