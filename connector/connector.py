@@ -64,6 +64,11 @@ def live_connectors(role: str | None = None) -> list["KVTierConnector"]:
     return out
 
 
+def _world_size(vllm_config: Any) -> int:
+    """Workers holding a shard of every block (tensor x pipeline parallel)."""
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
+
+
 def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int, int]:
     """(block bytes of group 0 over all its layers, tokens per block, number of groups)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
@@ -118,15 +123,15 @@ class KVTierConnector(KVConnectorBase_V1):
                                          store=st.store == "eager" and self.enabled,
                                          lease_timeout_s=st.lease_timeout_s, offload="eager",
                                          max_blocks_per_step=st.max_blocks_per_step, promote=st.promote,
-                                         admission=admission)
+                                         admission=admission, ranks=_world_size(vllm_config))
         else:
             # ranks must report an NVMe write in the same step (their reports are aggregated
             # per step), so with more than one rank the writes complete within the step
-            ranks = getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1
-            lag = st.nvme_write_lag_steps if ranks == 1 else 0
+            lag = st.nvme_write_lag_steps if _world_size(vllm_config) == 1 else 0
+            rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
             self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=st.pin, nvme_io=st.nvme_io,
                                        nvme_io_threads=st.nvme_io_threads, nvme_direct=st.nvme_direct,
-                                       nvme_write_lag_steps=lag)
+                                       nvme_write_lag_steps=lag, rank=rank)
         _LIVE.add(self)
         log.info("kvtier connector (%s): cpu tier %d blocks x %d B, block %d tokens, config %s",
                  self.role_name, cpu_blocks, bb, self.block_tokens, self.settings.source)

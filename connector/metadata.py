@@ -36,7 +36,7 @@ class LoadOp:
     tier: int
     slots: list[int]
     block_ids: list[int]
-    checksums: list[int] | None = None   # NVMe: expected xxh3_64 per slot, verified on read
+    checksums: list[int | tuple[int, ...]] | None = None  # NVMe: expected xxh3_64 per slot (per rank: a tuple)
     via: list[int] | None = None         # NVMe: CPU slots to read through (promotion), reported as op_id
     op_id: int = 0
 
@@ -82,10 +82,20 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
 
     stored: dict[int, list[bool]] = field(default_factory=dict)
     loaded: dict[str, bool] = field(default_factory=dict)
-    # NVMe write op -> per-slot xxh3_64 of the bytes written and fdatasync'd (-1: failed)
+    # NVMe write op -> per-slot xxh3_64 of the bytes this rank wrote and fdatasync'd (-1: failed)
     nvme_written: dict[int, list[int]] = field(default_factory=dict)
     # tier index -> slots whose bytes failed verification on read
     corrupt: dict[int, list[int]] = field(default_factory=dict)
+    rank: int = 0   # the worker's rank: its shard of each block, in its own NVMe data file
+    # aggregated over ranks: NVMe write op -> rank -> per-slot checksums
+    nvme_written_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+
+    def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
+        """NVMe write op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
+        out = {op: dict(r) for op, r in self.nvme_written_ranks.items()}
+        for op, sums in self.nvme_written.items():
+            out.setdefault(op, {})[self.rank] = list(sums)
+        return out
 
     def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
         stored = dict(self.stored)
@@ -95,16 +105,15 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         loaded = dict(self.loaded)
         for r, ok in other.loaded.items():
             loaded[r] = loaded.get(r, True) and ok
-        # ranks hold different shards, so their checksums differ: one index entry cannot hold
-        # them all, and a differing checksum fails the block (the NVMe tier needs TP=1 for now)
-        written = dict(self.nvme_written)
-        for op, sums in other.nvme_written.items():
-            mine = written.get(op)
-            written[op] = list(sums) if mine is None else [a if a == b else -1 for a, b in zip(mine, sums)]
+        # ranks hold different shards in different files: their checksums are kept per rank
+        written = self.written_by_rank()
+        for op, by_rank in other.written_by_rank().items():
+            written.setdefault(op, {}).update(by_rank)
         corrupt = {t: list(v) for t, v in self.corrupt.items()}
         for t, v in other.corrupt.items():
             corrupt.setdefault(t, []).extend(s for s in v if s not in corrupt[t])
-        return KVTierWorkerMeta(stored=stored, loaded=loaded, nvme_written=written, corrupt=corrupt)
+        return KVTierWorkerMeta(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
+                                nvme_written_ranks=written)
 
 
 _SUM_KEYS_PREFIX = ("n_", "bytes_", "blocks_", "tokens_", "seconds_")

@@ -45,9 +45,11 @@ class KVTierScheduler(Counting):
     def __init__(self, tiers: Sequence[SlotTier], block_tokens: int, group_id: int = 0,
                  store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
                  max_blocks_per_step: int | None = 64, promote: bool = True,
-                 admission: Sequence[AdmissionPolicy | None] | None = None) -> None:
+                 admission: Sequence[AdmissionPolicy | None] | None = None, ranks: int = 1) -> None:
         """`tiers`: tier 0 is the CPU tier; an NVMe tier (kind "nvme", an `NvmeControl`) may follow.
         `admission[i]`: whether a block is worth writing to tier i (None: every block).
+        `ranks`: workers that each hold a shard of every block (an NVMe block is committed once
+        every rank reported its shard written, with one checksum per rank).
 
         offload: "eager" stores each full block in the step that computes it; "lazy" walks the
         GPU free queue (`bind_gpu`) from its LRU head, at most `max_blocks_per_step` blocks a
@@ -61,6 +63,7 @@ class KVTierScheduler(Counting):
         self.offload = offload
         self.max_blocks_per_step = max_blocks_per_step if max_blocks_per_step and max_blocks_per_step > 0 else None
         self.promote = promote
+        self.ranks = max(1, int(ranks))
         self._index = [t._slot_of for t in self.tiers]   # read-only fast path over the tiers' indexes
         adm = list(admission or [])
         self.admission: list[AdmissionPolicy | None] = [a if a is None or a.name != "all" else None
@@ -406,15 +409,15 @@ class KVTierScheduler(Counting):
             if hasattr(tier, "drop"):
                 n = tier.drop(slots)
                 self._count(f"corrupt_blocks.{tier.name}", n)
-        for op_id, sums in wm.nvme_written.items():
+        for op_id, by_rank in wm.written_by_rank().items():
             entry = self._nvme_writes.pop(op_id, None)
             if entry is None:
                 continue
             slots, src = entry
             nv, cpu = self.tiers[self.nvme], self.tiers[0]
-            sums = list(sums) + [-1] * (len(slots) - len(sums))
-            good = [(s, c) for s, c in zip(slots, sums) if c >= 0]
-            bad = [s for s, c in zip(slots, sums) if c < 0]
+            sums = self._rank_sums(by_rank, len(slots))
+            good = [(s, c) for s, c in zip(slots, sums) if c != -1]
+            bad = [s for s, c in zip(slots, sums) if c == -1]
             if good:  # data written and fdatasync'd by the worker: now the durable index commit
                 nv.commit_written([s for s, _ in good], [c for _, c in good])
                 self._count(f"stored_blocks.{nv.name}", len(good))
@@ -428,6 +431,20 @@ class KVTierScheduler(Counting):
             self.leases.release(rid)
             if not ok:
                 self._count("load_failed_requests")
+
+    def _rank_sums(self, by_rank: dict[int, list[int]], n: int) -> list[int | tuple[int, ...]]:
+        """Per slot: the checksum (one rank), the tuple of every rank's (several), or -1 when a
+        rank failed the write or did not report it."""
+        if self.ranks == 1:
+            sums = next(iter(by_rank.values())) if len(by_rank) == 1 else by_rank.get(0, [])
+            return list(sums[:n]) + [-1] * (n - len(sums))
+        missing = [r for r in range(self.ranks) if r not in by_rank]
+        if missing:
+            log.warning("kvtier: NVMe write reports missing from ranks %s: its %d blocks are not committed",
+                        missing, n)
+            return [-1] * n
+        cols = [list(by_rank[r][:n]) + [-1] * (n - len(by_rank[r])) for r in range(self.ranks)]
+        return [-1 if -1 in t else t for t in zip(*cols)]
 
     # ---- end of a request --------------------------------------------------------------
     def on_finished(self, req_id: str) -> tuple[bool, dict | None]:

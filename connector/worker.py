@@ -163,7 +163,7 @@ def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
 class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
-                 nvme_write_lag_steps: int = 4) -> None:
+                 nvme_write_lag_steps: int = 4, rank: int = 0) -> None:
         self._cpu_blocks_fn = cpu_blocks_fn
         self._pin = pin
         self._expected = expected_block_bytes
@@ -171,7 +171,8 @@ class KVTierWorker(Counting):
         self.pools: list[CpuPool] = []
         self._slot_layer: list[tuple[torch.Tensor, ...] | None] = []
         self._meta: KVTierMetadata | None = None
-        self._result = KVTierWorkerMeta()
+        self.rank = rank                      # this worker's shard: NVMe file data.<rank>, its own checksums
+        self._result = KVTierWorkerMeta(rank=rank)
         self._load_errors: set[int] = set()
         self._init_counters()
         self._stream = None
@@ -324,7 +325,8 @@ class KVTierWorker(Counting):
             self._reap_writes(wait=True)
             self.nvme.close()
         io, threads, direct = self._nvme_args
-        self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct)
+        self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
+                             rank=self.rank)
 
     def _staging_rows(self) -> np.ndarray:
         """The staging buffer as [row, layer, layer bytes] (numpy view)."""
@@ -621,7 +623,7 @@ class KVTierWorker(Counting):
         r = self._result
         if not r.stored and not r.loaded and not r.nvme_written and not r.corrupt:
             return None
-        self._result = KVTierWorkerMeta()
+        self._result = KVTierWorkerMeta(rank=self.rank)
         return r
 
     def take_load_errors(self) -> set[int]:

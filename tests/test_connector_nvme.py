@@ -220,3 +220,117 @@ def test_load_only_scheduler_still_names_the_nvme_dir(tmp_path):
     s.on_finished("b")
     s.close()
     w.close()
+
+
+def _ranks_step(s, ws, scheduled):
+    """One step with several workers: each gets its own copy of the metadata (as over vLLM's RPC)
+    and their reports are aggregated the way vLLM's KVOutputAggregator does."""
+    import copy
+    meta = s.build_meta(scheduled)
+    agg = None
+    for w in ws:
+        w.bind(copy.deepcopy(meta))
+        w.start_load()
+        w.save()
+        m = w.take_result()
+        if m is not None:
+            agg = m if agg is None else agg.aggregate(m)
+    s.on_worker_meta(agg)
+    return meta
+
+
+def _rank_workers(seeds):
+    out = []
+    for rank, seed in enumerate(seeds):
+        w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, rank=rank)
+        c = caches(seed)
+        w.register_kv_caches(c)
+        out.append((w, c))
+    return out
+
+
+def _shards(c, blocks):
+    return [torch.cat([c[n][b].reshape(-1).view(torch.uint8) for n in c]) for b in blocks]
+
+
+def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
+    """Tensor parallel: every rank writes its shard of each block into its own file (data.<rank>)
+    with its own checksum; the index keeps one checksum per rank; after a restart each rank reads
+    back its own shard byte-exact; a shard flipped on one rank's disk is a miss for the block."""
+    d = tmp_path / "nvme"
+    bb = 2 * H * BT * D2 * 4
+
+    def sched2():
+        cpu = SlotTier("cpu", 8, bb, EVICTION.get("lru")(8))
+        nv = NvmeControl("nvme", str(d), 16, bb, EVICTION.get("lru")(16), {"model": "t", "tp": 2})
+        return KVTierScheduler([cpu, nv], BT, ranks=2), cpu, nv
+
+    r = Req("a", list(range(4 * BT + 3)))
+    ids = [1, 2, 3, 4, 5]
+    s, cpu, nv = sched2()
+    ws = _rank_workers([0, 1])
+    s.lookup(r, 0)
+    s.on_alloc(r, ids, 0)
+    _ranks_step(s, [w for w, _ in ws], [("a", r.num_tokens, ids)])
+    assert nv.num_resident == 4 and len(nv.index) == 4
+    entries = [e for _, e in nv.index.items()]
+    assert all(len(e.rank_sums) == 2 and e.rank_sums[0] != e.rank_sums[1] for e in entries)
+    assert os.path.getsize(d / "data.0") == os.path.getsize(d / "data.1") > 0
+    want = [_shards(c, ids[:4]) for _, c in ws]
+    s.close()
+    for w, _ in ws:
+        w.close()
+
+    # restart: both ranks load from NVMe (empty CPU tier, other GPU contents), each its own shard
+    s, cpu, nv = sched2()
+    ws = _rank_workers([2, 3])
+    assert nv.restored_blocks == 4
+    r2 = Req("b", r.tokens)
+    assert s.lookup(r2, 0) == 4 * BT
+    dst = [9, 10, 11, 12, 13]
+    s.on_alloc(r2, dst, 4 * BT)
+    _ranks_step(s, [w for w, _ in ws], [("b", r2.num_tokens, dst)])
+    for (w, c), shard in zip(ws, want):
+        assert all(torch.equal(a, b) for a, b in zip(_shards(c, dst[:4]), shard))
+        assert w.take_load_errors() == set() and w.corrupt_blocks == 0
+    s.on_finished("b")
+    s.close()
+    for w, _ in ws:
+        w.close()
+
+    # rank 1's copy of block 2 flipped on its disk: rank 1 fails it, the block leaves the index
+    s, cpu, nv = sched2()
+    ws = _rank_workers([4, 5])
+    r3 = Req("c", r.tokens)
+    s._track(r3)
+    slot = nv.find(s._reqs["c"].keys[2])
+    with open(d / "data.1", "r+b") as f:
+        f.seek(slot * nv.stride + 11)
+        f.write(b"\x00\xff\x00")
+    assert s.lookup(r3, 0) == 4 * BT
+    s.on_alloc(r3, dst, 4 * BT)
+    _ranks_step(s, [w for w, _ in ws], [("c", r3.num_tokens, dst)])
+    assert ws[0][0].take_load_errors() == set() and ws[1][0].take_load_errors() == {dst[2]}
+    assert s.totals["corrupt_blocks.nvme"] == 1 and len(nv.index) == 3
+    s.on_finished("c")
+    assert s.pinned_blocks() == 0
+    s.close()
+    for w, _ in ws:
+        w.close()
+
+
+def test_a_rank_that_does_not_report_commits_nothing(tmp_path):
+    bb = 2 * H * BT * D2 * 4
+    cpu = SlotTier("cpu", 8, bb, EVICTION.get("lru")(8))
+    nv = NvmeControl("nvme", str(tmp_path / "nvme"), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
+    s = KVTierScheduler([cpu, nv], BT, ranks=2)
+    (w0, _), (w1, _) = _rank_workers([0, 1])
+    r = Req("a", list(range(2 * BT + 1)))
+    s.lookup(r, 0)
+    s.on_alloc(r, [1, 2, 3], 0)
+    _ranks_step(s, [w0], [("a", r.num_tokens, [1, 2, 3])])   # rank 1's report never arrives
+    assert len(nv.index) == 0 and nv.num_resident == 0
+    assert s.totals["store_failed_blocks.nvme"] == 2 and s.pinned_blocks() == 0
+    s.close()
+    w0.close()
+    w1.close()

@@ -32,7 +32,12 @@ from .nvme_index import FORMAT_VERSION, NvmeIndex
 
 log = logging.getLogger("kvtier.nvme")
 
-DATA_FILE = "data.0"
+def data_file(rank: int = 0) -> str:
+    """The data file of one rank's shards (``data.0`` for a single rank)."""
+    return f"data.{rank}"
+
+
+DATA_FILE = data_file(0)
 INDEX_DIR = "index"
 LOCK_FILE = "lock"
 
@@ -97,7 +102,8 @@ class NvmeControl(SlotTier):
         self.dropped_on_open = 0
         self.restored_blocks = 0
         self.index: NvmeIndex | None = None
-        self._sum = [0] * capacity_blocks       # checksum of each written/resident slot
+        # checksum of each written/resident slot; a tuple (one per rank) when several ranks write shards
+        self._sum: list[int | tuple[int, ...]] = [0] * capacity_blocks
         self._doomed: set[int] = set()          # dropped while pinned: freed at ref 0
         self._lock_fd = -1
         self._stored_meta: dict | None = None
@@ -189,7 +195,7 @@ class NvmeControl(SlotTier):
                     continue
                 bad.append(prev[1])
             by_slot[e.slot] = (e.generation, key)
-            good.append((e.generation, e.slot, key, e.checksum))
+            good.append((e.generation, e.slot, key, e.sums))
         keep = {k for _, k in by_slot.values()}
         good = sorted(g for g in good if g[2] in keep)
         if bad:
@@ -204,16 +210,18 @@ class NvmeControl(SlotTier):
         self.restored_blocks = len(good)
 
     # ---- control plane -----------------------------------------------------------------
-    def checksums(self, slots: Sequence[int]) -> list[int]:
-        """The checksums a reader must verify these slots against."""
+    def checksums(self, slots: Sequence[int]) -> list[int | tuple[int, ...]]:
+        """The checksums a reader must verify these slots against (per rank: a tuple)."""
         return [self._sum[s] for s in slots]
 
-    def set_checksums(self, slots: Sequence[int], sums: Sequence[int]) -> None:
+    def set_checksums(self, slots: Sequence[int], sums: Sequence[int | tuple[int, ...]]) -> None:
         for s, c in zip(slots, sums):
             self._sum[s] = c
 
-    def commit_written(self, slots: Sequence[int], sums: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
-        """These pending slots were written and flushed with these checksums: publish them."""
+    def commit_written(self, slots: Sequence[int], sums: Sequence[int | tuple[int, ...]],
+                       info: RequestInfo = _NO_INFO) -> None:
+        """These pending slots were written and flushed with these checksums (one per rank when
+        several ranks wrote their shards): publish them."""
         self.set_checksums(slots, sums)
         self.commit(slots, info)
 

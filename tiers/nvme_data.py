@@ -17,12 +17,12 @@ import torch
 
 from .handles import IOHandle, IOResult
 from .io_engines import ALIGN, MAX_IO_BYTES, round_up, select_engine
-from .nvme_control import DATA_FILE, oserror
+from .nvme_control import data_file, oserror
 
 log = logging.getLogger("kvtier.nvme")
 
 
-def check_space(name: str, path: str, capacity_blocks: int, block_bytes: int) -> None:
+def check_space(name: str, path: str, capacity_blocks: int, block_bytes: int, rank: int = 0) -> None:
     """Raise ENOSPC naming both numbers when the slots would not fit the free space under `path`."""
     stride = round_up(block_bytes, ALIGN)
     p = os.path.abspath(path)
@@ -31,7 +31,7 @@ def check_space(name: str, path: str, capacity_blocks: int, block_bytes: int) ->
     if not os.path.isdir(p):
         return  # creating the directory reports the bad path
     total = capacity_blocks * stride
-    data = os.path.join(path, DATA_FILE)
+    data = os.path.join(path, data_file(rank))
     have = os.path.getsize(data) if os.path.isfile(data) else 0
     free = shutil.disk_usage(p).free
     if total - have > free:
@@ -40,20 +40,22 @@ def check_space(name: str, path: str, capacity_blocks: int, block_bytes: int) ->
 
 
 class NvmeData:
-    """The data file ``data.0`` under `directory`, sized to `capacity_blocks` slots."""
+    """The data file ``data.<rank>`` under `directory`, sized to `capacity_blocks` slots (with
+    several ranks each writes its own shard of every block into its own file, same slots)."""
 
     def __init__(self, directory: str, capacity_blocks: int, block_bytes: int, io: str = "auto",
                  io_threads: int = 4, direct: bool | str = "auto", max_io_bytes: int = MAX_IO_BYTES,
-                 name: str = "nvme") -> None:
+                 name: str = "nvme", rank: int = 0) -> None:
         self.dir = directory
         self.name = name
+        self.rank = rank
         self.capacity = capacity_blocks
         self.block_bytes = block_bytes
         self.stride = round_up(block_bytes, ALIGN)
-        self.path = os.path.join(directory, DATA_FILE)
+        self.path = os.path.join(directory, data_file(rank))
         self.file = None
         self.bytes_read = self.bytes_written = 0
-        check_space(name, directory, capacity_blocks, block_bytes)
+        check_space(name, directory, capacity_blocks, block_bytes, rank)
         self.engine, self.engine_reason = select_engine(io, io_threads, direct, max_io_bytes)
         try:
             try:
@@ -87,13 +89,16 @@ class NvmeData:
         return self.engine.write(self.file, self._offsets(slots), srcs, self.block_bytes, checksums=sums,
                                  finish=done)
 
-    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], expect: Sequence[int],
+    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], expect: Sequence[int | Sequence[int]],
              mismatched: list[bool], finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
-        """Read blocks and verify them; a checksum mismatch is ok=False and mismatched[i]=True."""
+        """Read blocks and verify them (`expect[i]`: the checksum, or one per rank); a checksum
+        mismatch is ok=False and mismatched[i]=True."""
         def done(r: IOResult) -> IOResult:
             self.bytes_read += r.nbytes
             return finish(r) if finish else r
-        return self.engine.read(self.file, self._offsets(slots), dsts, self.block_bytes, expect=list(expect),
+        r = self.rank  # several ranks: each verifies its own shard against its own checksum
+        mine = [e if isinstance(e, int) else (e[r] if r < len(e) else -1) for e in expect]
+        return self.engine.read(self.file, self._offsets(slots), dsts, self.block_bytes, expect=mine,
                                 mismatched=mismatched, finish=done)
 
     def sync(self) -> None:

@@ -1,7 +1,9 @@
 """The NVMe tier's persistent index: LMDB, key -> (slot, length, xxh3_64 checksum, generation).
 
 Two named databases in one environment:
-- ``entries``: block key (bytes) -> ``<QQQQ`` packed (slot, length, checksum, generation);
+- ``entries``: block key (bytes) -> ``<QQQQ`` packed (slot, length, checksum, generation), then,
+  for a tier written by several ranks (tensor/pipeline parallel workers, each its own shard in
+  its own data file), one ``<Q`` checksum per rank (``checksum`` is then rank 0's);
 - ``meta``: ``format_version``, ``fingerprint`` (JSON), ``slot_stride``, ``capacity``, ``next_gen``.
 Writes are batched in one transaction each; the environment syncs on commit, so a returned
 `put`/`delete` is durable. The map grows on `lmdb.MapFullError`.
@@ -29,6 +31,25 @@ class Entry(NamedTuple):
     length: int
     checksum: int
     generation: int
+    rank_sums: tuple[int, ...] = ()   # one checksum per rank when several ranks wrote shards
+
+    @property
+    def sums(self) -> int | tuple[int, ...]:
+        """What a reader verifies against: the checksum, or one per rank."""
+        return self.rank_sums if self.rank_sums else self.checksum
+
+
+def _pack(slot: int, length: int, csum: int | Sequence[int], gen: int) -> bytes:
+    if isinstance(csum, int):
+        return _ENTRY.pack(slot, length, csum, gen)
+    return _ENTRY.pack(slot, length, csum[0], gen) + struct.pack(f"<{len(csum)}Q", *csum)
+
+
+def _unpack(v: bytes) -> Entry:
+    if len(v) == _ENTRY.size:
+        return Entry(*_ENTRY.unpack(v))
+    n = (len(v) - _ENTRY.size) // 8
+    return Entry(*_ENTRY.unpack_from(v), struct.unpack_from(f"<{n}Q", v, _ENTRY.size))
 
 
 class NvmeIndexError(RuntimeError):
@@ -74,14 +95,15 @@ class NvmeIndex:
             raise NvmeIndexError(f"index {self.path}: meta field 'fingerprint' is not JSON: {e}") from None
 
     # ---- entries -----------------------------------------------------------------------
-    def put(self, items: Sequence[tuple[bytes, int, int, int]]) -> list[int]:
-        """Insert (key, slot, length, checksum) in one durable txn; returns their generations."""
+    def put(self, items: Sequence[tuple[bytes, int, int, int | Sequence[int]]]) -> list[int]:
+        """Insert (key, slot, length, checksum or one checksum per rank) in one durable txn;
+        returns their generations."""
         gen0 = self.next_gen
         gens = list(range(gen0, gen0 + len(items)))
 
         def fn(txn):
             for (key, slot, length, csum), g in zip(items, gens):
-                txn.put(key, _ENTRY.pack(slot, length, csum, g), db=self._entries)
+                txn.put(key, _pack(slot, length, csum, g), db=self._entries)
             txn.put(b"next_gen", str(gen0 + len(items)).encode(), db=self._meta)
         self._write(fn)
         self.next_gen = gen0 + len(items)
@@ -101,15 +123,15 @@ class NvmeIndex:
         """All entries (key order). Malformed values raise NvmeIndexError naming the key."""
         with self.env.begin(db=self._entries, buffers=False) as txn:
             for k, v in txn.cursor():
-                if len(v) != _ENTRY.size:
+                if len(v) < _ENTRY.size or (len(v) - _ENTRY.size) % 8 or len(v) == _ENTRY.size + 8:
                     raise NvmeIndexError(f"index {self.path}: entry {bytes(k).hex()} has {len(v)} bytes, "
-                                      f"expected {_ENTRY.size}")
-                yield bytes(k), Entry(*_ENTRY.unpack(v))
+                                         f"expected {_ENTRY.size} (+ 8 per rank, at least 2 ranks)")
+                yield bytes(k), _unpack(v)
 
     def get(self, key: bytes) -> Entry | None:
         with self.env.begin(db=self._entries) as txn:
             v = txn.get(key)
-        return None if v is None else Entry(*_ENTRY.unpack(v))
+        return None if v is None else _unpack(v)
 
     def __len__(self) -> int:
         with self.env.begin(db=self._entries) as txn:
