@@ -125,13 +125,10 @@ class KVTierConnector(KVConnectorBase_V1):
                                          max_blocks_per_step=st.max_blocks_per_step, promote=st.promote,
                                          admission=admission, ranks=_world_size(vllm_config))
         else:
-            # ranks must report an NVMe write in the same step (their reports are aggregated
-            # per step), so with more than one rank the writes complete within the step
-            lag = st.nvme_write_lag_steps if _world_size(vllm_config) == 1 else 0
             rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
             self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=st.pin, nvme_io=st.nvme_io,
                                        nvme_io_threads=st.nvme_io_threads, nvme_direct=st.nvme_direct,
-                                       nvme_write_lag_steps=lag, rank=rank)
+                                       nvme_write_lag_steps=st.nvme_write_lag_steps, rank=rank)
         _LIVE.add(self)
         log.info("kvtier connector (%s): cpu tier %d blocks x %d B, block %d tokens, config %s",
                  self.role_name, cpu_blocks, bb, self.block_tokens, self.settings.source)

@@ -74,6 +74,7 @@ class KVTierScheduler(Counting):
         self._cursor: int | None = None      # lazy offload: resume the free-queue walk after this block
         self._gpu_pinned: dict[int, list[int]] = {}       # store op -> GPU blocks protected for its copy
         self._nvme_writes: dict[int, tuple[list[int], list[tuple[int, bytes]]]] = {}  # op -> nvme slots, cpu src
+        self._nvme_reports: dict[int, dict[int, list[int]]] = {}  # op -> rank -> checksums, until every rank reported
         self._lazy_keys: set[bytes] = set()
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self.leases = LeaseTable(pin=self._pin, unpin=self._unpin, timeout_s=lease_timeout_s)
@@ -410,10 +411,15 @@ class KVTierScheduler(Counting):
                 n = tier.drop(slots)
                 self._count(f"corrupt_blocks.{tier.name}", n)
         for op_id, by_rank in wm.written_by_rank().items():
-            entry = self._nvme_writes.pop(op_id, None)
-            if entry is None:
+            if op_id not in self._nvme_writes:
                 continue
-            slots, src = entry
+            if self.ranks > 1:  # ranks write behind on their own clocks: wait for every rank's report
+                got = self._nvme_reports.setdefault(op_id, {})
+                got.update(by_rank)
+                if len(got) < self.ranks:
+                    continue
+                by_rank = self._nvme_reports.pop(op_id)
+            slots, src = self._nvme_writes.pop(op_id)
             nv, cpu = self.tiers[self.nvme], self.tiers[0]
             sums = self._rank_sums(by_rank, len(slots))
             good = [(s, c) for s, c in zip(slots, sums) if c != -1]
@@ -434,14 +440,13 @@ class KVTierScheduler(Counting):
 
     def _rank_sums(self, by_rank: dict[int, list[int]], n: int) -> list[int | tuple[int, ...]]:
         """Per slot: the checksum (one rank), the tuple of every rank's (several), or -1 when a
-        rank failed the write or did not report it."""
+        rank failed the write."""
         if self.ranks == 1:
             sums = next(iter(by_rank.values())) if len(by_rank) == 1 else by_rank.get(0, [])
             return list(sums[:n]) + [-1] * (n - len(sums))
-        missing = [r for r in range(self.ranks) if r not in by_rank]
-        if missing:
-            log.warning("kvtier: NVMe write reports missing from ranks %s: its %d blocks are not committed",
-                        missing, n)
+        if sorted(by_rank) != list(range(self.ranks)):
+            log.warning("kvtier: NVMe write reported by ranks %s, expected 0..%d: its %d blocks are not committed",
+                        sorted(by_rank), self.ranks - 1, n)
             return [-1] * n
         cols = [list(by_rank[r][:n]) + [-1] * (n - len(by_rank[r])) for r in range(self.ranks)]
         return [-1 if -1 in t else t for t in zip(*cols)]

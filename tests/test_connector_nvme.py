@@ -319,7 +319,9 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
         w.close()
 
 
-def test_a_rank_that_does_not_report_commits_nothing(tmp_path):
+def test_ranks_writing_behind_commit_once_every_rank_reported(tmp_path):
+    """Ranks report their NVMe writes in different steps (write-behind on their own clocks): the
+    block is committed only when the last rank's report is in, with both checksums."""
     bb = 2 * H * BT * D2 * 4
     cpu = SlotTier("cpu", 8, bb, EVICTION.get("lru")(8))
     nv = NvmeControl("nvme", str(tmp_path / "nvme"), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
@@ -328,9 +330,24 @@ def test_a_rank_that_does_not_report_commits_nothing(tmp_path):
     r = Req("a", list(range(2 * BT + 1)))
     s.lookup(r, 0)
     s.on_alloc(r, [1, 2, 3], 0)
-    _ranks_step(s, [w0], [("a", r.num_tokens, [1, 2, 3])])   # rank 1's report never arrives
-    assert len(nv.index) == 0 and nv.num_resident == 0
-    assert s.totals["store_failed_blocks.nvme"] == 2 and s.pinned_blocks() == 0
+    import copy
+    meta = s.build_meta([("a", r.num_tokens, [1, 2, 3])])
+    m1 = copy.deepcopy(meta)
+    for w, m in ((w0, meta), (w1, m1)):
+        w.bind(m)
+        w.start_load()
+        w.save()
+    from kvtier.connector.metadata import KVTierWorkerMeta
+    m0, m1 = w0.take_result(), w1.take_result()
+    late = KVTierWorkerMeta(rank=1, nvme_written=m1.nvme_written)   # rank 1's NVMe report comes later
+    m1.nvme_written = {}
+    s.on_worker_meta(m0.aggregate(m1))                     # this step: CPU stores of both, NVMe of rank 0
+    assert len(nv.index) == 0 and nv.num_resident == 0 and cpu.num_resident == 2
+    assert s.pinned_blocks() == 4    # 2 CPU sources pinned and 2 NVMe slots pending until every rank reported
+    s.on_worker_meta(late)                                 # a later step: rank 1's NVMe report
+    assert len(nv.index) == 2 and nv.num_resident == 2
+    assert all(len(e.rank_sums) == 2 for _, e in nv.index.items())
+    assert s.totals["stored_blocks.nvme"] == 2 and s.pinned_blocks() == 0
     s.close()
     w0.close()
     w1.close()
