@@ -67,7 +67,7 @@ class NextUse(EvictionPolicy):
         ncells = 1 + nc * nb            # list 0 = doomed
         prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
         self.lists = [SlotList(capacity, prev, nxt, member, tag=i + 1) for i in range(ncells)]
-        self.member, self.nxt, self.prev = member, nxt, prev
+        self.member, self.nxt = member, nxt
         self.tacc = [0] * capacity      # virtual time of last access
         self.cls = [0] * capacity
         self.hits = [0] * capacity
@@ -290,26 +290,11 @@ class NextUse(EvictionPolicy):
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         member, lists, slot_of, ghost, cap = self.member, self.lists, self.slot_of, self.ghost, self.ghost_cap
         cls, tacc, tip, hits, observed = self.cls, self.tacc, self.tip, self.hits, self.observed
-        prev, nxt = self.prev, self.nxt
         for s, k in zip(slots, keys):
             t = member[s]
             if not t:
                 continue
-            p, n = prev[s], nxt[s]  # lists[t - 1].unlink(s), inlined (the lists share prev/nxt/member)
-            if p == _NIL or n == _NIL:
-                lst = lists[t - 1]
-                if p == _NIL:
-                    lst.head = n
-                if n == _NIL:
-                    lst.tail = p
-                lst.size -= 1
-            else:
-                lists[t - 1].size -= 1
-            if p != _NIL:
-                nxt[p] = n
-            if n != _NIL:
-                prev[n] = p
-            member[s] = 0
+            lists[t - 1].unlink(s)
             slot_of.pop(k, None)
             if t == 1:
                 continue  # doomed blocks leave no ghost
@@ -330,16 +315,11 @@ class NextUse(EvictionPolicy):
         out: list[int] = []
         if n <= 0:
             return out
-        append, lists, nxt = out.append, self.lists, self.nxt
-        for cell in self._order:  # the walk of victims(None), inlined: this runs per write-back
-            s = lists[cell].head
-            while s != _NIL:
-                if not pinned[s]:
-                    append(s)
-                    n -= 1
-                    if not n:
-                        return out
-                s = nxt[s]
+        lists = self.lists
+        for cell in self._order:  # the walk of victims(None), a list at a time: this runs per write-back
+            n -= lists[cell].take(n, pinned, out)
+            if not n:
+                break
         return out
 
     def victims(self, after: int | None = None) -> Iterator[int]:
