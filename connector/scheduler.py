@@ -321,12 +321,12 @@ class KVTierScheduler(Counting):
         victims = tier.free_slots(need)
         if not victims:
             return
-        pol = self.admission[t]
-        keys = [tier.get_block(v).block_hash for v in victims] if pol is not None else ()
-        tier.evict(victims)
+        gone = tier.evict(victims)
         self._count(f"evicted_blocks.{tier.name}", len(victims))
-        for k in keys:  # ghost history of admission policies that keep one
-            pol.on_evict(k)
+        pol = self.admission[t]
+        if pol is not None:  # ghost history of admission policies that keep one
+            for k in gone:
+                pol.on_evict(k)
 
     def _plan_store(self, keys: list[bytes], gpu: list[int], meta: KVTierMetadata,
                     to_nvme: set[bytes] | None = None) -> int | None:
