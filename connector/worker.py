@@ -362,6 +362,10 @@ class KVTierWorker(Counting):
             hi = min(n, lo + step)
             bad = [False] * (hi - lo)
             reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad)))
+        # the rows the blocks are copied from: CPU slots, or this op's staging rows
+        src3, rows = None, op.via or range(row0, row0 + n)
+        if self._runs_ok:
+            src3 = self._pool3[0] if op.via else self._staging_rows()
         oks: list[bool] = []
         corrupt: list[int] = []
         errors: list[str] = []
@@ -374,11 +378,8 @@ class KVTierWorker(Counting):
             if not good:
                 continue
             blocks = [op.block_ids[i] for i in good]
-            if self._runs_ok:
-                if op.via:
-                    job = ("rows", self._pool3[0], _runs(blocks, [op.via[i] for i in good]))
-                else:
-                    job = ("rows", self._staging_rows(), _runs(blocks, [row0 + i for i in good]))
+            if src3 is not None:
+                job = ("rows", src3, _runs(blocks, [rows[i] for i in good]))
             else:
                 L = len(self.layout.layer_bytes)
                 src = []
