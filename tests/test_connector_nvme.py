@@ -26,15 +26,15 @@ def caches(seed):
     return {f"l{i}": buf[i] for i in range(2)}
 
 
-def sched(path, cap=8):
+def sched(path, cap=8, ranks=1):
     bb = 2 * H * BT * D2 * 4
     cpu = SlotTier("cpu", cap, bb, EVICTION.get("lru")(cap))
     nv = NvmeControl("nvme", str(path), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
-    return KVTierScheduler([cpu, nv], BT), cpu, nv
+    return KVTierScheduler([cpu, nv], BT, ranks=ranks), cpu, nv
 
 
-def worker(seed, lag=0):
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_direct="auto", nvme_write_lag_steps=lag)
+def worker(seed, lag=0, rank=0):
+    w = KVTierWorker(lambda bb: 8, pin=False, nvme_direct="auto", nvme_write_lag_steps=lag, rank=rank)
     c = caches(seed)
     w.register_kv_caches(c)
     return w, c
@@ -240,13 +240,7 @@ def _ranks_step(s, ws, scheduled):
 
 
 def _rank_workers(seeds):
-    out = []
-    for rank, seed in enumerate(seeds):
-        w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, rank=rank)
-        c = caches(seed)
-        w.register_kv_caches(c)
-        out.append((w, c))
-    return out
+    return [worker(seed, rank=rank) for rank, seed in enumerate(seeds)]
 
 
 def _shards(c, blocks):
@@ -258,16 +252,9 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
     with its own checksum; the index keeps one checksum per rank; after a restart each rank reads
     back its own shard byte-exact; a shard flipped on one rank's disk is a miss for the block."""
     d = tmp_path / "nvme"
-    bb = 2 * H * BT * D2 * 4
-
-    def sched2():
-        cpu = SlotTier("cpu", 8, bb, EVICTION.get("lru")(8))
-        nv = NvmeControl("nvme", str(d), 16, bb, EVICTION.get("lru")(16), {"model": "t", "tp": 2})
-        return KVTierScheduler([cpu, nv], BT, ranks=2), cpu, nv
-
     r = Req("a", list(range(4 * BT + 3)))
     ids = [1, 2, 3, 4, 5]
-    s, cpu, nv = sched2()
+    s, cpu, nv = sched(d, ranks=2)
     ws = _rank_workers([0, 1])
     s.lookup(r, 0)
     s.on_alloc(r, ids, 0)
@@ -282,7 +269,7 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
         w.close()
 
     # restart: both ranks load from NVMe (empty CPU tier, other GPU contents), each its own shard
-    s, cpu, nv = sched2()
+    s, cpu, nv = sched(d, ranks=2)
     ws = _rank_workers([2, 3])
     assert nv.restored_blocks == 4
     r2 = Req("b", r.tokens)
@@ -299,7 +286,7 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
         w.close()
 
     # rank 1's copy of block 2 flipped on its disk: rank 1 fails it, the block leaves the index
-    s, cpu, nv = sched2()
+    s, cpu, nv = sched(d, ranks=2)
     ws = _rank_workers([4, 5])
     r3 = Req("c", r.tokens)
     s._track(r3)
@@ -322,10 +309,7 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
 def test_ranks_writing_behind_commit_once_every_rank_reported(tmp_path):
     """Ranks report their NVMe writes in different steps (write-behind on their own clocks): the
     block is committed only when the last rank's report is in, with both checksums."""
-    bb = 2 * H * BT * D2 * 4
-    cpu = SlotTier("cpu", 8, bb, EVICTION.get("lru")(8))
-    nv = NvmeControl("nvme", str(tmp_path / "nvme"), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
-    s = KVTierScheduler([cpu, nv], BT, ranks=2)
+    s, cpu, nv = sched(tmp_path / "nvme", ranks=2)
     (w0, _), (w1, _) = _rank_workers([0, 1])
     r = Req("a", list(range(2 * BT + 1)))
     s.lookup(r, 0)
