@@ -79,7 +79,7 @@ class TierStack:
         # blocks cleaned per write-back batch: cfg.writeback_bytes worth, at most a quarter of the tier
         self._writeback = [max(1, min(cfg.writeback_bytes // cfg.block_bytes, t.capacity_blocks // 4))
                            for t in self.tiers]
-        self._ahead = list(self._writeback)  # the current write-back window (adapts, see _make_room)
+        self._ahead = list(self._writeback)  # the current write-back window (adapts, see _write_back_ahead)
 
     @classmethod
     def from_config(cls, cfg: StackConfig | str | None = None, with_data: bool = True,
