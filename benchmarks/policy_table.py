@@ -20,7 +20,7 @@ from kvtier.belady import belady
 from kvtier.sim import make_keys, simulate
 from kvtier.trace import load_trace, split_by_time, unique_blocks
 
-from kvtier.replay import default_trace
+from kvtier.trace import default_trace
 
 TRACE = str(default_trace())
 FRACS = (0.01, 0.05, 0.10)

@@ -10,7 +10,6 @@ MIN at the same total capacity, and a TTFT cost model.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,22 +19,11 @@ import torch
 
 from .config import ConfigError, StackConfig, load_config, parse_config
 from .stack import TierStack
+from .trace import default_trace
 from .units import format_size
 
 DEFAULT_PREFILL_TPS = 10_000.0            # prefill tokens/s of the model being served
 DEFAULT_LOAD_GBPS = {"cpu": 20.0, "nvme": 5.0}  # host->GPU and NVMe->GPU GB/s
-
-
-def default_trace() -> Path:
-    env = os.environ.get("KVTIER_TRACE")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parent.parent
-    for base in (here, Path.cwd()):
-        p = base.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
-        if p.is_file():
-            return p
-    return here.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 def add_parser(sub) -> None:

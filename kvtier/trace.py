@@ -7,12 +7,26 @@ Each line: ``timestamp`` (ms from start, number), ``input_length`` and ``output_
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 BLOCK_TOKENS = 512
+BUNDLED = "mooncake_conversation.jsonl.gz"  # package data: Mooncake FAST'25 conversation trace (NOTICE)
+
+
+def bundled_trace() -> Path:
+    """The Mooncake conversation trace shipped inside the package (gzipped)."""
+    return Path(__file__).resolve().parent / "data" / BUNDLED
+
+
+def default_trace() -> Path:
+    """$KVTIER_TRACE when set, else the bundled trace."""
+    env = os.environ.get("KVTIER_TRACE")
+    return Path(env) if env else bundled_trace()
 
 
 class TraceError(ValueError):
@@ -64,9 +78,10 @@ def parse_request(obj: object, where: str = "request") -> Request:
 
 
 def load_trace(path: str | os.PathLike, limit: int | None = None) -> list[Request]:
-    """Read a Mooncake JSONL trace; blank lines are skipped; errors name line and field."""
+    """Read a Mooncake JSONL trace (plain or .gz); blank lines are skipped; errors name line and field."""
     reqs: list[Request] = []
-    with open(path, "r", encoding="utf-8") as f:
+    opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:

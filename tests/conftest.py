@@ -1,14 +1,14 @@
-import os
 from pathlib import Path
 
 import pytest
 
+from kvtier.trace import default_trace
+
 REPO = Path(__file__).resolve().parent.parent
-TRACE = Path(os.environ.get("KVTIER_TRACE", REPO.parent / "shared" / "traces" / "mooncake_conversation.jsonl"))
+TRACE = default_trace()  # the bundled trace unless KVTIER_TRACE names another
 
 
 @pytest.fixture
 def trace_path() -> Path:
-    if not TRACE.is_file():
-        pytest.skip(f"trace not found at {TRACE}")
+    assert TRACE.is_file(), f"trace not found at {TRACE}"
     return TRACE

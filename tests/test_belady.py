@@ -11,7 +11,7 @@ from kvtier.belady import belady
 from kvtier.sim import simulate
 from kvtier.trace import Request, TraceError, load_trace, split_by_time, unique_blocks
 
-from kvtier.replay import default_trace
+from kvtier.trace import default_trace
 
 TRACE = str(default_trace())
 
@@ -58,7 +58,6 @@ def test_belady_bounds_lru():
         assert belady(reqs, cap)["hit_ratio"] >= simulate(reqs, cap, "lru")["hit_ratio"] - 1e-12
 
 
-@pytest.mark.skipif(not os.path.exists(TRACE), reason="trace not present")
 def test_belady_reproduces_published_figures():
     reqs = load_trace(TRACE)
     u = unique_blocks(reqs)
