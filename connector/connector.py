@@ -27,11 +27,9 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 
-from kvtier.engine import policy_params
-from kvtier.policies import ADMISSION, EVICTION
-from kvtier.tiers.base import SlotTier
+from kvtier.builder import build_controller, build_tiers
 
-from .config import Settings, load_settings
+from .config import load_settings, tier_of
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 from .scheduler import KVTierScheduler
 from .worker import KVTierWorker
@@ -84,7 +82,7 @@ class KVTierConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.settings: Settings = load_settings(extra)
+        cfg = load_settings(extra)
         self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         bb, block_tokens, ngroups = _estimate_block_bytes(kv_cache_config)
         self.block_tokens = block_tokens or vllm_config.cache_config.block_size
@@ -93,54 +91,47 @@ class KVTierConnector(KVConnectorBase_V1):
         if not self.enabled:
             log.warning("kvtier: %d KV-cache groups (block bytes %d): connector disabled (group 0 only)",
                         ngroups, bb)
-        cpu_blocks = self.settings.cpu_blocks(bb) if bb else 1
+        # the block is vLLM's: the YAML's capacities in bytes are counted in these blocks
+        self.config = cfg = cfg.model_copy(update={"block_bytes": bb or 1, "block_tokens": self.block_tokens})
+        cpu = tier_of(cfg, "cpu")
+        nvme = tier_of(cfg, "nvme")
+        cpu_blocks = cpu.blocks(cfg.block_bytes) if (bb and cpu is not None) else 1
         self.cpu_blocks = cpu_blocks
         self.sched: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
         self.gpu_ctx = None
         self.closed = False
-        st = self.settings
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier fails to load (I/O error, "
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         if role == KVConnectorRole.SCHEDULER:
-            def eviction(name: str, capacity: int):
-                return EVICTION.get(name)(capacity, **policy_params(st.policy_params, name))
-
-            tiers: list[SlotTier] = []
-            if self.enabled:
-                tiers.append(SlotTier("cpu", cpu_blocks, bb, eviction(st.eviction, cpu_blocks)))
-                if st.nvme_path:
-                    from .nvme import NvmeControl
-                    n = st.nvme_blocks(bb)
-                    tiers.append(NvmeControl("nvme", st.nvme_path, n, bb, eviction(st.nvme_eviction or st.eviction, n),
-                                             fingerprint=self._fingerprint(vllm_config, bb),
-                                             on_mismatch=st.nvme_on_mismatch))
-            names = [st.admission, st.nvme_admission or st.admission][:len(tiers)]
-            admission = [ADMISSION.get(n)(**policy_params(st.policy_params, n)) for n in names]
-            self.sched = KVTierScheduler(tiers, self.block_tokens, group_id=0,
-                                         store=st.store == "eager" and self.enabled,
-                                         lease_timeout_s=st.lease_timeout_s, offload="eager",
-                                         max_blocks_per_step=st.max_blocks_per_step, promote=st.promote,
-                                         admission=admission, ranks=_world_size(vllm_config))
+            tiers = build_tiers(cfg, "control", self._fingerprint(vllm_config)) if self.enabled else []
+            ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
+            self.sched = KVTierScheduler(block_tokens=self.block_tokens, group_id=0,
+                                         store=cfg.serving.store and self.enabled, offload="eager",
+                                         max_blocks_per_step=cfg.serving.max_blocks_per_step, controller=ctrl)
         else:
             rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
-            self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=st.pin, nvme_io=st.nvme_io,
-                                       nvme_io_threads=st.nvme_io_threads, nvme_direct=st.nvme_direct,
-                                       nvme_write_lag_steps=st.nvme_write_lag_steps, rank=rank)
+            self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=cpu.pin if cpu is not None else "auto",
+                                       nvme_io=nvme.io if nvme else "auto",
+                                       nvme_io_threads=nvme.io_threads if nvme else 4,
+                                       nvme_direct=nvme.direct if nvme else "auto",
+                                       nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank)
         _LIVE.add(self)
         log.info("kvtier connector (%s): cpu tier %d blocks x %d B, block %d tokens, config %s",
-                 self.role_name, cpu_blocks, bb, self.block_tokens, self.settings.source)
+                 self.role_name, cpu_blocks, bb, self.block_tokens, cfg.source)
 
-    def _fingerprint(self, vllm_config: Any, block_bytes: int) -> dict:
-        """What must match for a stored block to be served: model, KV dtype, layout, sizes, rank."""
+    def _fingerprint(self, vllm_config: Any) -> dict:
+        """What must match for a stored block to be served (`StackConfig.fingerprint` with vLLM's
+        model, KV dtype, layout and parallelism)."""
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        return {"model": str(getattr(mc, "model", "?")), "revision": str(getattr(mc, "revision", None)),
-                "dtype": str(getattr(mc, "dtype", "?")),
-                "kv_cache_dtype": str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-                "block_tokens": self.block_tokens, "block_bytes": block_bytes, "layout": "vllm-kv-blocks/v1",
-                "tp": int(getattr(pc, "tensor_parallel_size", 1)), "pp": int(getattr(pc, "pipeline_parallel_size", 1))}
+        return self.config.fingerprint(
+            model=str(getattr(mc, "model", "?")), revision=str(getattr(mc, "revision", None)),
+            dtype=str(getattr(mc, "dtype", "?")),
+            kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
+            layout="vllm-kv-blocks/v1", tp=int(getattr(pc, "tensor_parallel_size", 1)),
+            pp=int(getattr(pc, "pipeline_parallel_size", 1)))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -225,7 +216,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.sched is None:
             return
         self.sched.bind_gpu(ctx)
-        if self.settings.offload == "lazy":
+        if self.config.policy.offload == "lazy":
             if hashed:
                 self.sched.offload = "lazy"
             else:

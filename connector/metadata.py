@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier import plan
+from kvtier.plan import LoadOp, NvmeWriteOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
+
 try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
                                                                      KVConnectorWorkerMetadata)
@@ -29,39 +32,9 @@ except Exception:  # pragma: no cover
 
 
 @dataclass
-class LoadOp:
-    """Copy tier slots into GPU blocks (before the forward that reads them)."""
-
-    req_id: str
-    tier: int
-    slots: list[int]
-    block_ids: list[int]
-    checksums: list[int | tuple[int, ...]] | None = None  # NVMe: expected xxh3_64 per slot (per rank: a tuple)
-    via: list[int] | None = None         # NVMe: CPU slots to read through (promotion), reported as op_id
-    op_id: int = 0
-
-
-@dataclass
-class StoreOp:
-    """Copy GPU blocks into tier slots the scheduler reserved (after the forward that wrote them)."""
-
-    op_id: int
-    tier: int
-    slots: list[int]
-    block_ids: list[int]
-
-
-@dataclass
-class NvmeWriteOp:
-    """Write-through: copy CPU slots (written by this step's stores or earlier) to NVMe slots."""
-
-    op_id: int
-    src_slots: list[int]
-    slots: list[int]
-
-
-@dataclass
 class KVTierMetadata(KVConnectorMetadata):
+    """The controller's plan for this step, as vLLM hands it to the workers."""
+
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
     nvme_writes: list[NvmeWriteOp] = field(default_factory=list)
@@ -73,47 +46,8 @@ class KVTierMetadata(KVConnectorMetadata):
 
 
 @dataclass
-class KVTierWorkerMeta(KVConnectorWorkerMetadata):
-    """Per-step results from the workers: store op -> per-block ok, request -> load ok.
-
-    Aggregating over workers (tensor parallel ranks) ANDs the flags: a block is committed
-    only when every rank wrote its shard.
-    """
-
-    stored: dict[int, list[bool]] = field(default_factory=dict)
-    loaded: dict[str, bool] = field(default_factory=dict)
-    # NVMe write op -> per-slot xxh3_64 of the bytes this rank wrote and fdatasync'd (-1: failed)
-    nvme_written: dict[int, list[int]] = field(default_factory=dict)
-    # tier index -> slots whose bytes failed verification on read
-    corrupt: dict[int, list[int]] = field(default_factory=dict)
-    rank: int = 0   # the worker's rank: its shard of each block, in its own NVMe data file
-    # aggregated over ranks: NVMe write op -> rank -> per-slot checksums
-    nvme_written_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
-
-    def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
-        """NVMe write op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
-        out = {op: dict(r) for op, r in self.nvme_written_ranks.items()}
-        for op, sums in self.nvme_written.items():
-            out.setdefault(op, {})[self.rank] = list(sums)
-        return out
-
-    def aggregate(self, other: "KVTierWorkerMeta") -> "KVTierWorkerMeta":
-        stored = dict(self.stored)
-        for op, oks in other.stored.items():
-            mine = stored.get(op)
-            stored[op] = list(oks) if mine is None else [a and b for a, b in zip(mine, oks)]
-        loaded = dict(self.loaded)
-        for r, ok in other.loaded.items():
-            loaded[r] = loaded.get(r, True) and ok
-        # ranks hold different shards in different files: their checksums are kept per rank
-        written = self.written_by_rank()
-        for op, by_rank in other.written_by_rank().items():
-            written.setdefault(op, {}).update(by_rank)
-        corrupt = {t: list(v) for t, v in self.corrupt.items()}
-        for t, v in other.corrupt.items():
-            corrupt.setdefault(t, []).extend(s for s in v if s not in corrupt[t])
-        return KVTierWorkerMeta(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
-                                nvme_written_ranks=written)
+class KVTierWorkerMeta(Report, KVConnectorWorkerMetadata):
+    """A worker's report for one step (see `kvtier.plan.Report`); vLLM aggregates it over ranks."""
 
 
 _SUM_KEYS_PREFIX = ("n_", "bytes_", "blocks_", "tokens_", "seconds_")
@@ -155,19 +89,9 @@ class KVTierStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-class Counting:
+class Counting(plan.Counting):
     """Counters kept on each side: cumulative `totals`, and the interval vLLM collects."""
 
-    def _init_counters(self) -> None:
-        self.totals: dict[str, float] = {}
-        self._interval = KVTierStats()
-
-    def _count(self, key: str, v: float = 1) -> None:
-        self._interval.add(key, v)
-        self.totals[key] = self.totals.get(key, 0) + v
-
     def take_interval_stats(self) -> KVTierStats | None:
-        if self._interval.is_empty():
-            return None
-        s, self._interval = self._interval, KVTierStats()
-        return s
+        d = self.take_interval()
+        return KVTierStats(data=d) if d else None

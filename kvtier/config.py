@@ -38,7 +38,8 @@ class PolicyConfig(_Model):
     eviction: str = "lru"
     admission: str = "all"
     promotion: str = "inclusive"
-    offload: str = "lazy"
+    demotion: Literal["write_through", "write_back"] = "write_through"
+    offload: str = "eager"
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -63,6 +64,7 @@ class TierConfig(_Model):
     path: str | None = None
     io: Literal["auto", "posix", "kvikio"] = "auto"
     io_threads: int = Field(default=4, ge=1, le=64)
+    direct: Literal["auto", True, False] = "auto"   # O_DIRECT (auto: when the filesystem takes it)
     on_fingerprint_mismatch: Literal["refuse", "namespace"] = "refuse"
     # per-tier policy overrides
     eviction: str | None = None
@@ -101,6 +103,15 @@ class TierConfig(_Model):
         return n
 
 
+class ServingConfig(_Model):
+    """Settings of the vLLM connector (ignored offline)."""
+
+    store: bool = True                 # False: load only, never store
+    lease_timeout_s: float = Field(default=300.0, gt=0)
+    nvme_write_lag_steps: int = Field(default=4, ge=0)  # NVMe writes reported within N steps (0: in the step)
+    max_blocks_per_step: int = 64      # lazy offload bound per scheduler step (<= 0: unbounded)
+
+
 class StackConfig(_Model):
     block_bytes: int = 262144
     block_tokens: int = 512
@@ -111,6 +122,7 @@ class StackConfig(_Model):
     writeback_bytes: int = 64 << 20
     tiers: list[TierConfig]
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     source: str = Field(default="<dict>", exclude=True)
 
     @field_validator("block_bytes", "writeback_bytes", mode="before")

@@ -116,11 +116,15 @@ def _tag(key: bytes) -> int:
 
 
 def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = None, progress: bool = False) -> dict:
+    """Drive the stack's controller request by request, as the connector's scheduler side does:
+    lease the present prefix, load it (promotions as planned), store the rest, run the plan
+    (real bytes, or none), complete it, release the lease."""
     from kvtier.policies.base import RequestInfo
     from .sim import make_keys
 
     bt = block_tokens or stack.cfg.block_tokens
     keys = make_keys(reqs)
+    ctrl, execute = stack.ctrl, stack.executor.run
     ntiers = len(stack.tiers)
     tier_hits = [0] * ntiers
     hits = refs = hit_tok = in_tok = bad = 0
@@ -135,7 +139,10 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=len(reqs), desc="replay", unit="req", file=sys.stderr, mininterval=0.5)
-    match, take, release, get, put = (stack.match, stack.leases.take, stack.leases.release, stack.get, stack.put)
+    acquire, load, store, take_plan, complete, release = (ctrl.acquire, ctrl.load, ctrl.store, ctrl.take_plan,
+                                                          ctrl.complete, ctrl.release)
+    count_request = ctrl.count_request
+    rng = range(max((len(k) for k in keys), default=0))
     t0 = time.perf_counter()
     try:
         for i, r in enumerate(reqs):
@@ -143,29 +150,31 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             n = len(ks)
             if not n:
                 continue
-            m = match(ks)
-            k = m.num_blocks
+            lease = acquire("replay", ks)
+            k = lease.num_blocks if lease is not None else 0
             refs += n
             in_tok += r.input_length
-            info = RequestInfo(ks, 0, k, r.input_length, bt, r.timestamp)
             if k:
-                for t in m.tier:
+                for t, _ in lease.blocks:
                     tier_hits[t] += 1
-                take("replay", 0, ks, list(zip(m.tier, m.slot)))
-                served = get(ks[:k], scratch.views[:k] if data else None, info, match=m)
-                if data:
-                    for j in range(served):
-                        if not bool((scratch.views[j].view(torch.int64) == _tag(ks[j])).all()):
-                            bad += 1
-                hits += served
-                hit_tok += min(r.input_length, served * bt)
+                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, r.timestamp, None,
+                                                       r.output_length), checksums=False)
+            count_request(n, k)
             if k < n:
-                srcs = None
                 if data:
-                    srcs = src.views[k:n]
                     for j in range(k, n):
                         _fill(src.views[j], ks[j])
-                put(ks[k:], srcs, RequestInfo(ks, k, k, r.input_length, bt, r.timestamp, None, r.output_length))
+                store(ks[k:], rng[k:n], RequestInfo(ks, k, k, r.input_length, bt, r.timestamp, None, r.output_length))
+            rep, loaded = execute(take_plan(), scratch.views if data else None, src.views if data else None)
+            complete(rep)
+            served = k
+            if data and k:
+                served = next((j for j in range(k) if not loaded.get(j, False)), k)
+                for j in range(served):
+                    if not bool((scratch.views[j].view(torch.int64) == _tag(ks[j])).all()):
+                        bad += 1
+            hits += served
+            hit_tok += min(r.input_length, served * bt)
             if k:
                 release("replay")
             if bar is not None and i % 256 == 0:
@@ -178,21 +187,22 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             scratch.close()
             src.close()
     dt = time.perf_counter() - t0
-    met = stack.metrics
+    tot = ctrl.totals
     per_tier = []
     for ti, t in enumerate(stack.tiers):
+        c = lambda name: int(tot.get(f"{name}.{t.name}", 0))  # noqa: E731
         per_tier.append({
             "name": t.name, "kind": t.kind, "capacity_blocks": t.capacity_blocks,
             "hit_blocks": tier_hits[ti], "hit_ratio": tier_hits[ti] / refs if refs else 0.0,
-            "promoted_in": met.promoted.get(t.name, 0), "demoted_in": met.demoted.get(t.name, 0),
-            "evicted": met.evicted.get(t.name, 0), "not_admitted": met.not_admitted.get(t.name, 0),
-            "bytes_read": met.bytes_read.get(t.name, 0), "bytes_written": met.bytes_written.get(t.name, 0),
-            "corrupt": met.corrupt.get(t.name, 0)})
+            "stored": c("stored_blocks"), "promoted_in": c("promoted_blocks"), "demoted_in": c("demoted_blocks"),
+            "evicted": c("evicted_blocks"), "not_admitted": c("not_admitted_blocks"),
+            "dropped": c("store_dropped_blocks"), "bytes_read": c("bytes_read"), "bytes_written": c("bytes_written"),
+            "corrupt": c("corrupt_blocks")})
     return {"requests": len(reqs), "block_refs": refs, "hit_blocks": hits,
             "hit_ratio": hits / refs if refs else 0.0,
             "token_hit_ratio": hit_tok / in_tok if in_tok else 0.0,
             "hit_tokens": hit_tok, "input_tokens": in_tok, "per_tier": per_tier,
-            "policies": stack.engine.describe(), "data": data, "block_bytes": stack.block_bytes,
+            "policies": ctrl.describe(), "data": data, "block_bytes": stack.block_bytes,
             "content_mismatches": bad, "seconds": dt, "blocks_per_s": refs / dt if dt else 0.0}
 
 

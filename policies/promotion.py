@@ -33,3 +33,14 @@ class Exclusive(PromotionPolicy):
         if not 0 <= hit_tier < num_tiers:
             raise ValueError(f"hit_tier {hit_tier} out of range for {num_tiers} tiers")
         return 0 if hit_tier > 0 else None
+
+
+@PROMOTION.register
+class NoPromotion(PromotionPolicy):
+    """Serve a lower-tier hit in place; nothing is copied up."""
+
+    name = "none"
+    inclusive = True
+
+    def target(self, hit_tier: int, num_tiers: int) -> int | None:
+        return None

@@ -154,7 +154,7 @@ def test_write_behind_unreported_at_close_is_not_indexed(tmp_path):
     w.save()
     w.close()                                   # written and synced, but never reported
     s.close()
-    assert w.totals["nvme_unreported_blocks"] == 2 and s.totals["nvme_uncommitted_at_close"] == 2
+    assert w.totals["nvme_unreported_blocks"] == 2 and s.totals["uncommitted_at_close"] == 2
     s, cpu, nv = sched(d)
     assert nv.restored_blocks == 0 and s.lookup(Req("b", r.tokens), 0) == 0
     s.close()

@@ -11,11 +11,11 @@ from kvtier.stack import TierStack
 BB = 8192
 
 
-def two_cpu(top=4, bottom=16, promotion="inclusive", with_data=True, **policy):
+def two_cpu(top=4, bottom=16, promotion="inclusive", with_data=True, demotion="write_back", **policy):
     cfg = parse_config({"block_bytes": BB, "tiers": [
         {"name": "hot", "kind": "cpu", "capacity_blocks": top},
         {"name": "warm", "kind": "cpu", "capacity_blocks": bottom}],
-        "policy": {"promotion": promotion, **policy}})
+        "policy": {"promotion": promotion, "demotion": demotion, **policy}})
     return TierStack.from_config(cfg, with_data=with_data)
 
 
@@ -31,6 +31,19 @@ def test_put_get_byte_exact_and_demotion():
     assert [t.num_resident for t in s.tiers] == [4, 6]
     assert s.metrics.demoted["warm"] == 6 and s.metrics.evicted["hot"] == 6
     assert s.lookup(keys) == 10
+    out = [torch.empty(BB, dtype=torch.uint8) for _ in keys]
+    assert s.get(keys, out) == 10
+    for o, d in zip(out, data):
+        assert torch.equal(o, d)
+    s.close()
+
+
+def test_write_through_copies_every_stored_block_down():
+    s = two_cpu(demotion="write_through")
+    keys, data = blocks(range(10))
+    assert s.put(keys, data) == 10
+    assert [t.num_resident for t in s.tiers] == [4, 10]
+    assert s.metrics.demoted["warm"] == 10 and s.metrics.evicted["hot"] == 6
     out = [torch.empty(BB, dtype=torch.uint8) for _ in keys]
     assert s.get(keys, out) == 10
     for o, d in zip(out, data):
@@ -54,6 +67,7 @@ def test_promotion_inclusive_keeps_lower_copy():
     s = two_cpu(top=2, bottom=8)
     keys, data = blocks(range(4))
     s.put(keys, data)  # 0,1 demoted below; 2,3 on top
+    s.flush(0)         # 2,3 copied below too: a dirty block never leaves in the plan that copies it
     assert s.tiers[1].lookup(keys[:2]) == 2 and s.tiers[0].lookup(keys[2:]) == 2
     out = [torch.empty(BB, dtype=torch.uint8) for _ in range(2)]
     assert s.get(keys[:2], out) == 2
@@ -68,6 +82,7 @@ def test_promotion_exclusive_moves():
     s = two_cpu(top=2, bottom=8, promotion="exclusive")
     keys, data = blocks(range(4))
     s.put(keys, data)
+    s.flush(0)
     out = [torch.empty(BB, dtype=torch.uint8) for _ in range(2)]
     assert s.get(keys[:2], out) == 2
     assert keys[0] not in s.tiers[1] and keys[0] in s.tiers[0]

@@ -150,6 +150,14 @@ class SlotTier:
     def get_block(self, block_id: int) -> BlockView:
         return BlockView(block_id, self._ref[block_id], self._key_of[block_id], False)
 
+    def key_at(self, slot: int) -> bytes | None:
+        """The key a slot holds (resident or pending), None when free."""
+        return self._key_of[slot]
+
+    def pinned_blocks(self) -> int:
+        """Sum of reference counts (pins) over the slots."""
+        return sum(self._ref)
+
     # ---- reference counts --------------------------------------------------------------
     def touch(self, block_ids: Sequence[int]) -> None:
         """Pin: a block with ref_cnt > 0 is never yielded by the cursor nor evicted."""
@@ -165,6 +173,14 @@ class SlotTier:
             if ref[b] <= 0:
                 raise ValueError(f"tier {self.name!r}: free_blocks on slot {b} with ref_cnt {ref[b]}")
             ref[b] -= 1
+
+    def unpin_if(self, slot: int, key: bytes) -> bool:
+        """free_blocks([slot]) when the slot still holds `key` and is pinned (a pin taken for a
+        transfer whose slot may have been aborted and reused since)."""
+        if self._key_of[slot] == key and self._ref[slot] > 0:
+            self.free_blocks([slot])
+            return True
+        return False
 
     def hit(self, block_ids: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
         """Record a use (reorders the eviction cursor)."""

@@ -1,0 +1,93 @@
+"""One builder: a YAML stack (`StackConfig`) -> tiers, policies and the `TierController`.
+
+Used by the CLI, replay and the vLLM connector alike. `data` says how much of each persistent
+tier is opened: "full" (index and data file: the offline stack), "control" (the index only:
+the connector's scheduler, whose workers own the data files) or "none" (metadata only: replay
+without bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from kvtier.policies import ADMISSION, EVICTION, PROMOTION, AdmissionPolicy, EvictionPolicy, PromotionPolicy
+
+from .config import StackConfig, TierConfig
+from .controller import TierController
+
+DATA_MODES = ("full", "control", "none")
+
+
+def policy_params(params: dict[str, Any], name: str) -> dict[str, Any]:
+    """The keyword arguments YAML `policy.params` gives policy `name` (none when not a mapping)."""
+    p = params.get(name, {})
+    return p if isinstance(p, dict) else {}
+
+
+def make_eviction(cfg: StackConfig, tcfg: TierConfig, capacity: int) -> EvictionPolicy:
+    name = tcfg.eviction or cfg.policy.eviction
+    return EVICTION.get(name)(capacity, **policy_params(cfg.policy.params, name))
+
+
+def make_admission(cfg: StackConfig) -> list[AdmissionPolicy]:
+    out = []
+    for t in cfg.storage_tiers():
+        name = t.admission or cfg.policy.admission
+        out.append(ADMISSION.get(name)(**policy_params(cfg.policy.params, name)))
+    return out
+
+
+def make_promotion(cfg: StackConfig) -> PromotionPolicy:
+    name = cfg.policy.promotion
+    return PROMOTION.get(name)(**policy_params(cfg.policy.params, name))
+
+
+def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: dict | None = None) -> Any:
+    """Storage tier `index` of the config (the gpu tier is vLLM's block pool, not built here)."""
+    if data not in DATA_MODES:
+        raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}")
+    t = cfg.storage_tiers()[index]
+    cap = t.blocks(cfg.block_bytes)
+    eviction = make_eviction(cfg, t, cap)
+    fp = fingerprint or cfg.fingerprint()
+    if t.kind == "cpu":
+        from kvtier.tiers.cpu import CpuTier
+        return CpuTier(t.name, cap, cfg.block_bytes, eviction, pin=t.pin, with_data=data == "full")
+    if t.kind == "nvme":
+        if data == "control":
+            from kvtier.connector.nvme import NvmeControl
+            return NvmeControl(t.name, t.path, cap, cfg.block_bytes, eviction, fingerprint=fp,
+                               on_mismatch=t.on_fingerprint_mismatch)
+        from kvtier.tiers.nvme import NvmeTier
+        return NvmeTier(t.name, t.path, cap, cfg.block_bytes, eviction, io=t.io, fingerprint=fp,
+                        on_mismatch=t.on_fingerprint_mismatch, with_data=data == "full", io_threads=t.io_threads)
+    raise ValueError(f"tier {t.name!r}: kind {t.kind!r} is not a storage tier")
+
+
+def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None = None) -> list[Any]:
+    tiers: list[Any] = []
+    try:
+        for i in range(len(cfg.storage_tiers())):
+            tiers.append(build_tier(cfg, i, data, fingerprint))
+    except BaseException:
+        for t in tiers:
+            close = getattr(t, "close", None)
+            if close:
+                close()
+        raise
+    return tiers
+
+
+def build_controller(cfg: StackConfig, tiers: Sequence[Any], ranks: int = 1,
+                     lease_timeout_s: float | None = None) -> TierController:
+    """The controller over `tiers` with the config's policies."""
+    wb = max(1, cfg.writeback_bytes // cfg.block_bytes)
+    return TierController(tiers, block_tokens=cfg.block_tokens, admission=make_admission(cfg),
+                          promotion=make_promotion(cfg), demotion=cfg.policy.demotion,
+                          lease_timeout_s=lease_timeout_s or cfg.serving.lease_timeout_s, ranks=ranks,
+                          writeback_blocks=wb)
+
+
+def fresh_evictions(cfg: StackConfig, tiers: Sequence[Any]) -> list[EvictionPolicy]:
+    """New eviction policies for `tiers` (a cleared stack starts its policies afresh)."""
+    return [make_eviction(cfg, tc, t.capacity_blocks) for tc, t in zip(cfg.storage_tiers(), tiers)]

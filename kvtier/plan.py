@@ -1,0 +1,125 @@
+"""What the controller asks executors to do (ops, a plan) and what they report back.
+
+Plain, picklable data: in vLLM the plan crosses from the scheduler process to the workers and
+the report comes back. `block_ids` are the caller's blocks: vLLM's GPU block ids inside vLLM,
+indices into the caller's buffers offline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadOp:
+    """Copy tier slots into the caller's blocks (before the forward that reads them)."""
+
+    req_id: str
+    tier: int
+    slots: list[int]
+    block_ids: list[int]
+    checksums: list[int | tuple[int, ...]] | None = None  # NVMe: expected per slot (per rank: a tuple)
+    via: list[int] | None = None         # promotion: slots of `via_tier` to read through, reported as op_id
+    op_id: int = 0
+    via_tier: int = 0
+
+
+@dataclass
+class StoreOp:
+    """Copy the caller's blocks into tier slots the controller reserved."""
+
+    op_id: int
+    tier: int
+    slots: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class NvmeWriteOp:
+    """Copy slots of one tier into reserved slots of the next (write-through or write-back);
+    in vLLM always CPU -> NVMe, the only tier-to-tier copy the workers run."""
+
+    op_id: int
+    src_slots: list[int]
+    slots: list[int]
+    src_tier: int = 0
+    tier: int = 1
+
+
+CopyOp = NvmeWriteOp
+
+
+@dataclass
+class Plan:
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+    copies: list[CopyOp] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.stores and not self.copies
+
+
+@dataclass
+class Report:
+    """An executor's results: store op -> per-block ok, request -> load ok, copy op -> per-slot
+    checksum (-1: failed), tier -> slots that failed verification.
+
+    Aggregating over workers (tensor parallel ranks) ANDs the flags; copies keep each rank's
+    checksums (ranks hold different shards in different files)."""
+
+    stored: dict[int, list[bool]] = field(default_factory=dict)
+    loaded: dict[str, bool] = field(default_factory=dict)
+    nvme_written: dict[int, list[int]] = field(default_factory=dict)
+    corrupt: dict[int, list[int]] = field(default_factory=dict)
+    rank: int = 0
+    nvme_written_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+
+    def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
+        """Copy op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
+        out = {op: dict(r) for op, r in self.nvme_written_ranks.items()}
+        for op, sums in self.nvme_written.items():
+            out.setdefault(op, {})[self.rank] = list(sums)
+        return out
+
+    def aggregate(self, other: "Report") -> "Report":
+        stored = dict(self.stored)
+        for op, oks in other.stored.items():
+            mine = stored.get(op)
+            stored[op] = list(oks) if mine is None else [a and b for a, b in zip(mine, oks)]
+        loaded = dict(self.loaded)
+        for r, ok in other.loaded.items():
+            loaded[r] = loaded.get(r, True) and ok
+        written = self.written_by_rank()
+        for op, by_rank in other.written_by_rank().items():
+            written.setdefault(op, {}).update(by_rank)
+        corrupt = {t: list(v) for t, v in self.corrupt.items()}
+        for t, v in other.corrupt.items():
+            corrupt.setdefault(t, []).extend(s for s in v if s not in corrupt[t])
+        return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
+                          nvme_written_ranks=written)
+
+    def is_empty(self) -> bool:
+        return not self.stored and not self.loaded and not self.nvme_written and not self.corrupt \
+            and not self.nvme_written_ranks
+
+
+class Counting:
+    """Counters: cumulative `totals` and the interval since the last `take_interval`.
+    Keys are `<counter>` or `<counter>.<tier name>`."""
+
+    def _init_counters(self) -> None:
+        self.totals: dict[str, float] = {}
+        self._interval: dict[str, float] = {}
+
+    def _count(self, key: str, v: float = 1) -> None:
+        self._interval[key] = self._interval.get(key, 0) + v
+        self.totals[key] = self.totals.get(key, 0) + v
+
+    def take_interval(self) -> dict[str, float] | None:
+        if not any(self._interval.values()):
+            return None
+        d, self._interval = self._interval, {}
+        return d
+
+    def total(self, key: str) -> float:
+        return self.totals.get(key, 0)
