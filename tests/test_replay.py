@@ -95,7 +95,7 @@ def test_bad_trace_line(tmp_path, capsys):
 # here means a policy, tier or stack change altered decisions, not just speed.
 PINNED = {
     # the controller: a dirty block never leaves in the plan that copies it down (clean-ahead at take_plan)
-    "two-tier": [4808, 2460766, [3776, 1032, 0, 75429], [1032, 0, 79023, 76975]],
+    "two-tier": [4808, 2460768, [3776, 1032, 0, 75429], [1032, 0, 79023, 76975]],
     "nextuse": [3840, 1966080, [3840, 0, 0, 76279]],
     "lru": [3071, 1572352, [3071, 0, 0, 77048]],
     "arc": [3545, 1815040, [3545, 0, 0, 76574]],
