@@ -373,7 +373,7 @@ class TierController(Counting):
         """The executor's report: commit what was written, abort what failed, drop what did not
         verify, release the leases of loads that finished."""
         exclusive: list[tuple[int, list[tuple[int, bytes]]]] = []
-        for op_id, oks in rep.stored.items():
+        for op_id, oks in sorted(rep.stored.items()):  # plan order, whatever order the report has
             st = self._stores.pop(op_id, None)
             if st is None:
                 continue
@@ -399,7 +399,7 @@ class TierController(Counting):
             if drop is not None:
                 drop(slots)
             self._count(f"corrupt_blocks.{tier.name}", len(slots))
-        for op_id, by_rank in rep.written_by_rank().items():
+        for op_id, by_rank in sorted(rep.written_by_rank().items()):
             self._complete_copy(op_id, by_rank)
         for rid, ok in rep.loaded.items():
             self.release(rid)

@@ -116,9 +116,11 @@ def _tag(key: bytes) -> int:
 
 
 def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = None, progress: bool = False) -> dict:
-    """Drive the stack's controller request by request, as the connector's scheduler side does:
-    lease the present prefix, load it (promotions as planned), store the rest, run the plan
-    (real bytes, or none), complete it, release the lease."""
+    """Drive the stack's controller request by request, as the connector's scheduler side does
+    inside vLLM: lease the present prefix of the request's full blocks (at least one token is
+    left to compute), load it (promotions as planned), store its other full blocks (a partial
+    last block is never stored: vLLM does not hash it), run the plan (real bytes, or none),
+    complete it, release the lease. The hit ratio counts every block of the trace."""
     from kvtier.policies.base import RequestInfo
     from .sim import make_keys
 
@@ -150,21 +152,23 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             n = len(ks)
             if not n:
                 continue
-            lease = acquire("replay", ks)
+            # what vLLM offers the connector: full blocks only, at least one token left to compute
+            full = min(n, r.input_length // bt)
+            lease = acquire("replay", ks[:min(full, (r.input_length - 1) // bt)])
             k = lease.num_blocks if lease is not None else 0
             refs += n
             in_tok += r.input_length
+            now = r.timestamp / 1000.0
             if k:
                 for t, _ in lease.blocks:
                     tier_hits[t] += 1
-                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, r.timestamp, None,
-                                                       r.output_length), checksums=False)
+                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now), checksums=False)
             count_request(n, k)
-            if k < n:
+            if k < full:
                 if data:
-                    for j in range(k, n):
+                    for j in range(k, full):
                         _fill(src.views[j], ks[j])
-                store(ks[k:], rng[k:n], RequestInfo(ks, k, k, r.input_length, bt, r.timestamp, None, r.output_length))
+                store(ks[k:full], rng[k:full], RequestInfo(ks, k, k, r.input_length, bt, now))
             rep, loaded = execute(take_plan(), scratch.views if data else None, src.views if data else None)
             complete(rep)
             served = k

@@ -69,7 +69,8 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
         n = len(ks)
         if n == 0:
             continue
-        k = lookup(ks)
+        full = min(n, r.input_length // block_tokens)   # vLLM offers full blocks only
+        k = lookup(ks[:min(full, (r.input_length - 1) // block_tokens)])  # and computes >= 1 token
         counted = idx >= warmup
         if counted:
             refs += n
@@ -80,15 +81,16 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
                     hit_tok += r.input_length
                 else:
                     hit_tok += k * block_tokens
-        info = RequestInfo(ks, 0, k, r.input_length, block_tokens, r.timestamp, None, r.output_length)
+        now = r.timestamp / 1000.0
+        info = RequestInfo(ks, 0, k, r.input_length, block_tokens, now)
         # resident blocks of the request (the hit prefix and any resident beyond a gap)
-        if k == n:
-            res = [slot_of[x] for x in ks]
-            hit(res, info)
+        if k == full:
+            if k:
+                hit([slot_of[x] for x in ks[:k]], info)
             continue
         res = [slot_of[x] for x in ks[:k]]
         missing = []
-        for j in range(k, n):
+        for j in range(k, full):
             s = slot_of.get(ks[j])
             if s is None:
                 missing.append(j)
@@ -124,7 +126,7 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
                 j0 = missing[i0]
                 run = ks[j0:j0 + (i1 - i0)]
                 slots = allocate(run)
-                commit(slots, info if j0 == 0 else RequestInfo(ks, j0, k, r.input_length, block_tokens, r.timestamp, None, r.output_length))
+                commit(slots, info if j0 == 0 else RequestInfo(ks, j0, k, r.input_length, block_tokens, now))
                 i0 = i1
         if res:
             free(res)

@@ -160,7 +160,7 @@ def nvme_written(model_dir, prompts, baseline, tmp_path_factory):
         assert out == baseline
         assert t["stored_blocks.cpu"] == stored and t["stored_blocks.nvme"] == stored
         assert w.worker.totals["blocks_stored.nvme"] == stored
-        assert s.sched.pinned_blocks() == 0 and not s.sched._nvme_writes
+        assert s.sched.pinned_blocks() == 0 and s.sched.ctrl.in_flight == 0
         hits = U.tier_hits({}, t)
     finally:
         U.shutdown(llm)

@@ -25,9 +25,12 @@ COUNTS = ("hit_blocks", "stored_blocks", "evicted_blocks", "demoted_blocks", "pr
 
 @dataclass
 class FakeRequest:
+    """What vLLM's Request shows the connector: hashes of its full blocks only."""
+
     request_id: str
     block_hashes: list[bytes]
     num_tokens: int
+    arrival_time: float
 
 
 def fake_vllm(cfg_path: str, reqs) -> dict:
@@ -36,7 +39,8 @@ def fake_vllm(cfg_path: str, reqs) -> dict:
     cfg = load_config(cfg_path)
     s = KVTierScheduler(block_tokens=BT, controller=build_controller(cfg, build_tiers(cfg, "none")))
     for i, (r, keys) in enumerate(zip(reqs, make_keys(reqs))):
-        req = FakeRequest(f"r{i}", [split_key(k)[0] for k in keys], len(keys) * BT + 1)
+        full = min(len(keys), r.input_length // BT)
+        req = FakeRequest(f"r{i}", [split_key(k)[0] for k in keys[:full]], r.input_length, r.timestamp / 1000.0)
         ids = list(range(len(keys) + 1))
         n = s.lookup(req, 0)
         s.on_alloc(req, ids, n)
@@ -57,6 +61,8 @@ def fake_vllm(cfg_path: str, reqs) -> dict:
 @pytest.mark.parametrize("policy", [
     "{eviction: lru, promotion: inclusive, demotion: write_through}",
     "{eviction: lru, promotion: exclusive, demotion: write_back}",
+    "{eviction: lru, promotion: inclusive, demotion: write_back, admission: second_hit}",
+    "{eviction: nextuse, promotion: inclusive, demotion: write_through}",
 ])
 def test_replay_equals_connector_scheduler(tmp_path, capsys, trace_path, policy):
     cfg = tmp_path / "stack.yaml"

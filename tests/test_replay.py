@@ -94,13 +94,14 @@ def test_bad_trace_line(tmp_path, capsys):
 # hit blocks, hit tokens, then per tier (hit blocks, promoted in, demoted in, evicted). Any change
 # here means a policy, tier or stack change altered decisions, not just speed.
 PINNED = {
-    # the controller: a dirty block never leaves in the plan that copies it down (clean-ahead at take_plan)
-    "two-tier": [4808, 2460768, [3776, 1032, 0, 75429], [1032, 0, 79023, 76975]],
-    "nextuse": [3840, 1966080, [3840, 0, 0, 76279]],
-    "lru": [3071, 1572352, [3071, 0, 0, 77048]],
-    "arc": [3545, 1815040, [3545, 0, 0, 76574]],
-    "s3fifo": [3708, 1898496, [3708, 0, 0, 76408]],
-    "pslru": [4498, 2302976, [4498, 0, 0, 75489]],
+    # since the controller: replay offers what vLLM offers (full blocks, >= 1 token computed); a
+    # dirty block never leaves in the plan that copies it down (clean-ahead in take_plan)
+    "two-tier": [4720, 2416640, [3618, 1102, 0, 72891], [1102, 0, 75986, 73938]],
+    "nextuse": [3909, 2001408, [3909, 0, 0, 73217]],
+    "lru": [3071, 1572352, [3071, 0, 0, 74055]],
+    "arc": [3545, 1815040, [3545, 0, 0, 73581]],
+    "s3fifo": [3716, 1902592, [3716, 0, 0, 73410]],
+    "pslru": [4504, 2306048, [4504, 0, 0, 72491]],
 }
 
 
