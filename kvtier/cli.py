@@ -77,9 +77,9 @@ def _dispatch(args: argparse.Namespace) -> Any:
     if args.command == "replay":
         from . import replay
         return replay.run(args)
-    from . import ops
-    return {"spill": ops.cmd_spill, "restore": ops.cmd_restore, "inspect": ops.cmd_inspect,
-            "bench": ops.cmd_bench}[args.command](args)
+    from . import commands
+    return {"spill": commands.cmd_spill, "restore": commands.cmd_restore, "inspect": commands.cmd_inspect,
+            "bench": commands.cmd_bench}[args.command](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,4 @@
-"""Offline operations behind the CLI: spill, restore, inspect, bench."""
+"""The CLI commands: spill, restore, inspect, bench (and the offline operations behind them)."""
 
 from __future__ import annotations
 
