@@ -39,6 +39,7 @@ class LoadOp:
     checksums: list[int | tuple[int, ...]] | None = None  # NVMe: expected xxh3_64 per slot (per rank: a tuple)
     via: list[int] | None = None         # NVMe: CPU slots to read through (promotion), reported as op_id
     op_id: int = 0
+    keys: list[bytes] | None = None      # NVMe: the block keys (each block's header must name its key)
 
 
 @dataclass
@@ -58,6 +59,7 @@ class NvmeWriteOp:
     op_id: int
     src_slots: list[int]
     slots: list[int]
+    keys: list[bytes] = field(default_factory=list)  # the block keys, sealed into each block's header
 
 
 @dataclass

@@ -171,6 +171,7 @@ class KVTierScheduler(Counting):
         for t, op in ops.items():
             if self.tiers[t].kind == "nvme":
                 op.checksums = self.tiers[t].checksums(op.slots)
+                op.keys = keys_of[t]
                 if self.promote and t > 0:
                     self._plan_promotion(op, keys_of[t])
         self._load_plan[r.req_id] = list(ops.values())
@@ -367,7 +368,7 @@ class KVTierScheduler(Counting):
         cpu.touch([s for s, _ in src])      # the CPU copy is the source until the write is durable
         op_id = next(self._op_ids)
         self._nvme_writes[op_id] = (slots, src)
-        meta.nvme_writes.append(NvmeWriteOp(op_id, [s for s, _ in src], slots))
+        meta.nvme_writes.append(NvmeWriteOp(op_id, [s for s, _ in src], slots, [k for _, k in src]))
         self._count(f"store_planned_blocks.{nv.name}", len(slots))
 
     def _plan_promotion(self, op: LoadOp, keys: list[bytes]) -> None:
@@ -407,8 +408,8 @@ class KVTierScheduler(Counting):
                 self._pending_keys.discard(k)
         for t, slots in wm.corrupt.items():
             tier = self.tiers[t]
-            if hasattr(tier, "drop"):
-                n = tier.drop(slots)
+            if hasattr(tier, "quarantine"):
+                n = tier.quarantine(slots)
                 self._count(f"corrupt_blocks.{tier.name}", n)
         for op_id, by_rank in wm.written_by_rank().items():
             if op_id not in self._nvme_writes:
