@@ -7,6 +7,8 @@ promotion and write-back demotion), flush, and the lease API plan / commit / rel
 
 from __future__ import annotations
 
+import errno as _errno
+
 import logging
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -261,11 +263,20 @@ class TierStack:
             good = [s for s, ok in zip(slots, res.ok) if ok]
             bad = [s for s, ok in zip(slots, res.ok) if not ok]
             if bad:
-                log.warning("tier %s: %d block writes failed: %s", name, len(bad), "; ".join(res.errors[:3]))
+                log.error("tier %s: %d block writes failed: %s", name, len(bad), "; ".join(res.errors[:3]))
                 tier.abort(bad)
             slots = good
-        tier.commit(slots, info)
+        try:
+            tier.commit(slots, info)
+        except OSError:  # e.g. fdatasync failed: nothing indexed, the blocks stay where they were
+            tier.abort(slots)
+            raise
         self.metrics.stored[name] += len(slots)
+        if self.with_data and bad:
+            # loud: the caller stops before evicting the upper copies of the failed blocks
+            err = res.errors[0] if res.errors else "write failed"
+            raise OSError(_errno.EIO, f"tier {name}: {len(bad)} of {len(bad) + len(slots)} block writes failed "
+                          f"(kept in the tier above, not indexed): {err}")
         return len(slots)
 
     def _make_room(self, ti: int, n: int) -> None:

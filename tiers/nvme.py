@@ -161,8 +161,10 @@ class NvmeTier(NvmeControl):
         def finish(r: IOResult) -> IOResult:
             corrupt = [s for s, k, b in zip(slots, keys, bad) if b and self._key_of[s] == k]
             if corrupt:
-                log.error("nvme tier %r: %d blocks failed verification in %s; quarantined: %s",
-                          self.name, len(corrupt), self.data.path if self.data else self.path, r.errors[:3])
+                log.error("nvme tier %r: %d blocks failed verification in %s; %s: %s", self.name, len(corrupt),
+                          self.data.path if self.data else self.path,
+                          "not served (read-only: index unchanged)" if self.read_only else "quarantined",
+                          r.errors[:3])
                 n = self.quarantine([s for s in corrupt if self._state[s] == _RESIDENT],
                                     r.errors[0] if r.errors else "failed verification")
                 self.corrupt_blocks += len(corrupt) - n

@@ -117,8 +117,14 @@ class NvmeIndex:
             if read_only:
                 if need == 0:
                     raise NvmeIndexError(f"no index at {path}")
-                self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, readonly=True,
-                                     lock=True, readahead=False, create=False)
+                try:  # a reader slot in lock.mdb, so a live writer does not reuse pages under us
+                    self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, readonly=True,
+                                         lock=True, readahead=False, create=False, mode=0o600)
+                except lmdb.Error as e:
+                    if "Permission denied" not in str(e) and "Read-only" not in str(e):
+                        raise
+                    self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, readonly=True,
+                                         lock=False, readahead=False, create=False)
             else:
                 self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, mode=0o600,
                                      sync=True, metasync=True, lock=True, readahead=False)
