@@ -64,17 +64,26 @@ def _check_params(params: dict[str, Any], registries) -> None:
         if not isinstance(p, dict):
             raise ValueError(f"params.{name}: expected a mapping of arguments, got {type(p).__name__}")
         for cls in classes:
-            sig = inspect.signature(cls.__init__)
-            if any(a.kind is a.VAR_KEYWORD for a in sig.parameters.values()):
-                continue
-            takes = [a for a in sig.parameters if a not in ("self", "capacity")]
+            takes: dict[str, Any] = {}  # every named argument along the MRO (bases swallow **params)
+            for c in cls.__mro__:
+                init = c.__dict__.get("__init__")
+                if init is None:
+                    continue
+                for a in inspect.signature(init).parameters.values():
+                    if a.name not in ("self", "capacity") and a.kind not in (a.VAR_KEYWORD, a.VAR_POSITIONAL):
+                        takes.setdefault(a.name, a.default)
             for k, v in p.items():
                 if k not in takes:
                     raise ValueError(f"params.{name}.{k}: unknown parameter of policy {name!r}; "
-                                     f"it takes: {', '.join(takes) or 'none'}")
-                if not isinstance(v, (int, float, str, bool)) or v is None:
-                    raise ValueError(f"params.{name}.{k}: expected a number, string or boolean, "
-                                     f"got {type(v).__name__}")
+                                     f"it takes: {', '.join(sorted(takes)) or 'none'}")
+                d = takes[k]
+                want = type(d) if isinstance(d, (bool, int, float, str)) else None
+                ok = (want is None or (want is float and isinstance(v, (int, float)) and not isinstance(v, bool))
+                      or (want is int and isinstance(v, int) and not isinstance(v, bool)) or
+                      (want not in (int, float) and isinstance(v, want)))
+                if not ok or isinstance(v, (dict, list)):
+                    raise ValueError(f"params.{name}.{k}: expected {want.__name__ if want else 'a scalar'}, "
+                                     f"got {type(v).__name__} {v!r}")
 
 
 class TierConfig(_Model):

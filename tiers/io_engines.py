@@ -48,7 +48,7 @@ class _Hooks:
         (short: the call moves half its bytes, the next call fails with ENOSPC);
     KVTIER_CRASH_AT=data_write:N | index_commit:N | fsync:N
         SIGKILL this process right after the N-th data write, before the N-th index commit,
-        or during (before) the N-th fdatasync.
+        or during (before) the N-th fdatasync (KVTIER_CRASH_SIGNAL=INT / TERM sends that instead).
     """
 
     def __init__(self) -> None:
@@ -73,7 +73,8 @@ class _Hooks:
 
     def crash_point(self, point: str, count: int) -> None:
         if self.crash and self.crash[0] == point and count == self.crash[1]:
-            os.kill(os.getpid(), 9)
+            import signal
+            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("KVTIER_CRASH_SIGNAL", "KILL")))
 
     def fault_for(self, what: str, count: int) -> str | None:
         f = self.fault
