@@ -36,7 +36,7 @@ class LoadOp:
     tier: int
     slots: list[int]
     block_ids: list[int]
-    checksums: list[int | tuple[int, ...]] | None = None  # NVMe: expected xxh3_64 per slot (per rank: a tuple)
+    checksums: list[int | tuple[int, ...]] | None = None  # NVMe: expected block tag per slot (per rank: a tuple)
     via: list[int] | None = None         # NVMe: CPU slots to read through (promotion), reported as op_id
     op_id: int = 0
     keys: list[bytes] | None = None      # NVMe: the block keys (each block's header must name its key)

@@ -210,6 +210,7 @@ class PosixEngine(IOEngine):
         self.fallback: str | None = None
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvtier-io")
         self._bounces: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()
+        self._headers: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()  # small: header pages only
         self._bounce_size = max_io_bytes
         self._lock = threading.Lock()
         self.syscalls = 0
@@ -281,6 +282,15 @@ class PosixEngine(IOEngine):
             pass
         return _Bounce(max(need, self._bounce_size))
 
+    def _get_headers(self, need: int) -> _Bounce:
+        try:
+            b = self._headers.get_nowait()
+            if b.nbytes >= need:
+                return b
+        except queue.Empty:
+            pass
+        return _Bounce(max(need, 64 * HEADER))
+
     @staticmethod
     def _zero_copy(f: EngineFile, t: torch.Tensor, length: int) -> bool:
         """Whether `t` can be an iovec as is (else it goes through a bounce buffer)."""
@@ -328,7 +338,7 @@ class PosixEngine(IOEngine):
             try:
                 iov = []
                 if hdr_n:
-                    hdrs = self._get_bounce(len(idx) * hdr_n)
+                    hdrs = self._get_headers(len(idx) * hdr_n)
                 for k, i in enumerate(idx):
                     t = bufs[i]
                     if hdrs is not None:
@@ -365,7 +375,7 @@ class PosixEngine(IOEngine):
                 if bounce is not None:
                     self._bounces.put(bounce)
                 if hdrs is not None:
-                    self._bounces.put(hdrs)
+                    self._headers.put(hdrs)
 
         return self._submit(run, self._plan(offsets, stride), finish, len(bufs))
 
@@ -384,7 +394,7 @@ class PosixEngine(IOEngine):
             try:
                 iov, views = [], []
                 if hdr_n:
-                    hdrs = self._get_bounce(len(idx) * hdr_n)
+                    hdrs = self._get_headers(len(idx) * hdr_n)
                 for k, i in enumerate(idx):
                     t = bufs[i]
                     if hdrs is not None:
@@ -430,7 +440,7 @@ class PosixEngine(IOEngine):
                 if bounce is not None:
                     self._bounces.put(bounce)
                 if hdrs is not None:
-                    self._bounces.put(hdrs)
+                    self._headers.put(hdrs)
 
         return self._submit(run, self._plan(offsets, stride), finish, len(bufs))
 

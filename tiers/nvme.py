@@ -1,18 +1,19 @@
 """NVMe tier for one process: the control plane (`nvme_control`) with its data plane (`nvme_data`).
 
 Layout under `path` (or `path/ns-<fingerprint hash>` in namespace mode): ``data.0`` (capacity
-x stride bytes, posix_fallocate'd), ``index/`` (LMDB), ``lock`` (flock: one process per tier
-directory).
+x (4 KiB header + block) slots, posix_fallocate'd, never truncated), ``index/`` (LMDB),
+``secret`` (0600); the directory itself is flock'ed by the one writer.
 
-Write order: `write()` puts bytes in slots and computes their xxh3_64 checksums in the I/O
-threads; `commit()` waits for those writes, fdatasyncs the data file, then commits the index
-entries in one LMDB transaction. So the index never points at unwritten bytes, and whatever
-was committed before a crash or restart is served after it; uncommitted (pending) slots are
-simply free after a restart.
+Write order: `write()` seals each block with its keyed header (`nvme_block`) and puts it in
+its slot, the tag computed in the I/O threads; `commit()` waits for those writes, fdatasyncs
+the data file, then commits the index entries in one LMDB transaction. So the index never
+points at unwritten bytes, and whatever was committed before a crash or restart is served
+after it; uncommitted (pending) slots are simply free after a restart.
 
-Reads verify each block against its checksum. A mismatch gives ok=False for that block,
-increments `corrupt_blocks`, and drops the block (index entry deleted, key gone from lookup;
-the slot is freed once its last pin is released): a corrupt block is a miss from then on.
+Reads verify each block's header (key, tag) and payload. A mismatch gives ok=False for that
+block, increments `corrupt_blocks`, and quarantines the entry (lookup misses from then on;
+the slot is freed once its last pin is released). A write or fdatasync error is ok=False /
+an OSError: nothing is indexed.
 
 A different fingerprint at `path` raises `FingerprintMismatch` (on_mismatch="refuse") or opens
 `path/ns-<hash>` instead (on_mismatch="namespace"); foreign blocks are never served.

@@ -178,12 +178,16 @@ class BlockCodec:
         self.fp_hash = fp_hash
         self.rank = rank
         self.seed = int.from_bytes(hashlib.blake2b(b"payload", key=secret, digest_size=8).digest(), "little")
+        self._mac = hashlib.blake2b(key=secret, digest_size=8)  # keyed state, copied per tag
 
     def payload_hash(self, payload) -> int:
         return xxhash.xxh3_64_intdigest(payload, self.seed)
 
     def _tag(self, fixed: bytes, key: bytes) -> int:
-        return int.from_bytes(hashlib.blake2b(fixed + key, key=self.secret, digest_size=8).digest(), "little")
+        m = self._mac.copy()
+        m.update(fixed)
+        m.update(key)
+        return int.from_bytes(m.digest(), "little")
 
     def seal(self, hdr: memoryview, key: bytes, payload) -> int:
         """Fill `hdr` (HEADER_BYTES) for `payload` under `key`; returns the tag."""

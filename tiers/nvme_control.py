@@ -2,11 +2,12 @@
 
 It never touches the data file (that is `nvme_data.NvmeData`), so a scheduler in one process
 can own it while workers elsewhere move the bytes. Directory layout under `path` (or
-`path/ns-<fingerprint hash>` in namespace mode): ``data.0`` (the slots), ``index/`` (LMDB),
-``lock`` (flock: one control plane per directory).
+`path/ns-<fingerprint hash>` in namespace mode): ``data.<rank>`` (the slots), ``index/``
+(LMDB), ``secret`` (0600, the key of the block tags, created here). The writer holds a flock
+on the directory itself: one control plane per directory, and deleting a file cannot defeat it.
 
 A block becomes visible only through `commit`, which writes its index entry (key -> slot,
-length, xxh3_64 checksum, generation) after its bytes were written and flushed; at open every
+length, block tag, generation) after its bytes were written and flushed; at open every
 committed entry is served again. The index stores a fingerprint (format version, block bytes,
 plus the caller's model, dtype, layout, rank, ...): another fingerprint at `path` raises
 `FingerprintMismatch` (on_mismatch="refuse") or opens `path/ns-<hash>` ("namespace"), so

@@ -1,4 +1,4 @@
-"""The NVMe tier's persistent index: LMDB, key -> (slot, length, xxh3_64 checksum, generation).
+"""The NVMe tier's persistent index: LMDB, key -> (slot, length, block tag, generation).
 
 Two named databases in one environment:
 - ``entries``: block key (bytes) -> ``<QQQQ`` packed (slot, length, checksum, generation), then,
@@ -254,6 +254,9 @@ class NvmeIndex:
                 self._map_size *= 2
                 log.info("nvme index %s: map full, growing to %d MiB", self.path, self._map_size >> 20)
                 self.env.set_mapsize(self._map_size)
+            except lmdb.Error as e:  # e.g. DiskError on a full disk: nothing was committed
+                raise OSError(getattr(e, "errno", None) or 5, f"index {self.path}: write failed: {e}",
+                              self.path) from None
 
     def map_size(self) -> int:
         return self.env.info()["map_size"]
