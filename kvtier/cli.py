@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                    help="refresh every SECONDS until Ctrl-C (a live server's directory too)")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after COUNT refreshes")
 
     p = sub.add_parser("fsck", help="check the NVMe tier against its block headers; --rebuild the index")
     _common(p)

@@ -350,10 +350,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     watch = getattr(args, "watch", None)
     if watch is not None and not 0.1 <= watch <= 3600:
         raise ValueError(f"--watch must be between 0.1 and 3600 seconds, got {watch}")
+    count = getattr(args, "count", None)
+    if count is not None and count < 1:
+        raise ValueError(f"--count must be >= 1, got {count}")
+    n = 0
     while True:
         st = inspect_stats(cfg)
         _print(args, st, _inspect_text)
-        if watch is None:
+        n += 1
+        if watch is None or (count is not None and n >= count):
             return 0
         sys.stdout.flush()
         time.sleep(watch)

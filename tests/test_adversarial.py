@@ -248,8 +248,9 @@ def test_case6_deleted_lock_file_cannot_admit_a_second_writer(tmp_path):
                 pass
         r = spill(c, 4, seed=2)
         assert r.returncode == 1 and f"in use by pid {pid}" in r.stderr
-        r = kv("inspect", "-c", c, "--json")   # issue 11 item 6: read-only, no lock
-        assert r.returncode == 0 and js(r)["tiers"][1]["resident_blocks"] == 4
+        r = kv("inspect", "-c", c, "--json", "--watch", "0.1", "--count", "3")   # issue 11 item 6: no lock
+        assert r.returncode == 0 and len(r.stdout.splitlines()) == 3
+        assert all(json.loads(ln)["tiers"][1]["resident_blocks"] == 4 for ln in r.stdout.splitlines())
     finally:
         p.kill()
         p.wait()
