@@ -361,7 +361,8 @@ class KVTierWorker(Counting):
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             bad = [False] * (hi - lo)
-            reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad)))
+            reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
+                                                 keys=op.keys[lo:hi] if op.keys else None)))
         # the rows the blocks are copied from: CPU slots, or this op's staging rows
         src3, rows = None, op.via or range(row0, row0 + n)
         if self._runs_ok:
@@ -568,7 +569,7 @@ class KVTierWorker(Counting):
             for op in ops:
                 sums = [0] * len(op.slots)
                 srcs = [self.pools[0].views[s] for s in op.src_slots]
-                batch.append((op, sums, self.nvme.write(op.slots, srcs, sums)))
+                batch.append((op, sums, self.nvme.write(op.slots, srcs, sums, keys=op.keys)))
         except Exception as e:
             log.warning("kvtier: NVMe write-through of %d ops failed: %s", len(ops), e)
             for op in ops:

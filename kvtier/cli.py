@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any
@@ -40,8 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="seed of the spill (default: from its manifest)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any block is corrupt or missing")
 
-    p = sub.add_parser("inspect", help="what each tier holds, occupancy, engine, fingerprint")
+    p = sub.add_parser("inspect", help="what each tier holds, occupancy, engine, fingerprint (read-only, no lock)")
     _common(p)
+    p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS until Ctrl-C (a live server's directory too)")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after COUNT refreshes")
+
+    p = sub.add_parser("fsck", help="check the NVMe tier against its block headers; --rebuild the index")
+    _common(p)
+    p.add_argument("--rebuild", action="store_true",
+                   help="rebuild the index from the data file's block headers (the old one is kept aside)")
+    p.add_argument("--shrink", action="store_true",
+                   help="with --rebuild: keep only slots within the configured capacity, reporting the rest")
 
     p = sub.add_parser("bench", help="tier throughput next to this machine's own limits")
     _common(p)
@@ -56,30 +67,91 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so `finally` blocks close the index."""
+
+
+def _on_sigterm(signum, frame):  # pragma: no cover - exercised by subprocess tests
+    raise _Terminated()
+
+
+def _exit_code(e: BaseException) -> int:
+    """2: bad input (config, arguments, a directory of another fingerprint or capacity); 1: runtime."""
+    from kvtier.tiers.nvme_control import CapacityShrink, FingerprintMismatch
+    if isinstance(e, (ConfigError, CapacityShrink, FingerprintMismatch)):
+        return 2
+    if isinstance(e, OSError):
+        return 1
+    if isinstance(e, (ValueError, KeyError)):
+        return 2
+    return 1
+
+
+def _error_line(e: BaseException) -> str:
+    from kvtier.tiers.nvme_index import NvmeIndexError
+    if isinstance(e, ConfigError):
+        return f"config error: {e}".replace("\n  ", "; ")
+    if isinstance(e, OSError) and e.errno and e.strerror:
+        import errno as _errno
+        name = _errno.errorcode.get(e.errno, str(e.errno))
+        msg = e.strerror
+        if e.filename and str(e.filename) not in msg:
+            msg += f": {e.filename}"
+        return msg if name in msg else f"{msg} [{name}]"
+    if isinstance(e, (ValueError, KeyError, OSError, NvmeIndexError, RuntimeError)):
+        return str(e)
+    return f"internal error: {type(e).__name__}: {e} (please report; --log-level DEBUG shows the traceback)"
+
+
+def _fail(args: argparse.Namespace, msg: str, code: int, result: dict | None = None) -> int:
+    msg = " ".join(msg.split())
+    if getattr(args, "json", False):
+        out = {"error": {"message": msg, "exit": code, "command": getattr(args, "command", None)}}
+        if result is not None:
+            out["result"] = result
+        print(json.dumps(out, default=str), flush=True)
+    print(f"kvtier: error: {msg}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
-                        format="%(levelname)s %(name)s: %(message)s")
+    level = getattr(logging, str(args.log_level).upper(), None)
+    if not isinstance(level, int):
+        print(f"kvtier: error: --log-level {args.log_level!r}: expected DEBUG, INFO, WARNING or ERROR",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     if args.command is None:
         args = ap.parse_args(["replay"] + (argv or []))
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    from .commands import CommandFailed
     try:
         return int(_dispatch(args) or 0)
-    except ConfigError as e:
-        print(f"kvtier: config error: {e}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError, KeyError) as e:
-        print(f"kvtier: {args.command}: {e}", file=sys.stderr)
-        return 2
+    except CommandFailed as e:
+        return _fail(args, str(e), e.code, e.result)
+    except KeyboardInterrupt:
+        return _fail(args, "interrupted (SIGINT); the index is consistent: committed blocks stay", 130)
+    except _Terminated:
+        return _fail(args, "terminated (SIGTERM); the index is consistent: committed blocks stay", 143)
+    except RecursionError:
+        return _fail(args, "input nested too deeply", 2)
+    except Exception as e:  # one line, never a traceback (DEBUG logs it)
+        log.debug("traceback", exc_info=True)
+        return _fail(args, _error_line(e), _exit_code(e))
 
 
 def _dispatch(args: argparse.Namespace) -> Any:
     if args.command == "replay":
         from . import replay
         return replay.run(args)
-    from . import ops
-    return {"spill": ops.cmd_spill, "restore": ops.cmd_restore, "inspect": ops.cmd_inspect,
-            "bench": ops.cmd_bench}[args.command](args)
+    from . import commands
+    return {"spill": commands.cmd_spill, "restore": commands.cmd_restore, "inspect": commands.cmd_inspect,
+            "bench": commands.cmd_bench, "fsck": commands.cmd_fsck}[args.command](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

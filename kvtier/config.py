@@ -50,7 +50,41 @@ class PolicyConfig(_Model):
             name = getattr(self, field)
             if name not in reg.classes and reg.classes:
                 raise ValueError(f"{field}: unknown policy {name!r}; known: {', '.join(reg.names())}")
+        _check_params(self.params, (EVICTION, ADMISSION, PROMOTION, OFFLOAD))
         return self
+
+
+def _check_params(params: dict[str, Any], registries) -> None:
+    """Each `params` entry names a known policy and only arguments its constructor takes."""
+    import inspect
+    for name, p in params.items():
+        classes = [reg.classes[name] for reg in registries if name in reg.classes]
+        if not classes:
+            known = sorted({n for reg in registries for n in reg.classes})
+            raise ValueError(f"params.{name}: unknown policy {name!r}; known: {', '.join(known)}")
+        if not isinstance(p, dict):
+            raise ValueError(f"params.{name}: expected a mapping of arguments, got {type(p).__name__}")
+        for cls in classes:
+            takes: dict[str, Any] = {}  # every named argument along the MRO (bases swallow **params)
+            for c in cls.__mro__:
+                init = c.__dict__.get("__init__")
+                if init is None:
+                    continue
+                for a in inspect.signature(init).parameters.values():
+                    if a.name not in ("self", "capacity") and a.kind not in (a.VAR_KEYWORD, a.VAR_POSITIONAL):
+                        takes.setdefault(a.name, a.default)
+            for k, v in p.items():
+                if k not in takes:
+                    raise ValueError(f"params.{name}.{k}: unknown parameter of policy {name!r}; "
+                                     f"it takes: {', '.join(sorted(takes)) or 'none'}")
+                d = takes[k]
+                want = type(d) if isinstance(d, (bool, int, float, str)) else None
+                ok = (want is None or (want is float and isinstance(v, (int, float)) and not isinstance(v, bool))
+                      or (want is int and isinstance(v, int) and not isinstance(v, bool)) or
+                      (want not in (int, float) and isinstance(v, want)))
+                if not ok or isinstance(v, (dict, list)):
+                    raise ValueError(f"params.{name}.{k}: expected {want.__name__ if want else 'a scalar'}, "
+                                     f"got {type(v).__name__} {v!r}")
 
 
 class TierConfig(_Model):
@@ -80,8 +114,8 @@ class TierConfig(_Model):
     @field_validator("capacity_blocks")
     @classmethod
     def _capb(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError(f"must be > 0, got {v}")
+        if v is not None and not 0 < v <= 1 << 40:
+            raise ValueError(f"must be between 1 and 2**40, got {v}")
         return v
 
     @model_validator(mode="after")
@@ -129,8 +163,8 @@ class StackConfig(_Model):
     @classmethod
     def _bb(cls, v: Any) -> int:
         n = _size(v)
-        if n <= 0:
-            raise ValueError("must be > 0")
+        if not 0 < n <= 1 << 32:
+            raise ValueError("must be > 0 and at most 4 GiB")
         return n
 
     @model_validator(mode="after")
@@ -200,11 +234,41 @@ def expand_path(value: str) -> str:
     return os.path.expanduser(_VAR.sub(sub, value))
 
 
+MAX_CONFIG_BYTES = 1 << 20
+MAX_DEPTH = 32
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader without aliases (no billion-laughs) and with a nesting limit (no RecursionError)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            ev = self.peek_event()
+            raise ConfigError(f"{self.name}: line {ev.start_mark.line + 1}: YAML aliases (*{ev.anchor}) "
+                              f"are not allowed in a config")
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            if self._depth > MAX_DEPTH:
+                mark = self.peek_event().start_mark
+                raise ConfigError(f"{self.name}: line {mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
 def load_config(path: str | os.PathLike | None = None, check_env: bool = True) -> StackConfig:
-    """Load a YAML stack; None or a bare shipped name ('cpu-nvme') loads an embedded config."""
+    """Load a YAML stack; None or a bare shipped name ('cpu-nvme') loads an embedded config.
+    Bounded: at most 1 MiB, 32 levels of nesting, no aliases."""
     text, source = _read(path)
     try:
-        data = yaml.safe_load(text)
+        loader = _BoundedLoader(text)
+        loader.name = source
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
@@ -221,7 +285,17 @@ def _read(path: str | os.PathLike | None) -> tuple[str, str]:
         path = DEFAULT_CONFIG
     p = Path(path)
     if p.is_file():
-        return p.read_text(), str(p)
+        try:
+            with open(p, "rb") as f:
+                raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read: {e.strerror}") from None
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{p}: larger than {MAX_CONFIG_BYTES} bytes; not a config")
+        try:
+            return raw.decode(), str(p)
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     name = p.name if p.name.endswith(".yaml") else p.name + ".yaml"
     if len(p.parts) == 1 and name in shipped_configs():
         return resources.files("kvtier.configs").joinpath(name).read_text(), f"<shipped {name}>"
@@ -244,6 +318,8 @@ def check_environment(cfg: StackConfig) -> None:
             raise ConfigError(f"{cfg.source}: {field}: {probe} is not a directory")
         if not os.access(probe, os.W_OK | os.X_OK):
             raise ConfigError(f"{cfg.source}: {field}: {probe} is not writable (EACCES)")
+        if os.path.islink(t.path):
+            raise ConfigError(f"{cfg.source}: {field}: {t.path} is a symlink; refused")
         need = t.blocks(cfg.block_bytes) * _stride(cfg.block_bytes)
         have = _existing_bytes(p)
         free = shutil.disk_usage(probe).free
@@ -253,7 +329,26 @@ def check_environment(cfg: StackConfig) -> None:
 
 
 def _stride(block_bytes: int) -> int:
-    return (block_bytes + 4095) // 4096 * 4096
+    from kvtier.tiers.nvme_block import slot_stride
+    return slot_stride(block_bytes)
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(cfg: StackConfig) -> None:
+    """DRAM tiers must fit in physical memory (checked before anything is allocated)."""
+    phys = physical_memory()
+    total = 0
+    for i, t in enumerate(cfg.tiers):
+        if t.kind != "cpu":
+            continue
+        need = t.blocks(cfg.block_bytes) * cfg.block_bytes
+        total += need
+        if total > phys:
+            raise ConfigError(f"{cfg.source}: tiers.{i}.capacity: {need} bytes of DRAM asked for {t.name!r} "
+                              f"but this machine has {phys} bytes of physical memory")
 
 
 def _existing_bytes(p: Path) -> int:

@@ -107,6 +107,7 @@ class TierController(Counting):
         self._copies: dict[int, _Copy] = {}
         self._op_ids = itertools.count(1)
         self._plan = Plan()
+        self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
         self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers]
         self._wb = list(self._wb_max)  # the current write-back window per tier (adapts)
         self._init_counters()
@@ -181,6 +182,7 @@ class TierController(Counting):
             tier = self.tiers[t]
             if checksums and hasattr(tier, "checksums"):
                 op.checksums = tier.checksums(op.slots)
+                op.keys = keys_of[t]
             tier.hit(op.slots, info)
             n = len(op.slots)
             self._count(f"hit_blocks.{tier.name}", n)
@@ -276,7 +278,7 @@ class TierController(Counting):
         self.tiers[src_tier].touch([s for s, _ in src])  # the source stays until the copy is durable
         op_id = next(self._op_ids)
         self._copies[op_id] = _Copy(src_tier, src, t, slots, demotion)
-        self._plan.copies.append(NvmeWriteOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t))
+        self._plan.copies.append(NvmeWriteOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
         self._count(f"store_planned_blocks.{self.names[t]}", len(slots))
         return len(slots)
 
@@ -392,12 +394,13 @@ class TierController(Counting):
             if bad:
                 tier.abort(bad)
                 self._count(f"store_failed_blocks.{tier.name}", len(bad))
+                self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
             self._pending[st.tier].difference_update(st.keys)
-        for t, slots in rep.corrupt.items():
+        for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
             tier = self.tiers[t]
-            drop = getattr(tier, "drop", None)
-            if drop is not None:
-                drop(slots)
+            quarantine = getattr(tier, "quarantine", None) or getattr(tier, "drop", None)
+            if quarantine is not None:
+                quarantine(slots)
             self._count(f"corrupt_blocks.{tier.name}", len(slots))
         for op_id, by_rank in sorted(rep.written_by_rank().items()):
             self._complete_copy(op_id, by_rank)
@@ -426,17 +429,27 @@ class TierController(Counting):
         good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]
         bad = [s for s, c in zip(cp.slots, sums) if c == -1]
         if good:
-            if hasattr(tier, "commit_written"):  # durable on disk: now the index commit
-                tier.commit_written([s for s, _ in good], [c for _, c in good])
+            try:
+                if hasattr(tier, "commit_written"):  # durable on disk: now the index commit
+                    tier.commit_written([s for s, _ in good], [c for _, c in good])
+                else:
+                    tier.commit([s for s, _ in good])
+            except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
+                log.error("kvtier: tier %s: commit of %d blocks failed, kept in %s: %s", tier.name, len(good),
+                          src_tier.name, e)
+                self.errors.append(f"tier {tier.name}: {e}")
+                bad = [s for s, _ in good] + bad
+                good = []
             else:
-                tier.commit([s for s, _ in good])
-            self._count(f"stored_blocks.{tier.name}", len(good))
-            if cp.demotion:
-                self._count(f"demoted_blocks.{tier.name}", len(good))
+                self._count(f"stored_blocks.{tier.name}", len(good))
+                if cp.demotion:
+                    self._count(f"demoted_blocks.{tier.name}", len(good))
         if bad:
             tier.abort(bad)
             self._count(f"store_failed_blocks.{tier.name}", len(bad))
             self._count(f"io_errors.{tier.name}", len(bad))
+            self.errors.append(f"tier {tier.name}: {len(bad)} of {len(cp.slots)} block writes failed "
+                               f"(kept in {src_tier.name}, not indexed)")
         self._pending[cp.tier].difference_update(k for _, k in cp.src)
         for s, k in cp.src:  # unpin the sources that still hold the same block
             src_tier.unpin_if(s, k)
@@ -501,7 +514,7 @@ class TierController(Counting):
                         "restart, never served)", pending)
             self._count("uncommitted_at_close", pending)
         self.leases.expire(float("inf"))
-        for t in self.tiers:
+        for t in reversed(self.tiers):  # lower tiers first: their in-flight I/O may read an upper pool
             c = getattr(t, "close", None)
             if c is not None:
                 c()

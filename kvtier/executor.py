@@ -41,12 +41,14 @@ class LocalExecutor:
     def __init__(self, tiers: Sequence, count: Callable[[str, float], None] | None = None) -> None:
         self.tiers = list(tiers)
         self._count = count or (lambda k, v=1: None)
+        self.errors: list[str] = []   # the I/O errors of the last run (errno and path, as the engine says)
 
     def run(self, plan: Plan, dsts: Sequence[torch.Tensor] | None = None,
             srcs: Sequence[torch.Tensor] | None = None) -> tuple[Report, dict[int, bool]]:
         """Returns the report and, per caller block id loaded, whether its bytes arrived."""
         rep = Report()
         loaded: dict[int, bool] = {}
+        self.errors = []
         for op in plan.loads:
             tier = self.tiers[op.tier]
             via = self.tiers[op.via_tier] if op.via else None
@@ -68,12 +70,14 @@ class LocalExecutor:
             tier = self.tiers[op.tier]
             r = tier.write(op.slots, [srcs[b] for b in op.block_ids]).wait()
             self._count(f"bytes_written.{tier.name}", r.nbytes)
+            self.errors.extend(r.errors)
             rep.stored[op.op_id] = list(r.ok)
             failed.update((op.tier, s) for s, ok in zip(op.slots, r.ok) if not ok)
         for op in plan.copies:
             src, tier = self.tiers[op.src_tier], self.tiers[op.tier]
             r = tier.write(op.slots, [src.view(s) for s in op.src_slots]).wait()
             self._count(f"bytes_written.{tier.name}", r.nbytes)
+            self.errors.extend(r.errors)
             sums = tier.checksums(op.slots) if hasattr(tier, "checksums") else [0] * len(op.slots)
             rep.nvme_written[op.op_id] = [c if ok and (op.src_tier, s) not in failed else -1
                                           for c, ok, s in zip(sums, r.ok, op.src_slots)]

@@ -22,6 +22,7 @@ class LoadOp:
     via: list[int] | None = None         # promotion: slots of `via_tier` to read through, reported as op_id
     op_id: int = 0
     via_tier: int = 0
+    keys: list[bytes] | None = None      # NVMe: the block keys (each block's header must name its key)
 
 
 @dataclass
@@ -42,6 +43,7 @@ class NvmeWriteOp:
     op_id: int
     src_slots: list[int]
     slots: list[int]
+    keys: list[bytes] = field(default_factory=list)  # the block keys, sealed into each block's header
     src_tier: int = 0
     tier: int = 1
 

@@ -41,11 +41,14 @@ def make_keys(reqs: Sequence[Request]) -> list[list[bytes]]:
 def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = "lru",
              admission: str = "all", eviction_params: dict[str, Any] | None = None,
              admission_params: dict[str, Any] | None = None, block_tokens: int = BLOCK_TOKENS,
-             keys: list[list[bytes]] | None = None, warmup: int = 0) -> dict:
+             keys: list[list[bytes]] | None = None, warmup: int = 0, vllm: bool = False) -> dict:
     """Replay `requests` through one SlotTier of `capacity_blocks` slots.
 
     `keys` may be passed (from make_keys) to reuse them across runs. The first `warmup`
-    requests fill the cache but are not counted.
+    requests fill the cache but are not counted. The default is the prefix rule Belady is
+    measured under (every block of the trace can hit and is stored); `vllm=True` is what the
+    served system does and `kvtier replay` measures (full blocks only, at least one token
+    left to compute).
     """
     if capacity_blocks <= 0:
         raise ValueError("capacity_blocks must be > 0")
@@ -69,8 +72,12 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
         n = len(ks)
         if n == 0:
             continue
-        full = min(n, r.input_length // block_tokens)   # vLLM offers full blocks only
-        k = lookup(ks[:min(full, (r.input_length - 1) // block_tokens)])  # and computes >= 1 token
+        if vllm:  # vLLM offers full blocks only and computes at least one token
+            full = min(n, r.input_length // block_tokens)
+            k = lookup(ks[:min(full, (r.input_length - 1) // block_tokens)])
+        else:
+            full = n
+            k = lookup(ks)
         counted = idx >= warmup
         if counted:
             refs += n

@@ -8,6 +8,7 @@ plan / commit / release.
 
 from __future__ import annotations
 
+import errno
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -118,11 +119,17 @@ class TierStack:
 
     # ---- plan -> execute -> complete -----------------------------------------------------
     def _run(self, dsts=None, srcs=None) -> dict[int, bool]:
+        """Execute the controller's plan and complete it. A failed write is loud: the controller
+        has kept the block where it was (not indexed below), and this raises OSError (EIO)."""
         plan = self.ctrl.take_plan()
         if plan.is_empty():
             return {}
         rep, loaded = self.executor.run(plan, dsts, srcs)
+        self.ctrl.errors.clear()
         self.ctrl.complete(rep)
+        if self.ctrl.errors:
+            detail = getattr(self.executor, "errors", [])
+            raise OSError(errno.EIO, "; ".join(self.ctrl.errors[:2] + detail[:1]))
         return loaded
 
     def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor] | None = None,

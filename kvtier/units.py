@@ -14,18 +14,29 @@ _UNITS = {
 _RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, not a machine
+
+
 def parse_size(value: int | float | str) -> int:
-    """Bytes in `value`; raises ValueError naming what is wrong."""
-    if isinstance(value, bool):
+    """Bytes in `value` (0 .. 1 EiB); raises ValueError naming what is wrong."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"{value!r} is not a size")
     if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"size {value!r} is not a finite number")
         if value < 0:
             raise ValueError(f"size {value!r} is negative")
-        return int(value)
-    m = _RE.match(str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size (expected e.g. 262144, '256KiB', '2GiB', '64G')")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = int(value)
+    else:
+        if len(value) > 64:
+            raise ValueError(f"{value[:64]!r}... is not a size")
+        m = _RE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{value!r} is not a size (expected e.g. 262144, '256KiB', '2GiB', '64G')")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n > MAX_SIZE:
+        raise ValueError(f"size {value!r} exceeds 1 EiB")
+    return n
 
 
 def format_size(n: float) -> str:

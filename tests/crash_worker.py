@@ -28,7 +28,7 @@ def _say(line: str) -> None:
 
 
 def life(directory: str, seed: int, start: int, max_batches: int) -> None:
-    from kvtier.blockgen import block_data, block_key
+    from kvtier.blockgen import block_data, block_key, split_block_key
     from kvtier.policies.lru import LRU
     from kvtier.tiers.nvme import NvmeTier
 
@@ -44,7 +44,7 @@ def life(directory: str, seed: int, start: int, max_batches: int) -> None:
                 victims.append(v.block_id)
                 if len(victims) >= n - tier.num_free_slots:
                     break
-            idx = [int.from_bytes(tier.get_block(s).block_hash[4:8], "big") for s in victims]
+            idx = [split_block_key(tier._key_of[s])[1] for s in victims]
             _say("E " + ",".join(map(str, idx)))
             tier.evict(victims)
         idx = list(range(nxt, nxt + n))

@@ -206,16 +206,17 @@ def test_nvme_loads_of_two_requests_in_one_step(tmp_path, chunk_bytes):
     w.register_kv_caches(caches)
     orig = {n: t.clone() for n, t in caches.items()}
     nv = dict(nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
-    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))  # creates the data file
+    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))  # creates the dir and secret
+    keys = [b"k%d" % i for i in range(5)]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5])],
-                          nvme_writes=[NvmeWriteOp(2, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14])], **nv))
+                          nvme_writes=[NvmeWriteOp(2, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14], keys)], **nv))
     w.save()
     sums = w.take_result().nvme_written[2]
     assert len(sums) == 5 and min(sums) >= 0
     for t in caches.values():
         t[8:14].zero_()
-    w.bind(KVTierMetadata(loads=[LoadOp("a", 1, [10, 11, 12], [8, 9, 10], sums[:3]),
-                                 LoadOp("b", 1, [13, 14], [12, 13], sums[3:])], **nv))
+    w.bind(KVTierMetadata(loads=[LoadOp("a", 1, [10, 11, 12], [8, 9, 10], sums[:3], keys=keys[:3]),
+                                 LoadOp("b", 1, [13, 14], [12, 13], sums[3:], keys=keys[3:])], **nv))
     w.start_load()
     assert w.take_result().loaded == {"a": True, "b": True}
     for n, t in caches.items():

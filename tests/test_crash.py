@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kvtier.blockgen import block_data
+from kvtier.blockgen import block_data, split_block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.nvme import NvmeTier
 
@@ -80,8 +80,8 @@ def verify(directory: str, lines: list[str]) -> tuple[int, int]:
                   fingerprint={"model": "crash-test"}) as t:
         keys = t.keys()
         slots = [t.find(k) for k in keys]
-        idx = [int.from_bytes(k[4:8], "big") for k in keys]
-        assert all(int.from_bytes(k[:4], "big") == SEED for k in keys)
+        idx = [split_block_key(k)[1] for k in keys]
+        assert all(split_block_key(k)[0] == SEED for k in keys)
         out = [torch.empty(bb, dtype=torch.uint8) for _ in keys]
         res = t.read(slots, out).wait()
         assert res.all_ok, res.errors

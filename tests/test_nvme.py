@@ -120,8 +120,8 @@ def test_corrupt_blocks_are_counted_dropped_and_missed(tmp_path, caplog):
     t.close()
     bad = [1, 4, 7]
     for i in bad:
-        _flip(tmp_path / DATA_FILE, slots[i] * 8192 + 1234)
-    _flip(tmp_path / DATA_FILE, slots[2] * 8192 + 6000)  # padding byte: not part of the block
+        _flip(tmp_path / DATA_FILE, slots[i] * 12288 + 4096 + 1234)  # slot: header page + 8 KiB
+    _flip(tmp_path / DATA_FILE, slots[2] * 12288 + 4096 + 6000)  # padding byte: not part of the block
     t = mk(tmp_path, cap=16, bb=5000)
     try:
         with caplog.at_level(logging.ERROR, logger="kvtier.nvme"):
@@ -147,7 +147,7 @@ def test_corrupt_pinned_block_freed_on_last_unpin(tmp_path):
     with mk(tmp_path, cap=4) as t:
         keys, slots, _ = put(t, 8, range(2))
         t.close()
-    _flip(tmp_path / DATA_FILE, slots[0] * 8192)
+    _flip(tmp_path / DATA_FILE, slots[0] * 12288 + 4096)
     with mk(tmp_path, cap=4) as t:
         t.touch([slots[0]])
         res, _ = get(t, [slots[0]])
@@ -195,10 +195,10 @@ def test_odirect_refused_falls_back_to_buffered(tmp_path, monkeypatch, caplog):
 
     real = ioe._os_open
 
-    def no_direct(path, flags, mode=0o777):
+    def no_direct(path, flags, mode=0o777, **kw):
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(path, flags, mode)
+        return real(path, flags, mode, **kw)
 
     monkeypatch.setattr(ioe, "_os_open", no_direct)
     with caplog.at_level(logging.WARNING, logger="kvtier.nvme"):
@@ -220,8 +220,8 @@ def test_direct_required_but_refused_is_an_error(tmp_path, monkeypatch):
     import kvtier.tiers.io_engines as ioe
 
     real = ioe._os_open
-    monkeypatch.setattr(ioe, "_os_open", lambda p, f, m=0o777: (_ for _ in ()).throw(
-        OSError(errno.EINVAL, "Invalid argument")) if f & os.O_DIRECT else real(p, f, m))
+    monkeypatch.setattr(ioe, "_os_open", lambda p, f, m=0o777, **kw: (_ for _ in ()).throw(
+        OSError(errno.EINVAL, "Invalid argument")) if f & os.O_DIRECT else real(p, f, m, **kw))
     with pytest.raises(OSError, match="O_DIRECT") as ei:
         mk(tmp_path, direct=True)
     assert ei.value.errno == errno.EINVAL
@@ -263,7 +263,7 @@ def test_capacity_larger_than_free_disk(tmp_path):
         NvmeTier("nvme", str(tmp_path), 1 << 40, 1 << 20, LRU(8), io="posix")
     assert ei.value.errno == errno.ENOSPC
     msg = str(ei.value)
-    assert str((1 << 40) * (1 << 20)) in msg and "free" in msg
+    assert str((1 << 40) * ((1 << 20) + 4096)) in msg and "free" in msg
     assert not (tmp_path / DATA_FILE).exists() or os.path.getsize(tmp_path / DATA_FILE) == 0
 
 
@@ -324,13 +324,21 @@ def test_metadata_only(tmp_path):
     t.close()
 
 
-def test_capacity_shrink_drops_entries_beyond(tmp_path):
+def test_capacity_shrink_is_refused_unless_asked(tmp_path):
+    from kvtier.tiers.nvme_control import CapacityShrink
     with mk(tmp_path, cap=16) as t:
         keys, slots, data = put(t, 1, range(16))
-    with mk(tmp_path, cap=8) as t:
+    size = os.path.getsize(tmp_path / DATA_FILE)
+    with pytest.raises(CapacityShrink, match="stores 16 blocks, 8 of them in slots beyond .* capacity of 8"):
+        mk(tmp_path, cap=8)
+    with mk(tmp_path, cap=8, read_only=True) as t:  # read-only: served within, nothing changed
+        assert t.num_resident == 8 and t.beyond_capacity == 8 and t.dropped_on_open == 0
+    with mk(tmp_path, cap=16) as t:
+        assert t.num_resident == 16
+    with mk(tmp_path, cap=8, allow_shrink=True) as t:
         assert t.num_resident == 8 and t.dropped_on_open == 8
         assert sorted(t.find(k) for k in keys if t.find(k) is not None) == list(range(8))
-        assert os.path.getsize(tmp_path / DATA_FILE) == 8 * 8192
+    assert os.path.getsize(tmp_path / DATA_FILE) == size  # the file is never truncated
 
 
 def test_capacity_larger_than_free_disk_realistic(tmp_path):
@@ -339,5 +347,5 @@ def test_capacity_larger_than_free_disk_realistic(tmp_path):
     cap = free // (1 << 20) + 1024
     with pytest.raises(OSError) as ei:
         NvmeTier("nvme", str(tmp_path / "t"), cap, 1 << 20, LRU(8), io="posix")
-    assert ei.value.errno == errno.ENOSPC and str(cap * (1 << 20)) in str(ei.value)
+    assert ei.value.errno == errno.ENOSPC and str(cap * ((1 << 20) + 4096)) in str(ei.value)
     assert not (tmp_path / "t" / DATA_FILE).exists()

@@ -69,7 +69,7 @@ def test_single_tier_matches_simulator(capsys, trace_path):
     d = run_json(capsys, "--trace", str(trace_path), "--limit", "2000", "--capacity-fraction", "0.05",
                  "--policy", "lru", "--no-data")
     assert d["per_tier"][0]["capacity_blocks"] == int(0.05 * unique_blocks(reqs))
-    s = simulate(reqs, d["per_tier"][0]["capacity_blocks"], "lru")
+    s = simulate(reqs, d["per_tier"][0]["capacity_blocks"], "lru", vllm=True)
     assert d["hit_blocks"] == s["hit_blocks"]
     assert set(d) >= {"hit_ratio", "token_hit_ratio", "belady_hit_ratio", "per_tier", "cost"}
     assert d["cost"]["mean_ttft_saved_ms"] > 0

@@ -30,12 +30,64 @@ from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 log = logging.getLogger("kvtier.nvme")
 
 ALIGN = 4096
+HEADER = 4096  # the block header page of a keyed write (see nvme_block)
 MAX_IO_BYTES = 8 << 20  # bytes per preadv/pwritev call
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _os_open = os.open  # patch point for tests (simulate a filesystem that refuses O_DIRECT)
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _ZEROS = memoryview(bytes(ALIGN))
+
+
+# ---- test hooks: deterministic faults and crashes ------------------------------------------
+class _Hooks:
+    """Fault injection and crash points, from the environment (read once per process):
+
+    KVTIER_FAULT=write:EIO:N | write:ENOSPC:N | write:short:N | fsync:EIO:N
+        data-file writes (pwritev calls) / fdatasyncs number N and later fail that way
+        (short: the call moves half its bytes, the next call fails with ENOSPC);
+    KVTIER_CRASH_AT=data_write:N | index_commit:N | fsync:N
+        SIGKILL this process right after the N-th data write, before the N-th index commit,
+        or during (before) the N-th fdatasync (KVTIER_CRASH_SIGNAL=INT / TERM sends that instead).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        self.fault = self._parse(os.environ.get("KVTIER_FAULT", ""), 3)
+        self.crash = self._parse(os.environ.get("KVTIER_CRASH_AT", ""), 2)
+
+    @staticmethod
+    def _parse(v: str, n: int) -> tuple | None:
+        if not v:
+            return None
+        parts = v.split(":")
+        if len(parts) != n or not parts[-1].isdigit():
+            raise ValueError(f"bad test hook {v!r}")
+        return tuple(parts[:-1]) + (int(parts[-1]),)
+
+    def tick(self, point: str) -> int:
+        with self.lock:
+            c = self.counts[point] = self.counts.get(point, 0) + 1
+        return c
+
+    def crash_point(self, point: str, count: int) -> None:
+        if self.crash and self.crash[0] == point and count == self.crash[1]:
+            import signal
+            os.kill(os.getpid(), getattr(signal, "SIG" + os.environ.get("KVTIER_CRASH_SIGNAL", "KILL")))
+
+    def fault_for(self, what: str, count: int) -> str | None:
+        f = self.fault
+        return f[1] if f and f[0] == what and count >= f[2] else None
+
+
+HOOKS = _Hooks()
+
+
+def crash_point(point: str) -> None:
+    """Count `point`; SIGKILL the process at the count KVTIER_CRASH_AT names (tests only)."""
+    if HOOKS.crash and HOOKS.crash[0] == point:
+        HOOKS.crash_point(point, HOOKS.tick("crash:" + point))
 
 
 def round_up(n: int, a: int = ALIGN) -> int:
@@ -65,27 +117,45 @@ class IOEngine:
     def description(self) -> str:
         return self.name
 
-    def open(self, path: str) -> EngineFile:
+    def open(self, path: str, dir_fd: int | None = None, read_only: bool = False) -> EngineFile:
+        """Open (create unless `read_only`) the file; with `dir_fd`, `path`'s base name is opened
+        inside that directory without following a symlink, and a file another user owns is refused."""
         raise NotImplementedError
 
     def write(self, f: EngineFile, offsets: Sequence[int], buffers: Sequence[torch.Tensor], length: int,
               checksums: list[int] | None = None,
-              finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
-        """Write `length` bytes of each buffer at offsets[i]; fill checksums[i] (xxh3_64) if given."""
+              finish: Callable[[IOResult], IOResult] | None = None, codec=None,
+              keys: Sequence[bytes] | None = None) -> IOHandle:
+        """Write `length` bytes of each buffer at offsets[i]; fill checksums[i] (xxh3_64) if given.
+
+        With `codec` (a `nvme_block.BlockCodec`) and `keys`, each block is a sealed header page
+        then the payload, and checksums[i] receives the header's tag.
+        """
         raise NotImplementedError
 
     def read(self, f: EngineFile, offsets: Sequence[int], buffers: Sequence[torch.Tensor], length: int,
              expect: Sequence[int] | None = None, mismatched: list[bool] | None = None,
-             finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
+             finish: Callable[[IOResult], IOResult] | None = None, codec=None,
+             keys: Sequence[bytes] | None = None) -> IOHandle:
         """Read `length` bytes at offsets[i] into buffers[i].
 
-        With `expect`, ok[i] is False when the bytes' xxh3_64 differs from expect[i], and
+        With `expect`, ok[i] is False when the bytes' xxh3_64 differs from expect[i] (with a
+        `codec`: when the header does not verify for keys[i] with tag expect[i]), and
         mismatched[i] (if given) is set True, telling corruption apart from I/O errors.
         """
         raise NotImplementedError
 
     def sync(self, f: EngineFile) -> None:
-        os.fdatasync(f.fd)
+        """fdatasync the file; a failure raises OSError naming the path and errno."""
+        if HOOKS.crash or HOOKS.fault:
+            crash_point("fsync")
+            if HOOKS.fault_for("fsync", HOOKS.tick("fsync")):
+                raise OSError(_errno.EIO, f"fdatasync {f.path}: [EIO] injected fault", f.path)
+        try:
+            os.fdatasync(f.fd)
+        except OSError as e:
+            raise OSError(e.errno, f"fdatasync {f.path}: [{_errno.errorcode.get(e.errno, e.errno)}] "
+                          f"{e.strerror}", f.path) from None
 
     def close_file(self, f: EngineFile) -> None:
         if f.fd >= 0:
@@ -140,6 +210,7 @@ class PosixEngine(IOEngine):
         self.fallback: str | None = None
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvtier-io")
         self._bounces: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()
+        self._headers: queue.SimpleQueue[_Bounce] = queue.SimpleQueue()  # small: header pages only
         self._bounce_size = max_io_bytes
         self._lock = threading.Lock()
         self.syscalls = 0
@@ -159,11 +230,11 @@ class PosixEngine(IOEngine):
             d += f" [{self.fallback}]"
         return d
 
-    def open(self, path: str) -> EngineFile:
-        flags = os.O_RDWR | os.O_CREAT
+    def open(self, path: str, dir_fd: int | None = None, read_only: bool = False) -> EngineFile:
+        flags = os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT
         if self.want_direct is not False:
             try:
-                fd = _os_open(path, flags | os.O_DIRECT, 0o644)
+                fd = _open_in(path, flags | os.O_DIRECT, dir_fd)
                 return EngineFile(path, fd, True)
             except OSError as e:
                 if self.want_direct is True or e.errno not in (_errno.EINVAL, _errno.EOPNOTSUPP):
@@ -171,15 +242,14 @@ class PosixEngine(IOEngine):
                 self.fallback = (f"O_DIRECT refused: {_errno.errorcode.get(e.errno, e.errno)} "
                                  f"({e.strerror}) on {path}; using buffered I/O")
                 log.warning("nvme io: %s", self.fallback)
-        fd = _os_open(path, flags, 0o644)
+        fd = _open_in(path, flags, dir_fd)
         return EngineFile(path, fd, False)
 
     # ---- batching ----------------------------------------------------------------------
-    def _plan(self, offsets: Sequence[int], length: int) -> list[list[int]]:
+    def _plan(self, offsets: Sequence[int], stride: int) -> list[list[int]]:
         """Group block indices into runs of consecutive offsets, each <= max_io_bytes / IOV_MAX."""
-        stride = round_up(length)
         order = sorted(range(len(offsets)), key=offsets.__getitem__)
-        per_run = max(1, min(self.max_io_bytes // stride, _IOV_MAX // 2))  # pad iovecs may double
+        per_run = max(1, min(self.max_io_bytes // stride, _IOV_MAX // 3))  # header + pad iovecs
         runs: list[list[int]] = []
         cur: list[int] = []
         for i in order:
@@ -212,6 +282,15 @@ class PosixEngine(IOEngine):
             pass
         return _Bounce(max(need, self._bounce_size))
 
+    def _get_headers(self, need: int) -> _Bounce:
+        try:
+            b = self._headers.get_nowait()
+            if b.nbytes >= need:
+                return b
+        except queue.Empty:
+            pass
+        return _Bounce(max(need, 64 * HEADER))
+
     @staticmethod
     def _zero_copy(f: EngineFile, t: torch.Tensor, length: int) -> bool:
         """Whether `t` can be an iovec as is (else it goes through a bounce buffer)."""
@@ -234,9 +313,11 @@ class PosixEngine(IOEngine):
 
         return FutureHandle(futs, reorder)
 
-    def _check(self, offsets, buffers, length) -> list[torch.Tensor]:
+    def _check(self, offsets, buffers, length, codec=None, keys=None) -> list[torch.Tensor]:
         if len(offsets) != len(buffers):
             raise ValueError(f"{len(offsets)} offsets but {len(buffers)} buffers")
+        if codec is not None and (keys is None or len(keys) != len(offsets)):
+            raise ValueError("a keyed block write/read needs one key per block")
         flat = []
         for i, b in enumerate(buffers):
             t = _flat(b)
@@ -245,36 +326,46 @@ class PosixEngine(IOEngine):
             flat.append(t)
         return flat
 
-    def write(self, f, offsets, buffers, length, checksums=None, finish=None) -> IOHandle:
-        bufs = self._check(offsets, buffers, length)
-        stride = round_up(length)
+    def write(self, f, offsets, buffers, length, checksums=None, finish=None, codec=None, keys=None) -> IOHandle:
+        bufs = self._check(offsets, buffers, length, codec, keys)
+        padded = round_up(length)
+        hdr_n = HEADER if codec is not None else 0
+        stride = hdr_n + padded
         fd = f.fd
 
         def run(idx: list[int]) -> IOResult:
-            bounce = None
+            bounce = hdrs = None
             try:
                 iov = []
+                if hdr_n:
+                    hdrs = self._get_headers(len(idx) * hdr_n)
                 for k, i in enumerate(idx):
                     t = bufs[i]
+                    if hdrs is not None:
+                        iov.append(hdrs.mv[k * hdr_n:(k + 1) * hdr_n])
                     if self._zero_copy(f, t, length):
                         block = memoryview(t.numpy())[:length]
                         iov.append(block)
-                        if stride != length:  # buffered file: keep later blocks at their slots
-                            iov.append(_ZEROS[:stride - length])
+                        if padded != length:  # buffered file: keep later blocks at their slots
+                            iov.append(_ZEROS[:padded - length])
                     else:
                         if bounce is None:
-                            bounce = self._get_bounce(len(idx) * stride)
-                        lo = k * stride
+                            bounce = self._get_bounce(len(idx) * padded)
+                        lo = k * padded
                         bounce.t[lo:lo + length].copy_(t[:length])
-                        if stride != length:
-                            bounce.t[lo + length:lo + stride].zero_()
+                        if padded != length:
+                            bounce.t[lo + length:lo + padded].zero_()
                         block = bounce.mv[lo:lo + length]
-                        iov.append(bounce.mv[lo:lo + stride])
+                        iov.append(bounce.mv[lo:lo + padded])
                         with self._lock:
                             self.bounced_blocks += 1
+                    if hdrs is not None:
+                        c = codec.seal(hdrs.mv[k * hdr_n:(k + 1) * hdr_n], keys[i], block)
+                    else:
+                        c = _xxh3(block) if checksums is not None else 0
                     if checksums is not None:
-                        checksums[i] = _xxh3(block)
-                _pwritev_all(fd, iov, offsets[idx[0]])
+                        checksums[i] = c
+                _pwritev_all(fd, iov, offsets[idx[0]], f.path)
                 with self._lock:
                     self.syscalls += 1
                 return IOResult(ok=[True] * len(idx), nbytes=len(idx) * length)
@@ -283,61 +374,75 @@ class PosixEngine(IOEngine):
             finally:
                 if bounce is not None:
                     self._bounces.put(bounce)
+                if hdrs is not None:
+                    self._headers.put(hdrs)
 
-        return self._submit(run, self._plan(offsets, length), finish, len(bufs))
+        return self._submit(run, self._plan(offsets, stride), finish, len(bufs))
 
-    def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None) -> IOHandle:
-        bufs = self._check(offsets, buffers, length)
-        stride = round_up(length)
+    def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None, codec=None,
+             keys=None) -> IOHandle:
+        bufs = self._check(offsets, buffers, length, codec, keys)
+        if codec is not None and expect is None:
+            raise ValueError("a keyed block read needs the expected tags")
+        padded = round_up(length)
+        hdr_n = HEADER if codec is not None else 0
+        stride = hdr_n + padded
         fd = f.fd
 
         def run(idx: list[int]) -> IOResult:
-            bounce = None
+            bounce = hdrs = None
             try:
-                iov, post = [], []
+                iov, views = [], []
+                if hdr_n:
+                    hdrs = self._get_headers(len(idx) * hdr_n)
                 for k, i in enumerate(idx):
                     t = bufs[i]
+                    if hdrs is not None:
+                        iov.append(hdrs.mv[k * hdr_n:(k + 1) * hdr_n])
                     if self._zero_copy(f, t, length):
-                        iov.append(memoryview(t.numpy())[:length])
-                        post.append(None)
-                        if stride != length:
-                            iov.append(memoryview(bytearray(stride - length)))
-                            post.append(-1)
+                        v = memoryview(t.numpy())[:length]
+                        iov.append(v)
+                        views.append((v, None))
+                        if padded != length:
+                            iov.append(memoryview(bytearray(padded - length)))
                     else:
                         if bounce is None:
-                            bounce = self._get_bounce(len(idx) * stride)
-                        lo = k * stride
-                        iov.append(bounce.mv[lo:lo + stride])
-                        post.append(lo)
+                            bounce = self._get_bounce(len(idx) * padded)
+                        lo = k * padded
+                        iov.append(bounce.mv[lo:lo + padded])
+                        views.append((bounce.mv[lo:lo + length], lo))
                         with self._lock:
                             self.bounced_blocks += 1
                 _preadv_all(fd, iov, offsets[idx[0]], f.path)
                 with self._lock:
                     self.syscalls += 1
                 ok, errs = [], []
-                blocks = [(v, p) for v, p in zip(iov, post) if p != -1]
                 for k, i in enumerate(idx):
-                    good = True
-                    view, lo = blocks[k]
-                    if expect is not None:
-                        got = _xxh3(view[:length])
+                    view, lo = views[k]
+                    why = None
+                    if hdrs is not None:
+                        why = codec.check(hdrs.mv[k * hdr_n:(k + 1) * hdr_n], keys[i], expect[i], view)
+                    elif expect is not None:
+                        got = _xxh3(view)
                         if got != expect[i]:
-                            good = False
-                            if mismatched is not None:
-                                mismatched[i] = True
-                            errs.append(f"checksum mismatch at offset {offsets[i]} in {f.path}: "
-                                        f"stored {expect[i]:016x}, read {got:016x}")
-                    if good and lo is not None:
+                            why = f"checksum mismatch: stored {expect[i]:016x}, read {got:016x}"
+                    if why is not None:
+                        if mismatched is not None:
+                            mismatched[i] = True
+                        errs.append(f"block at offset {offsets[i]} in {f.path} fails verification: {why}")
+                    elif lo is not None:
                         bufs[i][:length].copy_(bounce.t[lo:lo + length])
-                    ok.append(good)
+                    ok.append(why is None)
                 return IOResult(ok=ok, nbytes=len(idx) * length, errors=errs)
             except OSError as e:
                 return _failed("read", len(idx), offsets[idx[0]], f.path, e)
             finally:
                 if bounce is not None:
                     self._bounces.put(bounce)
+                if hdrs is not None:
+                    self._headers.put(hdrs)
 
-        return self._submit(run, self._plan(offsets, length), finish, len(bufs))
+        return self._submit(run, self._plan(offsets, stride), finish, len(bufs))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -353,9 +458,32 @@ class PosixEngine(IOEngine):
                 "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "fallback": self.fallback}
 
 
+def _open_in(path: str, flags: int, dir_fd: int | None) -> int:
+    """open(2) of `path` (0600), or of its base name inside `dir_fd` with O_NOFOLLOW and an owner check."""
+    if dir_fd is None:
+        return _os_open(path, flags | os.O_CLOEXEC, 0o600)
+    from .nvme_block import UnsafePath, check_owned
+    try:
+        fd = _os_open(os.path.basename(path), flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == _errno.ELOOP:
+            raise UnsafePath(e.errno, f"data file {path} is a symlink; refused", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        check_owned(st, path, "data file", want_dir=False)
+        if st.st_mode & 0o077 and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _failed(what: str, n: int, offset: int, path: str, e: OSError) -> IOResult:
     """A batch that failed with `e`: every block not ok, the cause logged and kept."""
-    msg = f"{what} of {n} blocks at offset {offset} in {path}: [Errno {e.errno}] {e.strerror}"
+    name = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "?"
+    msg = f"{what} of {n} blocks at offset {offset} in {path}: [{name}] {e.strerror}"
     log.error("nvme io: %s", msg)
     return IOResult(ok=[False] * n, errors=[msg])
 
@@ -374,8 +502,38 @@ def _all(syscall, fd: int, iov: list, off: int, short: str) -> None:
         iov = _advance(iov, n)
 
 
-def _pwritev_all(fd: int, iov: list, off: int) -> None:
+def _pwritev_all(fd: int, iov: list, off: int, path: str = "?") -> None:
+    if HOOKS.fault or HOOKS.crash:
+        _pwritev_hooked(fd, iov, off, path)
+        return
     _all(os.pwritev, fd, iov, off, "write")
+
+
+def _pwritev_hooked(fd: int, iov: list, off: int, path: str) -> None:
+    n = HOOKS.tick("write")
+    fault = HOOKS.fault_for("write", n)
+    if fault == "short":
+        total = sum(len(v) for v in iov)
+        half = total // 2 // ALIGN * ALIGN
+        if half:
+            os.pwritev(fd, _advance_to(iov, half), off)
+        raise OSError(_errno.ENOSPC, f"short write ({half} of {total} bytes), then no space (injected)")
+    if fault:
+        code = getattr(_errno, fault)
+        raise OSError(code, f"{os.strerror(code)} (injected)")
+    _all(os.pwritev, fd, iov, off, "write")
+    crash_point("data_write")
+
+
+def _advance_to(iov: list, n: int) -> list:
+    """The first `n` bytes of `iov`."""
+    out = []
+    for v in iov:
+        if n <= 0:
+            break
+        out.append(v[:n])
+        n -= len(v)
+    return out
 
 
 def _preadv_all(fd: int, iov: list, off: int, path: str) -> None:
@@ -433,22 +591,30 @@ class KvikioEngine(IOEngine):
     def description(self) -> str:
         return f"kvikio {getattr(self._kvikio, '__version__', '?')} (compat_mode={self.compat})"
 
-    def open(self, path: str) -> EngineFile:
-        if not os.path.exists(path):
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
-        fd = os.open(path, os.O_RDWR)  # for fdatasync
-        return EngineFile(path, fd, True, self._kvikio.CuFile(path, "r+"))
+    def open(self, path: str, dir_fd: int | None = None, read_only: bool = False) -> EngineFile:
+        fd = _open_in(path, os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT, dir_fd)  # checks, fdatasync
+        return EngineFile(path, fd, True, self._kvikio.CuFile(path, "r" if read_only else "r+"))
 
-    def write(self, f, offsets, buffers, length, checksums=None, finish=None) -> IOHandle:
+    def write(self, f, offsets, buffers, length, checksums=None, finish=None, codec=None, keys=None) -> IOHandle:
         bufs = [_flat(b) for b in buffers]
+        hdr_n = HEADER if codec is not None else 0
 
         def run(i: int) -> IOResult:
             try:
                 t = bufs[i][:length]
-                if checksums is not None:
+                if checksums is not None or codec is not None:
                     host = t if t.device.type == "cpu" else t.cpu()
-                    checksums[i] = _xxh3(memoryview(host.contiguous().numpy()))
-                n = f.handle.pwrite(t, length, offsets[i]).get()
+                    mv = memoryview(host.contiguous().numpy())
+                    if codec is not None:
+                        hdr = memoryview(bytearray(HEADER))
+                        c = codec.seal(hdr, keys[i], mv)
+                        if os.pwrite(f.fd, hdr, offsets[i]) != HEADER:
+                            raise OSError(_errno.EIO, "short header write")
+                    else:
+                        c = _xxh3(mv)
+                    if checksums is not None:
+                        checksums[i] = c
+                n = f.handle.pwrite(t, length, offsets[i] + hdr_n).get()
                 if n != length:
                     raise OSError(_errno.EIO, f"short write {n} of {length}")
                 return IOResult(ok=[True], nbytes=length)
@@ -457,18 +623,25 @@ class KvikioEngine(IOEngine):
 
         return FutureHandle([self._pool.submit(run, i) for i in range(len(bufs))], finish)
 
-    def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None) -> IOHandle:
+    def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None, codec=None,
+             keys=None) -> IOHandle:
         bufs = [_flat(b) for b in buffers]
+        hdr_n = HEADER if codec is not None else 0
 
         def run(i: int) -> IOResult:
             try:
                 t = bufs[i][:length]
-                n = f.handle.pread(t, length, offsets[i]).get()
+                n = f.handle.pread(t, length, offsets[i] + hdr_n).get()
                 if n != length:
                     raise OSError(_errno.EIO, f"short read {n} of {length}")
                 if expect is not None:
                     host = t if t.device.type == "cpu" else t.cpu()
-                    got = _xxh3(memoryview(host.contiguous().numpy()))
+                    mv = memoryview(host.contiguous().numpy())
+                    if codec is not None:
+                        why = codec.check(os.pread(f.fd, HEADER, offsets[i]), keys[i], expect[i], mv)
+                        got = expect[i] + 1 if why else expect[i]
+                    else:
+                        got = _xxh3(mv)
                     if got != expect[i]:
                         if mismatched is not None:
                             mismatched[i] = True

@@ -1,18 +1,19 @@
 """NVMe tier for one process: the control plane (`nvme_control`) with its data plane (`nvme_data`).
 
 Layout under `path` (or `path/ns-<fingerprint hash>` in namespace mode): ``data.0`` (capacity
-x stride bytes, posix_fallocate'd), ``index/`` (LMDB), ``lock`` (flock: one process per tier
-directory).
+x (4 KiB header + block) slots, posix_fallocate'd, never truncated), ``index/`` (LMDB),
+``secret`` (0600); the directory itself is flock'ed by the one writer.
 
-Write order: `write()` puts bytes in slots and computes their xxh3_64 checksums in the I/O
-threads; `commit()` waits for those writes, fdatasyncs the data file, then commits the index
-entries in one LMDB transaction. So the index never points at unwritten bytes, and whatever
-was committed before a crash or restart is served after it; uncommitted (pending) slots are
-simply free after a restart.
+Write order: `write()` seals each block with its keyed header (`nvme_block`) and puts it in
+its slot, the tag computed in the I/O threads; `commit()` waits for those writes, fdatasyncs
+the data file, then commits the index entries in one LMDB transaction. So the index never
+points at unwritten bytes, and whatever was committed before a crash or restart is served
+after it; uncommitted (pending) slots are simply free after a restart.
 
-Reads verify each block against its checksum. A mismatch gives ok=False for that block,
-increments `corrupt_blocks`, and drops the block (index entry deleted, key gone from lookup;
-the slot is freed once its last pin is released): a corrupt block is a miss from then on.
+Reads verify each block's header (key, tag) and payload. A mismatch gives ok=False for that
+block, increments `corrupt_blocks`, and quarantines the entry (lookup misses from then on;
+the slot is freed once its last pin is released). A write or fdatasync error is ok=False /
+an OSError: nothing is indexed.
 
 A different fingerprint at `path` raises `FingerprintMismatch` (on_mismatch="refuse") or opens
 `path/ns-<hash>` instead (on_mismatch="namespace"); foreign blocks are never served.
@@ -40,13 +41,17 @@ class NvmeTier(NvmeControl):
     """Slot tier on NVMe. See the module docstring for layout, write order and recovery.
 
     `with_data=False` is a metadata-only tier (no files, no index): trace replay.
+    `read_only=True` opens an existing directory (a live server's too) without its lock, and
+    creates, sizes and writes nothing; reads are verified as usual.
     """
+
+    _defer_publish = True
 
     def __init__(self, name: str, path: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy,
                  io: str = "auto", fingerprint: dict | None = None, on_mismatch: str = "refuse",
                  with_data: bool = True, io_threads: int = 4, direct: bool | str = "auto",
-                 max_io_bytes: int = MAX_IO_BYTES) -> None:
-        if with_data and capacity_blocks > 0 and block_bytes > 0:  # before the per-slot arrays
+                 max_io_bytes: int = MAX_IO_BYTES, read_only: bool = False, allow_shrink: bool = False) -> None:
+        if with_data and not read_only and capacity_blocks > 0 and block_bytes > 0:  # before the per-slot arrays
             check_space(name, path, capacity_blocks, block_bytes)
         self.with_data = with_data
         self.data: NvmeData | None = None
@@ -54,13 +59,14 @@ class NvmeTier(NvmeControl):
         self._written: dict[int, bool] = {}        # pending slot -> its last write succeeded
         self._inflight: dict[int, IOHandle] = {}   # pending slot -> write handle not yet waited
         super().__init__(name, path, capacity_blocks, block_bytes, eviction, fingerprint, on_mismatch,
-                         open_index=with_data)
+                         open_index=with_data, read_only=read_only, allow_shrink=allow_shrink)
         if not with_data:
             return
         try:
+            self._recover()  # a refused shrink leaves the data file untouched
             self.data = NvmeData(self.dir, capacity_blocks, block_bytes, io, io_threads, direct, max_io_bytes,
-                                 name=name)
-            self._publish_meta()
+                                 name=name, read_only=read_only)
+            self._record_meta()
         except BaseException:
             self.close()
             raise
@@ -132,7 +138,7 @@ class NvmeTier(NvmeControl):
 
         for s in slots:
             self._written[s] = False
-        handle = self.data.write(slots, srcs, sums, finish=finish)
+        handle = self.data.write(slots, srcs, sums, finish=finish, keys=[self._key_of[s] for s in slots])
         for s in slots:
             self._inflight[s] = handle
         return handle
@@ -156,14 +162,17 @@ class NvmeTier(NvmeControl):
         def finish(r: IOResult) -> IOResult:
             corrupt = [s for s, k, b in zip(slots, keys, bad) if b and self._key_of[s] == k]
             if corrupt:
-                self.corrupt_blocks += len(corrupt)
-                log.error("nvme tier %r: %d corrupt blocks (checksum mismatch) in %s; dropped: %s",
-                          self.name, len(corrupt), self.data.path if self.data else self.path, r.errors[:3])
-                self.drop([s for s in corrupt if self._state[s] == _RESIDENT])
+                log.error("nvme tier %r: %d blocks failed verification in %s; %s: %s", self.name, len(corrupt),
+                          self.data.path if self.data else self.path,
+                          "not served (read-only: index unchanged)" if self.read_only else "quarantined",
+                          r.errors[:3])
+                n = self.quarantine([s for s in corrupt if self._state[s] == _RESIDENT],
+                                    r.errors[0] if r.errors else "failed verification")
+                self.corrupt_blocks += len(corrupt) - n
             self.io_errors += sum(1 for ok, b in zip(r.ok, bad) if not ok and not b)
             return r
 
-        return self.data.read(slots, dsts, self.checksums(slots), bad, finish=finish)
+        return self.data.read(slots, dsts, self.checksums(slots), bad, finish=finish, keys=keys)
 
     # ---- misc --------------------------------------------------------------------------
     @property

@@ -2,11 +2,12 @@
 
 It never touches the data file (that is `nvme_data.NvmeData`), so a scheduler in one process
 can own it while workers elsewhere move the bytes. Directory layout under `path` (or
-`path/ns-<fingerprint hash>` in namespace mode): ``data.0`` (the slots), ``index/`` (LMDB),
-``lock`` (flock: one control plane per directory).
+`path/ns-<fingerprint hash>` in namespace mode): ``data.<rank>`` (the slots), ``index/``
+(LMDB), ``secret`` (0600, the key of the block tags, created here). The writer holds a flock
+on the directory itself: one control plane per directory, and deleting a file cannot defeat it.
 
 A block becomes visible only through `commit`, which writes its index entry (key -> slot,
-length, xxh3_64 checksum, generation) after its bytes were written and flushed; at open every
+length, block tag, generation) after its bytes were written and flushed; at open every
 committed entry is served again. The index stores a fingerprint (format version, block bytes,
 plus the caller's model, dtype, layout, rank, ...): another fingerprint at `path` raises
 `FingerprintMismatch` (on_mismatch="refuse") or opens `path/ns-<hash>` ("namespace"), so
@@ -27,7 +28,8 @@ import xxhash
 from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
 
 from .base import _PENDING, _RESIDENT, SlotTier
-from .io_engines import ALIGN, round_up
+from .nvme_block import NoSecret, check_tree, load_secret, open_dir, slot_stride
+from .io_engines import crash_point
 from .nvme_index import FORMAT_VERSION, NvmeIndex
 
 log = logging.getLogger("kvtier.nvme")
@@ -39,7 +41,7 @@ def data_file(rank: int = 0) -> str:
 
 DATA_FILE = data_file(0)
 INDEX_DIR = "index"
-LOCK_FILE = "lock"
+LOCK_FILE = "lock"  # no longer used: the directory itself is locked
 
 
 class FingerprintMismatch(RuntimeError):
@@ -76,134 +78,235 @@ def make_fingerprint(name: str, block_bytes: int, fingerprint: dict | None) -> d
     return fp
 
 
+class CapacityShrink(ValueError):
+    """The configured capacity is smaller than what the directory stores (nothing was dropped)."""
+
+
+class DirectoryInUse(OSError):
+    """Another process holds the directory's writer lock (the message names its pid)."""
+
+
+def lock_holder(fd: int) -> tuple[int, str] | None:
+    """(pid, command line) of the process holding a flock on the file of `fd`, from /proc/locks."""
+    st = os.fstat(fd)
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+            continue
+        if parts[5] == want and parts[4].isdigit():
+            pid = int(parts[4])
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as c:
+                    cmd = c.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            return pid, cmd
+    return None
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class NvmeControl(SlotTier):
     """Slot tier whose residents are recorded in an LMDB index that survives restarts.
 
-    `commit(slots)` publishes pending slots whose checksums were set (`set_checksums`); a
-    subclass that owns the data file flushes it first (`_before_index_put`). `drop` removes
-    blocks that failed verification, pinned or not.
+    `commit(slots)` publishes pending slots whose checksums (block tags) were set
+    (`set_checksums`); a subclass that owns the data file flushes it first
+    (`_before_index_put`). `quarantine` takes blocks that failed verification out of service.
+
+    Opening never destroys: a capacity smaller than what is stored raises `CapacityShrink`
+    (`allow_shrink=True` evicts the entries beyond it by the eviction policy and reports them in
+    `dropped_on_open`). `read_only=True` opens a live or stopped directory without the writer
+    lock and writes nothing (entries beyond the capacity are counted, not served). One writer
+    per directory: a flock on the directory itself (deleting a file cannot defeat it); a held
+    lock is `DirectoryInUse` naming the holder's pid.
     """
 
     kind = "nvme"
+    _defer_publish = False  # NvmeTier opens its data file before serving the index
 
     def __init__(self, name: str, path: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy,
-                 fingerprint: dict | None = None, on_mismatch: str = "refuse", open_index: bool = True) -> None:
+                 fingerprint: dict | None = None, on_mismatch: str = "refuse", open_index: bool = True,
+                 read_only: bool = False, allow_shrink: bool = False) -> None:
         if block_bytes <= 0:
             raise ValueError(f"tier {name!r}: block_bytes must be > 0, got {block_bytes}")
         if on_mismatch not in ("refuse", "namespace"):
             raise ValueError(f"tier {name!r}: on_mismatch must be 'refuse' or 'namespace', got {on_mismatch!r}")
         super().__init__(name, capacity_blocks, block_bytes, eviction)
         self.fingerprint = make_fingerprint(name, block_bytes, fingerprint)
-        self.stride = round_up(block_bytes, ALIGN)
+        self.stride = slot_stride(block_bytes)
         self.path = os.path.abspath(path) if path else ""
         self.dir = self.path
+        self.read_only = read_only
+        self.allow_shrink = allow_shrink
         self.namespace: str | None = None
         self.corrupt_blocks = 0
         self.dropped_on_open = 0
+        self.beyond_capacity = 0
         self.restored_blocks = 0
+        self.stored_capacity: int | None = None
         self.index: NvmeIndex | None = None
         # checksum of each written/resident slot; a tuple (one per rank) when several ranks write shards
         self._sum: list[int | tuple[int, ...]] = [0] * capacity_blocks
         self._doomed: set[int] = set()          # dropped while pinned: freed at ref 0
-        self._lock_fd = -1
+        self._dir_fd = -1
+        self._locked = False
         self._stored_meta: dict | None = None
         if open_index:
             try:
                 self._open_index(on_mismatch)
+                if not self._defer_publish:
+                    self._publish_meta()
             except BaseException:
                 self.close()
                 raise
 
     # ---- open / recovery ---------------------------------------------------------------
+    def _open_at(self, d: str) -> dict | None:
+        """Open directory `d` (locked unless read-only) and its index; the stored fingerprint."""
+        self._dir_fd = open_dir(d, create=not self.read_only)
+        if not self.read_only:
+            self._lock(d)
+        idx = os.path.join(d, INDEX_DIR)
+        check_tree(d, [INDEX_DIR, DATA_FILE])
+        check_tree(idx, ["data.mdb", "lock.mdb"])
+        if not self.read_only:
+            try:
+                os.mkdir(idx, 0o700)
+            except FileExistsError:
+                pass
+        self.index = NvmeIndex(idx, self._cap, read_only=self.read_only)
+        return self.index.fingerprint()
+
+    def _close_dir(self) -> None:
+        if self.index is not None:
+            self.index.close()
+            self.index = None
+        self._unlock()
+
     def _open_index(self, on_mismatch: str) -> None:
         d = self.path
-        self._make_dir(d)
-        self._lock(d)
-        self.index = NvmeIndex(os.path.join(d, INDEX_DIR), self._cap)
-        stored = self.index.fingerprint()
+        stored = self._open_at(d)
         if stored is not None and stored != self.fingerprint:
             diffs = _diff(stored, self.fingerprint)
             if on_mismatch == "refuse":
                 raise FingerprintMismatch(d, diffs)
-            self.index.close()
-            self._unlock()
+            self._close_dir()
             self.namespace = "ns-" + fingerprint_hash(self.fingerprint)
             d = os.path.join(self.path, self.namespace)
             log.warning("nvme tier %r: fingerprint differs from %s (%s); using namespace %s", self.name,
                         self.path, ", ".join(sorted(diffs)), d)
-            self._make_dir(d)
-            self._lock(d)
-            self.index = NvmeIndex(os.path.join(d, INDEX_DIR), self._cap)
-            stored = self.index.fingerprint()
+            stored = self._open_at(d)
             if stored is not None and stored != self.fingerprint:
                 raise FingerprintMismatch(d, _diff(stored, self.fingerprint))
         self.dir = d
         stride = self.index.get_meta("slot_stride")
         if stride is not None and int(stride) != self.stride:
             raise FingerprintMismatch(d, {"slot_stride": (int(stride), self.stride)})
+        cap = self.index.get_meta("capacity")
+        self.stored_capacity = int(cap) if cap is not None and cap.isdigit() else None
+        fph = int(fingerprint_hash(self.fingerprint), 16)
+        try:
+            load_secret(self._dir_fd, d, fph, create=not self.read_only)
+        except NoSecret:
+            if not self.read_only:
+                raise
         self._stored_meta = stored
 
     def _publish_meta(self) -> None:
-        """Record the layout (first open) or the capacity (reopen), then serve the committed entries."""
+        """Serve the committed entries, then record the layout (first open) or the capacity."""
+        self._recover()
+        self._record_meta()
+
+    def _record_meta(self) -> None:
+        if self.read_only:
+            return
         if self._stored_meta is None:
             self.index.set_meta({"format_version": str(FORMAT_VERSION), "fingerprint": self.fingerprint,
                                  "slot_stride": str(self.stride), "capacity": str(self._cap)})
         else:
             self.index.set_meta({"capacity": str(self._cap)})
-        self._recover()
-
-    def _make_dir(self, d: str) -> None:
-        try:
-            os.makedirs(d, exist_ok=True)
-        except OSError as e:
-            raise oserror(e, f"nvme tier {self.name!r}: cannot create directory", d) from None
-        probe = os.path.join(d, ".kvtier-probe")
-        try:
-            os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o644))
-            os.unlink(probe)
-        except OSError as e:
-            raise oserror(e, f"nvme tier {self.name!r}: directory is not writable:", d) from None
 
     def _lock(self, d: str) -> None:
-        p = os.path.join(d, LOCK_FILE)
-        fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+        """flock the directory itself: no file to delete, released when the holder dies."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            os.close(fd)
-            raise OSError(e.errno, f"nvme tier {self.name!r}: {d} is already open in another process "
-                          f"or tier (flock {p}: {e.strerror})", d) from None
-        self._lock_fd = fd
+            who = lock_holder(self._dir_fd)
+            if who is None:
+                raise DirectoryInUse(e.errno, f"nvme tier {self.name!r}: {d} is in use by another process "
+                                     f"or tier (flock: {e.strerror})", d) from None
+            pid, cmd = who
+            if pid == os.getpid():
+                raise DirectoryInUse(e.errno, f"nvme tier {self.name!r}: {d} is already open in this process "
+                                     f"(pid {pid}); close the other tier first", d) from None
+            pp = _ppid(pid)
+            orphan = " - an orphaned process (its parent exited), e.g. a vLLM engine left by a killed API server;" \
+                if pp == 1 else ";"
+            raise DirectoryInUse(e.errno, f"nvme tier {self.name!r}: {d} is in use by pid {pid} ({cmd[:120]})"
+                                 f"{orphan} stop it (kill {pid}) or use another path; `kvtier inspect` "
+                                 f"reads it without the lock", d) from None
+        self._locked = True
 
     def _unlock(self) -> None:
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # closing releases the flock
-            self._lock_fd = -1
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)  # closing releases the flock
+            self._dir_fd = -1
+        self._locked = False
 
     def _recover(self) -> None:
-        """Serve every committed entry again, oldest generation first; drop invalid ones."""
-        good, bad = [], []
+        """Serve every committed entry again, oldest generation first. Nothing is deleted: an entry
+        beyond the capacity refuses the open (or, with allow_shrink, is evicted and reported);
+        one of the wrong length or on a slot claimed twice is quarantined (read-only: skipped)."""
+        good, bad, beyond = [], [], []
         by_slot: dict[int, tuple[int, bytes]] = {}
         for key, e in self.index.items():
-            if e.slot >= self._cap or e.length != self.block_bytes:
-                bad.append(key)
+            if e.length != self.block_bytes:
+                bad.append((key, f"length {e.length}, block_bytes {self.block_bytes}"))
+                continue
+            if e.slot >= self._cap:
+                beyond.append((e.generation, key))
                 continue
             prev = by_slot.get(e.slot)
             if prev is not None:  # two keys on one slot: only the newer can hold its bytes
                 if prev[0] > e.generation:
-                    bad.append(key)
+                    bad.append((key, f"slot {e.slot} claimed by a newer entry"))
                     continue
-                bad.append(prev[1])
+                bad.append((prev[1], f"slot {e.slot} claimed by a newer entry"))
             by_slot[e.slot] = (e.generation, key)
             good.append((e.generation, e.slot, key, e.sums))
+        if beyond and not self.read_only and not self.allow_shrink:
+            raise CapacityShrink(
+                f"nvme tier {self.name!r}: {self.dir} stores {len(beyond) + len(by_slot)} blocks, "
+                f"{len(beyond)} of them in slots beyond the configured capacity of {self._cap} blocks "
+                f"(stored capacity {self.stored_capacity}); nothing was changed. Configure at least "
+                f"{self.stored_capacity or '?'} blocks, or shrink explicitly (`kvtier fsck --shrink`)")
         keep = {k for _, k in by_slot.values()}
         good = sorted(g for g in good if g[2] in keep)
-        if bad:
-            log.warning("nvme tier %r: dropping %d index entries that do not fit this tier "
-                        "(slot beyond capacity %d, wrong length, or a slot claimed twice)",
-                        self.name, len(bad), self._cap)
-            self.index.delete(bad)
-            self.dropped_on_open = len(bad)
+        if self.read_only:
+            self.beyond_capacity = len(beyond)
+            self.dropped_on_open = 0
+        else:
+            if bad:
+                log.warning("nvme tier %r: quarantining %d index entries (%s)", self.name, len(bad), bad[0][1])
+                self.index.quarantine(bad)
+            if beyond:
+                dropped = [k for _, k in sorted(beyond)]
+                log.warning("nvme tier %r: shrink to %d blocks: evicting %d blocks stored beyond it",
+                            self.name, self._cap, len(dropped))
+                self.index.delete(dropped)
+            self.dropped_on_open = len(bad) + len(beyond)
         for _, s, _, c in good:
             self._sum[s] = c
         self._restore([(s, k) for _, s, k, _ in good])
@@ -226,6 +329,8 @@ class NvmeControl(SlotTier):
         self.commit(slots, info)
 
     def allocate(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[int]:
+        if self.read_only:
+            raise OSError(_errno.EROFS, f"tier {self.name!r}: {self.dir} is open read-only", self.dir)
         if self.index is not None:
             mk = self.index.max_key_size
             for k in keys:
@@ -255,10 +360,11 @@ class NvmeControl(SlotTier):
             seen.add(k)
             items.append((k, s, self.block_bytes, self._sum[s]))
         if items:
+            crash_point("index_commit")
             self.index.put(items)
 
     def _on_evict(self, slots: Sequence[int]) -> None:
-        if self.index is not None:
+        if self.index is not None and not self.read_only:
             self.index.delete([self._key_of[s] for s in slots])
 
     def abort(self, slots: Sequence[int]) -> None:
@@ -273,16 +379,27 @@ class NvmeControl(SlotTier):
                     doomed.discard(b)
                     self._release(b)
 
-    def drop(self, slots: Sequence[int]) -> list[bytes]:
-        """Remove resident blocks now, pinned or not (e.g. corrupt): index entry deleted, lookup misses.
+    def quarantine(self, slots: Sequence[int], why: str = "failed verification") -> int:
+        """Blocks that failed verification (read here or on a worker): counted in `corrupt_blocks`,
+        their index entries moved to the quarantine, lookups miss. Returns how many."""
+        n = len(self.drop(slots, why))
+        self.corrupt_blocks += n
+        return n
+
+    def drop(self, slots: Sequence[int], why: str | None = None) -> list[bytes]:
+        """Remove resident blocks now, pinned or not: index entry deleted (quarantined with `why`
+        when given; a read-only tier changes no index), lookup misses.
 
         Unpinned slots are freed at once; pinned ones when their last pin is released.
         Returns the dropped keys.
         """
         slots = [s for s in dict.fromkeys(slots) if self._state[s] == _RESIDENT and s not in self._doomed]
         keys = [self._key_of[s] for s in slots]
-        if self.index is not None and keys:
-            self.index.delete(keys)
+        if self.index is not None and keys and not self.read_only:
+            if why is None:
+                self.index.delete(keys)
+            else:
+                self.index.quarantine([(k, why) for k in keys])
         for s, k in zip(slots, keys):
             del self._slot_of[k]
             self.eviction.on_remove(s, k)
@@ -298,14 +415,14 @@ class NvmeControl(SlotTier):
         d = super().stats()
         d.update({"path": self.dir, "namespace": self.namespace, "slot_stride": self.stride,
                   "corrupt_blocks": self.corrupt_blocks, "restored_blocks": self.restored_blocks,
-                  "dropped_on_open": self.dropped_on_open, "fingerprint": dict(self.fingerprint)})
+                  "dropped_on_open": self.dropped_on_open, "fingerprint": dict(self.fingerprint),
+                  "read_only": self.read_only, "stored_capacity": self.stored_capacity,
+                  "beyond_capacity": self.beyond_capacity,
+                  "quarantined": self.index.quarantined() if self.index is not None else 0})
         return d
 
     def close(self) -> None:
-        if self.index is not None:
-            self.index.close()
-            self.index = None
-        self._unlock()
+        self._close_dir()
 
     def __enter__(self) -> "NvmeControl":
         return self

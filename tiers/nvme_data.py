@@ -1,8 +1,9 @@
 """NVMe tier, data plane: the preallocated data file of fixed 4 KiB-aligned slots and its I/O engine.
 
-It reads and writes the slots a control plane chose (`nvme_control.NvmeControl`), computes
-xxh3_64 checksums on write (in the I/O threads) and verifies expected checksums on read. It
-never opens the index, so it can live in a worker process.
+It reads and writes the slots a control plane chose (`nvme_control.NvmeControl`), seals each
+block with a keyed header on write (in the I/O threads; the tag is the block's checksum) and
+verifies key, tag and payload on read. It never opens the index, so it can live in a worker
+process; it never creates the directory or its secret (the control plane does).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Callable, Sequence
 import torch
 
 from .handles import IOHandle, IOResult
-from .io_engines import ALIGN, MAX_IO_BYTES, round_up, select_engine
+from .io_engines import MAX_IO_BYTES, select_engine
+from .nvme_block import BlockCodec, load_secret, open_dir, slot_stride
 from .nvme_control import data_file, oserror
 
 log = logging.getLogger("kvtier.nvme")
@@ -24,7 +26,7 @@ log = logging.getLogger("kvtier.nvme")
 
 def check_space(name: str, path: str, capacity_blocks: int, block_bytes: int, rank: int = 0) -> None:
     """Raise ENOSPC naming both numbers when the slots would not fit the free space under `path`."""
-    stride = round_up(block_bytes, ALIGN)
+    stride = slot_stride(block_bytes)
     p = os.path.abspath(path)
     while not os.path.exists(p) and os.path.dirname(p) != p:
         p = os.path.dirname(p)
@@ -41,68 +43,90 @@ def check_space(name: str, path: str, capacity_blocks: int, block_bytes: int, ra
 
 class NvmeData:
     """The data file ``data.<rank>`` under `directory`, sized to `capacity_blocks` slots (with
-    several ranks each writes its own shard of every block into its own file, same slots)."""
+    several ranks each writes its own shard of every block into its own file, same slots).
+
+    Every slot is a keyed header page then the payload (`nvme_block`); reads and writes take
+    the blocks' keys. `read_only` opens the file as it is: nothing created, sized or written.
+    The file is only ever grown, never truncated: a smaller capacity leaves the slots beyond it.
+    """
 
     def __init__(self, directory: str, capacity_blocks: int, block_bytes: int, io: str = "auto",
                  io_threads: int = 4, direct: bool | str = "auto", max_io_bytes: int = MAX_IO_BYTES,
-                 name: str = "nvme", rank: int = 0) -> None:
+                 name: str = "nvme", rank: int = 0, read_only: bool = False) -> None:
         self.dir = directory
         self.name = name
         self.rank = rank
+        self.read_only = read_only
         self.capacity = capacity_blocks
         self.block_bytes = block_bytes
-        self.stride = round_up(block_bytes, ALIGN)
+        self.stride = slot_stride(block_bytes)
         self.path = os.path.join(directory, data_file(rank))
         self.file = None
+        self.engine = None
+        self.dir_fd = -1
         self.bytes_read = self.bytes_written = 0
-        check_space(name, directory, capacity_blocks, block_bytes, rank)
-        self.engine, self.engine_reason = select_engine(io, io_threads, direct, max_io_bytes)
         try:
+            self.dir_fd = open_dir(directory, create=False)
+            secret, fp_hash = load_secret(self.dir_fd, directory, None, create=False)
+            self.codec = BlockCodec(secret, fp_hash, rank)
+            if not read_only:
+                check_space(name, directory, capacity_blocks, block_bytes, rank)
+            self.engine, self.engine_reason = select_engine(io, io_threads, direct, max_io_bytes)
             try:
-                self.file = self.engine.open(self.path)
+                self.file = self.engine.open(self.path, dir_fd=self.dir_fd, read_only=read_only)
             except OSError as e:
                 raise oserror(e, f"nvme tier {name!r}: cannot open data file", self.path) from None
             total = capacity_blocks * self.stride
             have = os.fstat(self.file.fd).st_size
-            try:
-                if have < total:
+            if have < total and not read_only:
+                try:
                     os.posix_fallocate(self.file.fd, 0, total)
-                elif have > total:  # capacity shrank: the control plane drops entries beyond it
-                    os.ftruncate(self.file.fd, total)
-            except OSError as e:
-                raise oserror(e, f"nvme tier {name!r}: cannot size the data file to {total} B:", self.path) from None
+                except OSError as e:
+                    raise oserror(e, f"nvme tier {name!r}: cannot size the data file to {total} B:",
+                                  self.path) from None
         except BaseException:
             self.close()
             raise
-        log.info("nvme tier %r (data plane): %s, %d slots x %d B (stride %d), engine %s (%s)", name, self.path,
-                 capacity_blocks, block_bytes, self.stride, self.engine.description, self.engine_reason)
+        log.info("nvme tier %r (data plane): %s, %d slots x %d B (stride %d), engine %s (%s)%s", name, self.path,
+                 capacity_blocks, block_bytes, self.stride, self.engine.description, self.engine_reason,
+                 ", read-only" if read_only else "")
 
     def _offsets(self, slots: Sequence[int]) -> list[int]:
         return [s * self.stride for s in slots]
 
     def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor], sums: list[int],
-              finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
-        """Write blocks; `sums[i]` receives block i's checksum when the handle completes."""
+              finish: Callable[[IOResult], IOResult] | None = None,
+              keys: Sequence[bytes] | None = None) -> IOHandle:
+        """Write blocks under their `keys`; `sums[i]` receives block i's tag when the handle completes."""
+        if self.read_only:
+            raise OSError(_errno.EROFS, f"nvme tier {self.name!r}: {self.path} is open read-only", self.path)
+        if keys is None or len(keys) != len(slots):
+            raise ValueError(f"nvme tier {self.name!r}: write of {len(slots)} blocks needs their keys")
+
         def done(r: IOResult) -> IOResult:
             self.bytes_written += r.nbytes
             return finish(r) if finish else r
         return self.engine.write(self.file, self._offsets(slots), srcs, self.block_bytes, checksums=sums,
-                                 finish=done)
+                                 finish=done, codec=self.codec, keys=keys)
 
     def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], expect: Sequence[int | Sequence[int]],
-             mismatched: list[bool], finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
-        """Read blocks and verify them (`expect[i]`: the checksum, or one per rank); a checksum
-        mismatch is ok=False and mismatched[i]=True."""
+             mismatched: list[bool], finish: Callable[[IOResult], IOResult] | None = None,
+             keys: Sequence[bytes] | None = None) -> IOHandle:
+        """Read blocks and verify them against their `keys` and tags (`expect[i]`: the tag, or
+        one per rank); a block that fails is ok=False and mismatched[i]=True."""
+        if keys is None or len(keys) != len(slots):
+            raise ValueError(f"nvme tier {self.name!r}: read of {len(slots)} blocks needs their keys")
+
         def done(r: IOResult) -> IOResult:
             self.bytes_read += r.nbytes
             return finish(r) if finish else r
-        r = self.rank  # several ranks: each verifies its own shard against its own checksum
+        r = self.rank  # several ranks: each verifies its own shard against its own tag
         mine = [e if isinstance(e, int) else (e[r] if r < len(e) else -1) for e in expect]
         return self.engine.read(self.file, self._offsets(slots), dsts, self.block_bytes, expect=mine,
-                                mismatched=mismatched, finish=done)
+                                mismatched=mismatched, finish=done, codec=self.codec, keys=keys)
 
     def sync(self) -> None:
-        """fdatasync: written bytes are durable."""
+        """fdatasync: written bytes are durable (OSError naming the path on failure)."""
         self.engine.sync(self.file)
 
     @property
@@ -117,4 +141,8 @@ class NvmeData:
         if self.file is not None:
             self.engine.close_file(self.file)
             self.file = None
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1

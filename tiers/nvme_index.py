@@ -1,12 +1,17 @@
-"""The NVMe tier's persistent index: LMDB, key -> (slot, length, xxh3_64 checksum, generation).
+"""The NVMe tier's persistent index: LMDB, key -> (slot, length, block tag, generation).
 
 Two named databases in one environment:
 - ``entries``: block key (bytes) -> ``<QQQQ`` packed (slot, length, checksum, generation), then,
   for a tier written by several ranks (tensor/pipeline parallel workers, each its own shard in
   its own data file), one ``<Q`` checksum per rank (``checksum`` is then rank 0's);
-- ``meta``: ``format_version``, ``fingerprint`` (JSON), ``slot_stride``, ``capacity``, ``next_gen``.
+- ``meta``: ``format_version``, ``fingerprint`` (JSON), ``slot_stride``, ``capacity``, ``next_gen``;
+- ``quarantine``: entries taken out of service (failed verification, did not fit), with why.
 Writes are batched in one transaction each; the environment syncs on commit, so a returned
 `put`/`delete` is durable. The map grows on `lmdb.MapFullError`.
+
+`check_lmdb_file` reads the two meta pages of ``data.mdb`` before LMDB maps it: a file shorter
+than its last page (truncated), or with no valid meta page, is an `NvmeIndexError` naming the
+file, never a SIGBUS. `read_only` opens without writing anything (a live server's index).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import lmdb
 
 log = logging.getLogger("kvtier.nvme")
 
-FORMAT_VERSION = 1
+from kvtier import FORMAT_VERSION  # 2: keyed block headers, slot = header page + payload
 _ENTRY = struct.Struct("<QQQQ")
 _BYTES_PER_ENTRY = 1024  # generous: key + value + B-tree overhead at half-full pages
 
@@ -56,24 +61,97 @@ class NvmeIndexError(RuntimeError):
     """The index is unreadable or malformed (the message names the path and field)."""
 
 
-class NvmeIndex:
-    """LMDB environment at `path` (a directory)."""
+_META_MAGIC = 0xBEEFC0DE
 
-    def __init__(self, path: str, capacity: int) -> None:
+
+def check_lmdb_file(path: str) -> int:
+    """Check ``path/data.mdb`` before mapping it; returns the bytes its meta pages need (0: no file).
+
+    Raises NvmeIndexError naming the file when it is shorter than its newest meta page says
+    (a truncated index would SIGBUS on access) or has no valid meta page."""
+    f = os.path.join(path, "data.mdb")
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    except OSError as e:
+        raise NvmeIndexError(f"index file {f}: cannot open: {e.strerror}") from None
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, 2 * 65536, 0)
+    finally:
+        os.close(fd)
+    if size == 0:
+        return 0
+    best = None
+    psize = struct.unpack_from("<I", head, 40)[0] if len(head) >= 152 else 0
+    if psize < 512 or psize > 65536 or psize & (psize - 1):
+        raise NvmeIndexError(f"index file {f} is damaged: {size} bytes, no valid LMDB meta page "
+                             f"(run `kvtier fsck` to rebuild it from the data file)")
+    for off in (0, psize):
+        if len(head) < off + 152:
+            continue
+        magic, ver = struct.unpack_from("<II", head, off + 16)
+        last, txn = struct.unpack_from("<QQ", head, off + 136)
+        if magic == _META_MAGIC and ver == 1 and (best is None or txn > best[1]):
+            best = (last, txn)
+    if best is None:
+        raise NvmeIndexError(f"index file {f} is damaged: no valid LMDB meta page "
+                             f"(run `kvtier fsck` to rebuild it from the data file)")
+    need = (best[0] + 1) * psize
+    if size < need:
+        raise NvmeIndexError(f"index file {f} is truncated: {size} bytes, its pages need {need} "
+                             f"(run `kvtier fsck` to rebuild it from the data file)")
+    return need
+
+
+class NvmeIndex:
+    """LMDB environment at `path` (a directory); files created 0600."""
+
+    def __init__(self, path: str, capacity: int, read_only: bool = False) -> None:
         self.path = path
-        self._map_size = max(64 << 20, capacity * _BYTES_PER_ENTRY)
+        self.read_only = read_only
+        need = check_lmdb_file(path)
+        self._map_size = max(64 << 20, capacity * _BYTES_PER_ENTRY, need)
         try:
-            self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True,
-                                 sync=True, metasync=True, lock=True, readahead=False)
+            if read_only:
+                if need == 0:
+                    raise NvmeIndexError(f"no index at {path}")
+                try:  # a reader slot in lock.mdb, so a live writer does not reuse pages under us
+                    self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, readonly=True,
+                                         lock=True, readahead=False, create=False, mode=0o600)
+                except lmdb.Error as e:
+                    if "Permission denied" not in str(e) and "Read-only" not in str(e):
+                        raise
+                    self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, readonly=True,
+                                         lock=False, readahead=False, create=False)
+            else:
+                self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, mode=0o600,
+                                     sync=True, metasync=True, lock=True, readahead=False)
         except lmdb.Error as e:
             raise NvmeIndexError(f"cannot open LMDB index at {path}: {e}") from None
-        self._entries = self.env.open_db(b"entries")
-        self._meta = self.env.open_db(b"meta")
-        self.max_key_size = self.env.max_key_size()
-        self.next_gen = int(self.get_meta("next_gen") or 0)
+        try:
+            self._entries = self._open_db(b"entries")
+            self._meta = self._open_db(b"meta")
+            self._quarantine = self._open_db(b"quarantine")
+            self.max_key_size = self.env.max_key_size()
+            self.next_gen = int(self.get_meta("next_gen") or 0)
+        except (lmdb.Error, ValueError) as e:
+            self.env.close()
+            raise NvmeIndexError(f"index {path} is damaged: {e} (run `kvtier fsck` to rebuild it)") from None
+
+    def _open_db(self, name: bytes):
+        if not self.read_only:
+            return self.env.open_db(name)
+        with self.env.begin() as txn:
+            if txn.get(name) is None:
+                return None
+        return self.env.open_db(name, create=False)
 
     # ---- meta --------------------------------------------------------------------------
     def get_meta(self, name: str) -> str | None:
+        if self._meta is None:
+            return None
         with self.env.begin(db=self._meta) as txn:
             v = txn.get(name.encode())
         return None if v is None else v.decode()
@@ -121,6 +199,8 @@ class NvmeIndex:
 
     def items(self) -> Iterator[tuple[bytes, Entry]]:
         """All entries (key order). Malformed values raise NvmeIndexError naming the key."""
+        if self._entries is None:
+            return
         with self.env.begin(db=self._entries, buffers=False) as txn:
             for k, v in txn.cursor():
                 if len(v) < _ENTRY.size or (len(v) - _ENTRY.size) % 8 or len(v) == _ENTRY.size + 8:
@@ -134,14 +214,37 @@ class NvmeIndex:
         return None if v is None else _unpack(v)
 
     def __len__(self) -> int:
+        if self._entries is None:
+            return 0
         with self.env.begin(db=self._entries) as txn:
             return txn.stat(self._entries)["entries"]
+
+    def quarantine(self, items: Sequence[tuple[bytes, str]]) -> None:
+        """Move entries out of service in one durable txn, each with why (kept for `fsck`/forensics)."""
+        if not items:
+            return
+
+        def fn(txn):
+            for k, why in items:
+                v = txn.get(k, db=self._entries)
+                txn.delete(k, db=self._entries)
+                rec = json.dumps({"entry": v.hex() if v is not None else None, "why": why})
+                txn.put(k, rec.encode(), db=self._quarantine)
+        self._write(fn)
+
+    def quarantined(self) -> int:
+        if self._quarantine is None:
+            return 0
+        with self.env.begin(db=self._quarantine) as txn:
+            return txn.stat(self._quarantine)["entries"]
 
     def clear(self) -> None:
         self._write(lambda txn: txn.drop(self._entries, delete=False))
 
     # ---- plumbing ----------------------------------------------------------------------
     def _write(self, fn) -> None:
+        if self.read_only:
+            raise NvmeIndexError(f"index {self.path} is open read-only")
         while True:
             try:
                 with self.env.begin(write=True) as txn:
@@ -151,6 +254,9 @@ class NvmeIndex:
                 self._map_size *= 2
                 log.info("nvme index %s: map full, growing to %d MiB", self.path, self._map_size >> 20)
                 self.env.set_mapsize(self._map_size)
+            except lmdb.Error as e:  # e.g. DiskError on a full disk: nothing was committed
+                raise OSError(getattr(e, "errno", None) or 5, f"index {self.path}: write failed: {e}",
+                              self.path) from None
 
     def map_size(self) -> int:
         return self.env.info()["map_size"]

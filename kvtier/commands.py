@@ -1,0 +1,444 @@
+"""The CLI commands: spill, restore, inspect, bench (and the offline operations behind them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import errno
+
+from .blockgen import block_data, block_key, fill_block
+from .config import ConfigError, StackConfig, check_memory, load_config
+from .stack import TierStack
+from .units import format_size
+
+MANIFEST = "spill-manifest.json"
+
+
+def _progress(args: argparse.Namespace, total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="blk", disable=args.quiet or args.json or None,
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def _nvme_index(stack: TierStack) -> int:
+    for i, t in enumerate(stack.tiers):
+        if t.kind == "nvme":
+            return i
+    raise ConfigError(f"{stack.cfg.source}: tiers: spill/restore need an nvme tier")
+
+
+def _staging(num: int, block_bytes: int):
+    from kvtier.tiers.cpu_pool import CpuPool
+    return CpuPool(num, block_bytes, pin="auto")
+
+
+def _nvme_cfg(cfg: StackConfig):
+    for t in cfg.tiers:
+        if t.kind == "nvme":
+            return t
+    raise ConfigError(f"{cfg.source}: tiers: this command needs an nvme tier")
+
+
+def open_nvme_read_only(cfg: StackConfig, with_data: bool = True):
+    """The config's NVMe tier opened read-only: no lock taken, nothing created, sized or
+    allocated beyond one I/O engine (works on a live server's directory)."""
+    from kvtier.builder import make_eviction
+    from kvtier.tiers.nvme import NvmeTier
+    from kvtier.tiers.nvme_control import NvmeControl
+    t = _nvme_cfg(cfg)
+    if not os.path.isdir(t.path):
+        raise OSError(errno.ENOENT, f"no nvme tier at {t.path} (nothing was spilled there)", t.path)
+    cap = t.blocks(cfg.block_bytes)
+    if not with_data:  # the index alone
+        return NvmeControl(t.name, t.path, cap, cfg.block_bytes, make_eviction(cfg, t, cap),
+                           fingerprint=cfg.fingerprint(), on_mismatch=t.on_fingerprint_mismatch, read_only=True)
+    return NvmeTier(t.name, t.path, cap, cfg.block_bytes, make_eviction(cfg, t, cap), io=t.io,
+                    fingerprint=cfg.fingerprint(), on_mismatch=t.on_fingerprint_mismatch,
+                    io_threads=t.io_threads, read_only=True, with_data=with_data)
+
+
+class CommandFailed(RuntimeError):
+    """The command ran but its result is a failure (exit 1); `result` is still printed."""
+
+    def __init__(self, message: str, result: dict | None = None, code: int = 1) -> None:
+        super().__init__(message)
+        self.result = result
+        self.code = code
+
+
+# ---- spill ------------------------------------------------------------------------------
+def cmd_spill(args: argparse.Namespace) -> int:
+    if args.blocks <= 0:
+        raise ValueError(f"--blocks must be > 0, got {args.blocks}")
+    if args.batch <= 0:
+        raise ValueError(f"--batch must be > 0, got {args.batch}")
+    check_seed(args.seed)
+    cfg = load_config(args.config)
+    check_memory(cfg)
+    stack = TierStack.from_config(cfg)
+    try:
+        r = spill(stack, args.blocks, args.seed, args.batch, args)
+    finally:
+        stack.close()
+    _print(args, r, lambda d: (
+        f"spilled {d['blocks']} blocks ({format_size(d['bytes'])}) to {d['tier']} in {d['seconds']:.2f} s: "
+        f"{d['gbps']:.2f} GB/s of stack I/O (data generation {d['gen_seconds']:.2f} s excluded); "
+        f"engine: {d['engine']}; on nvme: {d['nvme_resident']}"))
+    return 0
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not 0 <= seed < 1 << 63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {seed}")
+
+
+def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> dict:
+    """Write blocks 0..n-1 of `seed` through the stack down to NVMe, then the manifest of what is
+    on NVMe (fsynced). A write error stops it: the manifest lists what is durable and the
+    error (errno, path) is raised, so the command fails."""
+    ni = _nvme_index(stack)
+    nvme = stack.tiers[ni]
+    bb = stack.block_bytes
+    batch = max(1, min(batch, n))
+    staging = _staging(batch, bb)
+    log_f = open(args.commit_log, "a") if args is not None and getattr(args, "commit_log", None) else None
+    bar = _progress(args, n, "spill") if args is not None else None
+    gen_s = io_s = 0.0
+    durable = logged = 0
+    failed: BaseException | None = None
+    try:
+        for lo in range(0, n, batch):
+            hi = min(n, lo + batch)
+            t0 = time.perf_counter()
+            for j in range(lo, hi):
+                fill_block(staging.views[j - lo], seed, j)
+            t1 = time.perf_counter()
+            stack.put([block_key(seed, j) for j in range(lo, hi)], staging.views[: hi - lo])
+            if ni > 0 and hi == n:
+                for ti in range(ni):
+                    stack.flush(ti)
+            io_s += time.perf_counter() - t1
+            gen_s += t1 - t0
+            durable = _advance(durable, hi, nvme, seed)
+            if log_f and durable > logged:
+                logged = durable
+                log_f.write(f"{durable - 1}\n")  # blocks 0..durable-1 are all committed on NVMe
+                log_f.flush()
+                os.fsync(log_f.fileno())
+            if bar is not None:
+                bar.update(hi - lo)
+    except OSError as e:
+        failed = e
+    finally:
+        if bar is not None:
+            bar.close()
+        if log_f:
+            log_f.close()
+        staging.close()
+    present = [j for j in range(n) if block_key(seed, j) in nvme]
+    write_manifest(nvme, seed, n, present)
+    if failed is not None:
+        raise failed
+    return {"blocks": n, "bytes": n * bb, "seconds": io_s, "gen_seconds": gen_s,
+            "gbps": n * bb / io_s / 1e9 if io_s > 0 else 0.0, "engine": _engine(nvme), "tier": nvme.name,
+            "nvme_resident": len(present), "evicted_from_nvme": n - len(present), "seed": seed,
+            "metrics": stack.metrics.as_dict()}
+
+
+def _advance(durable: int, hi: int, nvme: Any, seed: int) -> int:
+    """First index >= durable whose block is not yet on NVMe (everything before it is)."""
+    while durable < hi and block_key(seed, durable) in nvme:
+        durable += 1
+    return durable
+
+
+def _digest(seed: int, j: int, bb: int) -> str:
+    import xxhash
+    return xxhash.xxh3_64_hexdigest(memoryview(block_data(seed, j, bb).numpy()))
+
+
+def write_manifest(nvme: Any, seed: int, n: int, present: list[int]) -> None:
+    """The spill manifest: seed, namespace, fingerprint, and a digest per block on NVMe; written
+    0600 without following symlinks, fsynced (file and directory), then renamed into place."""
+    import xxhash
+    bb = nvme.block_bytes
+    body = {"seed": seed, "blocks": n, "block_bytes": bb, "namespace": nvme.namespace, "dir": nvme.dir,
+            "fingerprint": nvme.fingerprint, "on_nvme": len(present),
+            "digests": {str(j): _digest(seed, j, bb) for j in present}}
+    text = json.dumps(body, sort_keys=True)
+    doc = json.dumps({"manifest": body, "xxh3": xxhash.xxh3_64_hexdigest(text.encode())}, sort_keys=True)
+    dfd = os.open(nvme.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        tmp = MANIFEST + ".tmp"
+        try:
+            os.unlink(tmp, dir_fd=dfd)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+        try:
+            data = doc.encode()
+            while data:
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+MAX_MANIFEST_BYTES = 256 << 20
+
+
+def read_manifest(path: str) -> dict | None:
+    """The spill manifest in `path`, checked (None when there is none). A FIFO, device, symlink or
+    oversized file is refused without blocking; a damaged manifest is an error naming the file."""
+    import stat as _stat
+
+    import xxhash
+    p = os.path.join(path, MANIFEST)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise OSError(e.errno, f"spill manifest {p}: {e.strerror}" +
+                      (" (a symlink: refused)" if e.errno == errno.ELOOP else ""), p) from None
+    try:
+        st = os.fstat(fd)
+        if not _stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"spill manifest {p} is not a regular file; refused", p)
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise OSError(errno.EFBIG, f"spill manifest {p} is {st.st_size} bytes (limit {MAX_MANIFEST_BYTES})", p)
+        chunks = []
+        while True:
+            c = os.read(fd, 1 << 20)
+            if not c:
+                break
+            chunks.append(c)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(b"".join(chunks))
+        body = doc["manifest"]
+        ok = xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode()) == doc["xxh3"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise OSError(errno.EINVAL, f"spill manifest {p} is damaged or of an older format: {e!r}", p) from None
+    if not ok:
+        raise OSError(errno.EINVAL, f"spill manifest {p} fails its checksum (damaged or edited)", p)
+    return body
+
+
+def _engine(tier: Any) -> str:
+    return getattr(tier, "io_engine", None) or tier.stats().get("engine", "?")
+
+
+# ---- restore ----------------------------------------------------------------------------
+def cmd_restore(args: argparse.Namespace) -> int:
+    check_seed(args.seed)
+    cfg = load_config(args.config, check_env=False)
+    nvme = open_nvme_read_only(cfg)
+    try:
+        r = restore(nvme, args.seed, args.verify, args)
+    finally:
+        nvme.close()
+
+    def text(d: dict) -> str:
+        s = (f"restored {d['restored']} blocks ({format_size(d['bytes'])}) in {d['seconds']:.2f} s: "
+             f"{d['gbps']:.2f} GB/s; corrupt (detected, not served): {d['corrupt']}; missing: {d['missing']}")
+        if d["verify"]:
+            s += (f"; verified against the manifest (seed {d['seed']}): {d['verified_blocks']} of "
+                  f"{d['expected']}, content mismatches served as good: {d['bad_served']}")
+        return s + f"; engine: {d['engine']}"
+    if not getattr(args, "json", False):
+        _print(args, r, text)  # the figures, then (on failure) the error line
+    if r["bad_served"]:
+        raise CommandFailed(f"restore: {r['bad_served']} blocks served with wrong contents", r, code=3)
+    if args.verify and r["problem"]:
+        raise CommandFailed(f"restore --verify: {r['problem']}", r)
+    if args.strict and (r["corrupt"] or r["missing"] or not r["restored"]):
+        raise CommandFailed(f"restore --strict: {r['corrupt']} corrupt, {r['missing']} missing, "
+                            f"{r['restored']} restored", r)
+    if getattr(args, "json", False):
+        _print(args, r, text)
+    return 0
+
+
+def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: int = 64) -> dict:
+    """Read back every block in the index (or, with `verify`, every block the manifest lists)
+    and verify it; `problem` says why a verify fails (wrong seed, other namespace, missing or
+    corrupt blocks, nothing to verify)."""
+    import torch
+
+    bb = nvme.block_bytes
+    indexed = nvme.num_resident
+    manifest = read_manifest(nvme.dir) if nvme.dir and os.path.isdir(nvme.dir) else None
+    problem = None
+    expected: dict[int, str] = {}
+    if verify:
+        if manifest is None:
+            problem = f"nothing to verify: no spill manifest in {nvme.dir}"
+        elif seed is not None and seed != manifest["seed"]:
+            problem = f"wrong seed {seed}: the manifest in {nvme.dir} was spilled with seed {manifest['seed']}"
+        elif manifest.get("namespace") != nvme.namespace or manifest.get("fingerprint") != nvme.fingerprint:
+            problem = (f"the manifest in {nvme.dir} was written for namespace {manifest.get('namespace')!r}, "
+                       f"this tier is {nvme.namespace!r} (another fingerprint)")
+        else:
+            seed = manifest["seed"]
+            expected = {int(j): d for j, d in manifest["digests"].items()}
+            if not expected:
+                problem = "nothing to verify: the manifest lists no block on NVMe"
+    if verify:
+        todo = [(j, block_key(seed, j)) for j in sorted(expected)] if problem is None else []
+        entries = [(nvme.find(k), k, j) for j, k in todo]
+        missing = sum(1 for s, _, _ in entries if s is None)
+        entries = [e for e in entries if e[0] is not None]
+    else:
+        entries = sorted((s, k, None) for k, s in nvme._slot_of.items())
+        m_n = manifest.get("on_nvme") if manifest else None
+        missing = max(0, m_n - len(entries)) if m_n is not None else 0
+    staging = _staging(min(batch, max(1, len(entries))), bb)
+    expect = torch.empty(bb, dtype=torch.uint8) if verify and problem is None else None
+    restored = corrupt = bad = good = 0
+    bar = _progress(args, len(entries), "restore") if args is not None else None
+    t_io = 0.0
+    try:
+        for lo in range(0, len(entries), batch):
+            chunk = entries[lo:lo + batch]
+            t0 = time.perf_counter()
+            res = nvme.read([s for s, _, _ in chunk], staging.views[:len(chunk)]).wait()
+            t_io += time.perf_counter() - t0
+            for i, ((s, k, j), ok) in enumerate(zip(chunk, res.ok)):
+                if not ok:
+                    corrupt += 1
+                    continue
+                restored += 1
+                if expect is not None:
+                    fill_block(expect, seed, j)
+                    if torch.equal(staging.views[i], expect) and _digest(seed, j, bb) == expected[j]:
+                        good += 1
+                    else:
+                        bad += 1
+            if bar is not None:
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+        staging.close()
+    if verify and problem is None and (missing or corrupt):
+        problem = (f"{missing} of the manifest's {len(expected)} blocks are missing from the index "
+                   f"(evicted or lost) and {corrupt} failed verification")
+    return {"restored": restored, "corrupt": corrupt, "missing": missing, "bad_served": bad,
+            "verify": verify, "verified_blocks": good, "expected": len(expected), "problem": problem,
+            "index_entries": indexed, "bytes": restored * bb, "seconds": t_io,
+            "gbps": restored * bb / t_io / 1e9 if t_io > 0 else 0.0, "verified": verify and problem is None,
+            "seed": seed, "engine": _engine(nvme), "tier": nvme.name}
+
+
+# ---- inspect ----------------------------------------------------------------------------
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """What each tier holds; the NVMe tier read-only (no lock, nothing allocated), so it works
+    on a live server's directory. `--watch S` refreshes every S seconds until Ctrl-C."""
+    cfg = load_config(args.config, check_env=False)
+    watch = getattr(args, "watch", None)
+    if watch is not None and not 0.1 <= watch <= 3600:
+        raise ValueError(f"--watch must be between 0.1 and 3600 seconds, got {watch}")
+    count = getattr(args, "count", None)
+    if count is not None and count < 1:
+        raise ValueError(f"--count must be >= 1, got {count}")
+    n = 0
+    while True:
+        st = inspect_stats(cfg)
+        _print(args, st, _inspect_text)
+        n += 1
+        if watch is None or (count is not None and n >= count):
+            return 0
+        sys.stdout.flush()
+        time.sleep(watch)
+
+
+def inspect_stats(cfg: StackConfig) -> dict:
+    tiers = []
+    for t in cfg.storage_tiers():
+        if t.kind == "nvme":
+            try:
+                nv = open_nvme_read_only(cfg, with_data=False) if os.path.isdir(t.path) else None
+            except OSError:
+                raise
+            if nv is None:
+                tiers.append({"name": t.name, "kind": "nvme", "path": t.path, "resident_blocks": 0,
+                              "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
+                              "eviction": t.eviction or cfg.policy.eviction, "note": "no directory yet"})
+                continue
+            try:
+                tiers.append(nv.stats())
+            finally:
+                nv.close()
+        else:  # offline: a DRAM tier holds nothing; its capacity is what a stack would allocate
+            tiers.append({"name": t.name, "kind": t.kind, "resident_blocks": 0,
+                          "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
+                          "eviction": t.eviction or cfg.policy.eviction, "note": "not allocated (offline)"})
+    return {"config": cfg.source, "block_bytes": cfg.block_bytes, "tiers": tiers,
+            "policies": {"eviction": cfg.policy.eviction, "admission": cfg.policy.admission,
+                         "promotion": cfg.policy.promotion, "offload": cfg.policy.offload},
+            "time": time.time()}
+
+
+def _inspect_text(d: dict) -> str:
+    lines = [f"config: {d['config']}  block_bytes: {d['block_bytes']}  policies: {d['policies']}"]
+    for t in d["tiers"]:
+        lines.append(f"  {t['name']:<8} {t['kind']:<5} {t['resident_blocks']:>9} / {t['capacity_blocks']:<9} blocks "
+                     f"({100 * t['occupancy']:.1f}%)  eviction={t['eviction']}  engine={t.get('engine', '-')}")
+        for k in ("path", "namespace", "fingerprint", "corrupt_blocks", "quarantined", "stored_capacity",
+                  "beyond_capacity", "note"):
+            if t.get(k) not in (None, 0) or k in ("path", "quarantined"):
+                if k in t:
+                    lines.append(f"           {k}: {t[k]}")
+    return "\n".join(lines)
+
+
+# ---- fsck -------------------------------------------------------------------------------
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from kvtier.tiers.nvme_fsck import fsck
+    cfg = load_config(args.config, check_env=False)
+    t = _nvme_cfg(cfg)
+    r = fsck(t.path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild,
+             shrink_to=t.blocks(cfg.block_bytes) if args.shrink else None)
+    _print(args, r, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items() if k != "problems") +
+           "".join(f"\n  {p}" for p in d.get("problems", [])[:20]))
+    if r["damaged"] and not args.rebuild:
+        raise CommandFailed(f"fsck: {r['damaged']}", r)
+    return 0
+
+
+# ---- bench ------------------------------------------------------------------------------
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+    r = run_bench(args)
+    _print(args, r, _bench_text)
+    return 0
+
+
+def _bench_text(d: dict) -> str:
+    lines = [f"kvtier bench (median of {d['repeat']}, {format_size(d['total_bytes'])} per run)",
+             f"{'what':<22}{'block':>10}{'ours GB/s':>12}{'limit GB/s':>12}{'ratio':>8}  limit"]
+    for row in d["rows"]:
+        lines.append(f"{row['what']:<22}{format_size(row['block_bytes']):>10}{row['ours_gbps']:>12.2f}"
+                     f"{row['limit_gbps']:>12.2f}{row['ratio']:>8.2f}  {row['limit']}")
+    for note in d.get("notes", []):
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _print(args: argparse.Namespace, result: dict, text) -> None:
+    if args is not None and getattr(args, "json", False):
+        print(json.dumps(result, default=str), flush=True)
+    else:
+        print(text(result), flush=True)

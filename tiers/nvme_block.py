@@ -1,0 +1,241 @@
+"""NVMe tier, block format and file safety: the keyed block header, the directory secret, and
+opening files so that symlinks, foreign owners and other users cannot get in.
+
+Each slot is a 4 KiB header page followed by the payload (padded to 4 KiB). The header holds a
+magic, the format version, the block length, the fingerprint hash of the directory, the
+payload's xxh3_64 (seeded from the secret), the key, and a tag: BLAKE2b keyed with the
+directory's secret over all of those fields. The tag is what the index stores as the block's
+checksum. A read checks the header against the key it expects and the tag the index holds,
+and the payload against the hash in the header: a block in the wrong slot, a block of another
+fingerprint or namespace, or a block planted without the secret fails, and is a miss.
+
+The secret lives in ``secret`` (0600) next to the data: 32 random bytes then the 8-byte
+fingerprint hash of the directory. Hashing the payload with seeded xxh3_64 runs at memory
+speed; only the ~100-byte header goes through BLAKE2b (see docs/architecture.md for figures).
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import hashlib
+import os
+import stat
+import struct
+
+import xxhash
+
+HEADER_BYTES = 4096
+
+
+def slot_stride(block_bytes: int) -> int:
+    """Bytes per slot: the header page, then the payload padded to 4 KiB."""
+    return HEADER_BYTES + (block_bytes + 4095) // 4096 * 4096
+
+MAGIC = b"KVTBLK02"
+SECRET_FILE = "secret"
+_HDR = struct.Struct("<8sHHIQQQQ")   # magic, version, key_len, rank, length, fp_hash, payload_hash, tag
+_TAGGED = _HDR.size - 8              # the tag covers every field before it, then the key
+BLOCK_VERSION = 2
+MAX_KEY_BYTES = HEADER_BYTES - _HDR.size
+
+
+class UnsafePath(OSError):
+    """A path of the tier is a symlink, not what it should be, or owned by another user."""
+
+
+class NoSecret(OSError):
+    """The directory's secret file is missing or malformed."""
+
+
+# ---- files ---------------------------------------------------------------------------------
+def _name(e: int) -> str:
+    return _errno.errorcode.get(e, str(e))
+
+
+def check_owned(st: os.stat_result, path: str, what: str, want_dir: bool) -> None:
+    """Refuse a path that is not a directory / regular file, or that another user owns."""
+    kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+    if stat.S_ISLNK(st.st_mode) or not kind_ok:
+        raise UnsafePath(_errno.ELOOP if stat.S_ISLNK(st.st_mode) else _errno.EINVAL,
+                         f"{what} {path} is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a ' + ('directory' if want_dir else 'regular file')}; refused",
+                         path)
+    if st.st_uid != os.geteuid():
+        raise UnsafePath(_errno.EPERM, f"{what} {path} is owned by uid {st.st_uid}, not by this user "
+                         f"(uid {os.geteuid()}); refused", path)
+
+
+def open_dir(path: str, create: bool, what: str = "nvme tier directory") -> int:
+    """A directory fd for `path` (created 0700 when `create`); a symlink or another owner is refused.
+    An existing directory open to group or others is narrowed to 0700."""
+    if create:
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create {what} {path}: [{_name(e.errno)}] {e.strerror}", path) from None
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise OSError(e.errno, f"{what} {path}: [{_name(e.errno)}] {e.strerror}", path) from None
+    check_owned(st, path, what, want_dir=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot open {what} {path}: [{_name(e.errno)}] {e.strerror}", path) from None
+    st = os.fstat(fd)
+    try:
+        check_owned(st, path, what, want_dir=True)
+        if create and st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def open_file(dir_fd: int, dir_path: str, name: str, flags: int, what: str) -> int:
+    """Open `name` inside the directory `dir_fd` without following symlinks; created 0600; a file
+    of another owner or not regular is refused; a file open to others is narrowed to 0600."""
+    path = os.path.join(dir_path, name)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == _errno.ELOOP:
+            raise UnsafePath(e.errno, f"{what} {path} is a symlink; refused", path) from None
+        raise OSError(e.errno, f"cannot open {what} {path}: [{_name(e.errno)}] {e.strerror}", path) from None
+    try:
+        st = os.fstat(fd)
+        check_owned(st, path, what, want_dir=False)
+        if st.st_mode & 0o077 and flags & (os.O_RDWR | os.O_WRONLY):
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_tree(path: str, names: list[str]) -> None:
+    """lstat each existing `path/name`: symlinks and foreign owners are refused (for files a
+    library opens by path, such as LMDB's)."""
+    for n in names:
+        p = os.path.join(path, n)
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            continue
+        check_owned(st, p, "index file", want_dir=stat.S_ISDIR(st.st_mode))
+
+
+# ---- secret --------------------------------------------------------------------------------
+def load_secret(dir_fd: int, dir_path: str, fp_hash: int | None, create: bool) -> tuple[bytes, int]:
+    """(secret, fingerprint hash) of the directory; created when `create` and absent. A stored
+    fingerprint hash other than `fp_hash` (when given) is an error."""
+    path = os.path.join(dir_path, SECRET_FILE)
+    if create:
+        try:
+            fd = open_file(dir_fd, dir_path, SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "secret file")
+        except FileExistsError:
+            fd = -1
+        except OSError as e:
+            if e.errno != _errno.EEXIST:
+                raise
+            fd = -1
+        if fd >= 0:
+            try:
+                data = os.urandom(32) + struct.pack("<Q", fp_hash or 0)
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.fsync(dir_fd)
+    try:
+        fd = open_file(dir_fd, dir_path, SECRET_FILE, os.O_RDONLY, "secret file")
+    except FileNotFoundError:
+        raise NoSecret(_errno.ENOENT, f"secret file {path} is missing: blocks cannot be verified "
+                       f"(run `kvtier fsck` to quarantine them)", path) from None
+    try:
+        data = os.read(fd, 64)
+    finally:
+        os.close(fd)
+    if len(data) != 40:
+        raise NoSecret(_errno.EINVAL, f"secret file {path} holds {len(data)} bytes, expected 40", path)
+    stored = struct.unpack_from("<Q", data, 32)[0]
+    if fp_hash is not None and stored != fp_hash:
+        raise NoSecret(_errno.EINVAL, f"secret file {path} belongs to fingerprint {stored:016x}, "
+                       f"this tier is {fp_hash:016x}", path)
+    return data[:32], stored
+
+
+# ---- header --------------------------------------------------------------------------------
+class BlockCodec:
+    """Seals and checks block headers for one directory (its secret and fingerprint hash) and
+    one rank's shard. `keys[i]` / `expect[i]`: the key and tag of block i of a batch."""
+
+    def __init__(self, secret: bytes, fp_hash: int, rank: int = 0) -> None:
+        self.secret = secret
+        self.fp_hash = fp_hash
+        self.rank = rank
+        self.seed = int.from_bytes(hashlib.blake2b(b"payload", key=secret, digest_size=8).digest(), "little")
+        self._mac = hashlib.blake2b(key=secret, digest_size=8)  # keyed state, copied per tag
+
+    def payload_hash(self, payload) -> int:
+        return xxhash.xxh3_64_intdigest(payload, self.seed)
+
+    def _tag(self, fixed: bytes, key: bytes) -> int:
+        m = self._mac.copy()
+        m.update(fixed)
+        m.update(key)
+        return int.from_bytes(m.digest(), "little")
+
+    def seal(self, hdr: memoryview, key: bytes, payload) -> int:
+        """Fill `hdr` (HEADER_BYTES) for `payload` under `key`; returns the tag."""
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
+        fixed = _HDR.pack(MAGIC, BLOCK_VERSION, len(key), self.rank, len(payload), self.fp_hash,
+                          self.payload_hash(payload), 0)[:_TAGGED]
+        tag = self._tag(fixed, key)
+        n = _HDR.size
+        hdr[:_TAGGED] = fixed
+        hdr[_TAGGED:n] = struct.pack("<Q", tag)
+        hdr[n:n + len(key)] = key
+        hdr[n + len(key):n + len(key) + 8] = bytes(8)
+        return tag
+
+    def parse(self, hdr) -> tuple[bytes, int, int] | str:
+        """(key, length, tag) of a header whose tag is genuine, else why not."""
+        b = bytes(hdr[:_HDR.size])
+        magic, ver, klen, rank, length, fph, _ph, tag = _HDR.unpack(b)
+        if magic != MAGIC:
+            return "no block header (bad magic)"
+        if ver != BLOCK_VERSION:
+            return f"block format {ver}, expected {BLOCK_VERSION}"
+        if klen > MAX_KEY_BYTES:
+            return f"key length {klen} out of range"
+        key = bytes(hdr[_HDR.size:_HDR.size + klen])
+        if self._tag(b[:_TAGGED], key) != tag:
+            return "header tag does not verify with this directory's secret (foreign or planted block)"
+        if fph != self.fp_hash:
+            return f"block of fingerprint {fph:016x}, this directory is {self.fp_hash:016x}"
+        if rank != self.rank:
+            return f"block of rank {rank}, this file is rank {self.rank}'s"
+        return key, length, tag
+
+    def check(self, hdr, key: bytes, expect: int, payload) -> str | None:
+        """None when the header is genuine, names `key`, carries tag `expect` and the payload
+        matches its hash; else why not."""
+        got = self.parse(hdr)
+        if isinstance(got, str):
+            return got
+        k, length, tag = got
+        if k != key:
+            return f"block belongs to key {k.hex()}, expected {key.hex()} (misdirected)"
+        if tag != expect:
+            return f"tag {tag:016x}, index expects {expect:016x} (stale or swapped entry)"
+        if length != len(payload):
+            return f"block length {length}, expected {len(payload)}"
+        ph = struct.unpack_from("<Q", bytes(hdr[_TAGGED - 8:_TAGGED]))[0]
+        if self.payload_hash(payload) != ph:
+            return "payload does not match its hash (corrupt data)"
+        return None
