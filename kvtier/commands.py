@@ -45,9 +45,11 @@ def _nvme_cfg(cfg: StackConfig):
     raise ConfigError(f"{cfg.source}: tiers: this command needs an nvme tier")
 
 
-def open_nvme_read_only(cfg: StackConfig, with_data: bool = True):
+def open_nvme_read_only(cfg: StackConfig, with_data: bool = True, as_stored: bool = False):
     """The config's NVMe tier opened read-only: no lock taken, nothing created, sized or
-    allocated beyond one I/O engine (works on a live server's directory)."""
+    allocated beyond one I/O engine (works on a live server's directory). `as_stored` (the
+    index alone): open it under the fingerprint, block size and capacity it was written with
+    (e.g. by the vLLM connector, whose fingerprint names the model), not the config's."""
     from kvtier.builder import make_eviction
     from kvtier.tiers.nvme import NvmeTier
     from kvtier.tiers.nvme_control import NvmeControl
@@ -56,11 +58,30 @@ def open_nvme_read_only(cfg: StackConfig, with_data: bool = True):
         raise OSError(errno.ENOENT, f"no nvme tier at {t.path} (nothing was spilled there)", t.path)
     cap = t.blocks(cfg.block_bytes)
     if not with_data:  # the index alone
-        return NvmeControl(t.name, t.path, cap, cfg.block_bytes, make_eviction(cfg, t, cap),
-                           fingerprint=cfg.fingerprint(), on_mismatch=t.on_fingerprint_mismatch, read_only=True)
+        fp, bb = cfg.fingerprint(), cfg.block_bytes
+        stored = stored_layout(t.path) if as_stored else None
+        if stored is not None:
+            fp, bb = stored["fingerprint"], int(stored["fingerprint"].get("block_bytes", bb))
+            cap = int(stored.get("capacity") or cap)
+        return NvmeControl(t.name, t.path, cap, bb, make_eviction(cfg, t, cap),
+                           fingerprint=fp, on_mismatch=t.on_fingerprint_mismatch, read_only=True)
     return NvmeTier(t.name, t.path, cap, cfg.block_bytes, make_eviction(cfg, t, cap), io=t.io,
                     fingerprint=cfg.fingerprint(), on_mismatch=t.on_fingerprint_mismatch,
                     io_threads=t.io_threads, read_only=True, with_data=with_data)
+
+
+def stored_layout(path: str) -> dict | None:
+    """The fingerprint and capacity an NVMe tier directory was written with (read-only), or None."""
+    from kvtier.tiers.nvme_index import NvmeIndex
+    idx = os.path.join(path, "index")
+    if not os.path.isfile(os.path.join(idx, "data.mdb")):
+        return None
+    ix = NvmeIndex(idx, 1, read_only=True)
+    try:
+        fp = ix.fingerprint()
+        return None if fp is None else {"fingerprint": fp, "capacity": ix.get_meta("capacity")}
+    finally:
+        ix.close()
 
 
 class CommandFailed(RuntimeError):
@@ -365,22 +386,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def inspect_stats(cfg: StackConfig) -> dict:
+    from kvtier.tiers.nvme_control import make_fingerprint
     tiers = []
     for t in cfg.storage_tiers():
         if t.kind == "nvme":
-            try:
-                nv = open_nvme_read_only(cfg, with_data=False) if os.path.isdir(t.path) else None
-            except OSError:
-                raise
+            nv = open_nvme_read_only(cfg, with_data=False, as_stored=True) if os.path.isdir(t.path) else None
             if nv is None:
                 tiers.append({"name": t.name, "kind": "nvme", "path": t.path, "resident_blocks": 0,
                               "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
                               "eviction": t.eviction or cfg.policy.eviction, "note": "no directory yet"})
                 continue
             try:
-                tiers.append(nv.stats())
+                st = nv.stats()
             finally:
                 nv.close()
+            ours = make_fingerprint(t.name, cfg.block_bytes, cfg.fingerprint())
+            differs = sorted(k for k in set(ours) | set(st["fingerprint"])
+                             if ours.get(k) != st["fingerprint"].get(k))
+            if differs:  # shown as written (by the vLLM connector, say): serving it needs that fingerprint
+                st["note"] = f"written under another fingerprint than this config's (differs in {', '.join(differs)})"
+            tiers.append(st)
         else:  # offline: a DRAM tier holds nothing; its capacity is what a stack would allocate
             tiers.append({"name": t.name, "kind": t.kind, "resident_blocks": 0,
                           "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
