@@ -44,7 +44,7 @@ class NextUse(EvictionPolicy):
     name = "nextuse"
 
     def __init__(self, capacity: int, classes: int = 4, ghost_ratio: float = 8.0, doom_partial: bool = True,
-                 leaf_first: bool = True, lifetimes: str = "horizon", **params) -> None:
+                 leaf_first: bool = True, lifetimes: str = "horizon", request_order: bool = True, **params) -> None:
         super().__init__(capacity)
         if classes < 1:
             raise ValueError(f"nextuse: classes must be >= 1, got {classes}")
@@ -80,6 +80,7 @@ class NextUse(EvictionPolicy):
         self._age_step = max(1.0, base / 8.0)  # an eighth of the narrowest bucket
         self.doom_partial = doom_partial
         self.leaf_first = leaf_first
+        self.request_order = request_order
         if lifetimes not in ("horizon", "observed"):
             raise ValueError(f"nextuse: lifetimes must be 'horizon' or 'observed', got {lifetimes!r}")
         self.observed = lifetimes == "observed"
@@ -250,6 +251,17 @@ class NextUse(EvictionPolicy):
         lists[1 + c0 * nb].extend(first)
         for cell, run in other.items():
             lists[cell].extend(run)
+        if start and self.request_order:
+            # as vLLM frees a request tail-first: its new (deeper) blocks leave before its prefix,
+            # so the prefix moves back behind them (each to the tail of its own cell)
+            slot_of, member, ks = self.slot_of, self.member, info.keys
+            for j in range(min(start, len(ks)) - 1, -1, -1):
+                s = slot_of.get(ks[j])
+                if s is not None:
+                    t = member[s]
+                    if t > 1:
+                        lists[t - 1].move_to_tail(s)
+                        tacc[s] = vt
         if vt - self._aged_at >= self._age_step:  # ages move in batches: each edge is wide
             self._aged_at = vt
             self._age()
