@@ -44,12 +44,18 @@ class NextUse(EvictionPolicy):
     name = "nextuse"
 
     def __init__(self, capacity: int, classes: int = 4, ghost_ratio: float = 8.0, doom_partial: bool = True,
-                 leaf_first: bool = True, lifetimes: str = "horizon", request_order: bool = True, **params) -> None:
+                 leaf_first: bool = True, lifetimes: str = "horizon", request_order: bool = True, classify: str = "max", flood_ratio: float = 0.0, **params) -> None:
         super().__init__(capacity)
         if classes < 1:
             raise ValueError(f"nextuse: classes must be >= 1, got {classes}")
         if ghost_ratio <= 0:
             raise ValueError(f"nextuse: ghost_ratio must be > 0, got {ghost_ratio}")
+        if classify not in ("max", "grid"):
+            raise ValueError(f"nextuse: classify must be 'max' or 'grid', got {classify!r}")
+        self.grid = classify == "grid"
+        if self.grid:   # (continuation or not) x (hits 0 .. classes-1)
+            self.hc = classes
+            classes = 2 * classes
         self.nc = classes
         self.H = max(2.0, ghost_ratio * capacity)
         # bucket edges: 0, C/16, C/8, ..., up to H; the last bucket is "beyond the horizon"
@@ -81,6 +87,7 @@ class NextUse(EvictionPolicy):
         self.doom_partial = doom_partial
         self.leaf_first = leaf_first
         self.request_order = request_order
+        self.flood_ratio = flood_ratio
         if lifetimes not in ("horizon", "observed"):
             raise ValueError(f"nextuse: lifetimes must be 'horizon' or 'observed', got {lifetimes!r}")
         self.observed = lifetimes == "observed"
@@ -96,6 +103,13 @@ class NextUse(EvictionPolicy):
         self._mids = [0.5 * (edges[b] + edges[b + 1]) if b + 1 < nb else self.H for b in range(nb)]
 
     # ---- helpers -------------------------------------------------------------------------
+    def _cls(self, d: int, h: int) -> int:
+        if self.grid:
+            hc = self.hc
+            return (hc if d else 0) + (h if h < hc else hc - 1)
+        c = d if d > h else h
+        return c if c < self.nc else self.nc - 1
+
     def _bucket(self, age: int) -> int:
         if age < self._base:
             return 0
@@ -211,7 +225,10 @@ class NextUse(EvictionPolicy):
         bt, ntok = info.block_tokens, info.num_tokens
         check_partial = self.doom_partial and ntok and bt   # then block pos is full iff (pos+1)*bt <= ntok
         self.slot_of.update(zip(keys, slots))
+        flood = self.flood_ratio > 0 and n > self.flood_ratio * self.capacity
         c0 = d if d < nc else nc - 1        # the class of a block without history
+        if self.grid:
+            c0 = self.hc if d else 0
         first: list[int] = []               # new slots of c0's youngest cell, in push order
         other: dict[int, list[int]] = {}    # the other cells' new slots (keys are unique)
         for i in (range(n - 1, -1, -1) if self.leaf_first else range(n)):
@@ -228,14 +245,12 @@ class NextUse(EvictionPolicy):
                 h = g[3] + 1
                 hits[s] = h
                 tip[s] = g[2]
-                c = d if d > h else h
-                if c >= nc:
-                    c = nc - 1
+                c = self._cls(d, h)
             else:
                 hits[s] = 0
                 tip[s] = -1
                 c = c0
-            if check_partial and (start + i + 1) * bt > ntok:
+            if flood or (check_partial and (start + i + 1) * bt > ntok):
                 cls[s] = 0
                 other.setdefault(0, []).append(s)
                 continue
@@ -288,9 +303,7 @@ class NextUse(EvictionPolicy):
             if s == ts:
                 self.tip[s] = d
             # placed like a new access (a doomed block, t == 1, reused after all too)
-            c = d if d > h else h
-            if c >= nc:
-                c = nc - 1
+            c = self._cls(d, h)
             cls[s] = c
             tacc[s] = vt
             N[c] += 1.0
