@@ -34,11 +34,12 @@ def request_id(info: RequestInfo):
 class LRU(EvictionPolicy):
     name = "lru"
 
-    def __init__(self, capacity: int, order: str = "vllm", **params) -> None:
+    def __init__(self, capacity: int, order: str = "vllm", doom_partial: bool = False, **params) -> None:
         super().__init__(capacity)
         if order not in _ORDERS:
             raise ValueError(f"{self.name}: order must be one of {_ORDERS}, got {order!r}")
         self._list = SlotList(capacity)
+        self._doom = doom_partial
         self._order = order
         self._req = None          # request of the last call, and the head-most slot of its blocks
         self._anchor = _NIL
@@ -49,6 +50,18 @@ class LRU(EvictionPolicy):
             self._list.extend(slots)
             return
         run = slots[::-1]
+        if self._doom and info.num_tokens and info.block_tokens and \
+                (info.start + len(slots)) * info.block_tokens > info.num_tokens:
+            # the partial last block changes content next turn: first victim (list head)
+            s0 = run[0]
+            run = run[1:]
+            h = self._list.head
+            if h == _NIL:
+                self._list.push(s0)
+            else:
+                self._list.insert_run_before(h, [s0])
+            if not run:
+                return
         if order == "vllm":
             rid = request_id(info)
             a = self._anchor

@@ -9,7 +9,7 @@ from kvtier.keys import make_key
 from kvtier.policies import ADMISSION, EVICTION, OFFLOAD, PROMOTION, RequestInfo
 from kvtier.tiers.base import SlotTier
 
-POLICIES = ["lru", "vllm_lru", "arc", "s3fifo", "pslru"]
+POLICIES = ["lru", "vllm_lru", "arc", "s3fifo", "pslru", "plru"]
 CAP = 12
 
 def op_lists(max_size: int):
@@ -92,7 +92,7 @@ def test_victims_yield_each_resident_exactly_once(name, seq):
     drive(EVICTION.get(name)(CAP), seq)
 
 
-@pytest.mark.parametrize("name", ["lru", "vllm_lru", "pslru"])
+@pytest.mark.parametrize("name", ["lru", "vllm_lru", "pslru", "plru"])
 def test_list_policies_resume_is_a_suffix(name):
     pol = EVICTION.get(name)(8)
     keys = [_key(i) for i in range(6)]
