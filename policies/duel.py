@@ -12,6 +12,7 @@ measured. No per-trace tuning: the experts are chosen by name, and the choice ad
 from __future__ import annotations
 
 from typing import Iterator, Sequence
+from zlib import crc32
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
 
@@ -59,7 +60,7 @@ class Duel(EvictionPolicy):
         rg = self.rg
         hit = False
         for k in keys:
-            i = hash(k) % gm
+            i = crc32(k) % gm
             t = gtag[i]
             if t and ((ep - gep[i]) & 0xFF) <= hz:
                 rg[t - 1] += 1.0
@@ -84,7 +85,7 @@ class Duel(EvictionPolicy):
         self.ev[who] += len(keys)
         gtag, gep, gm, t = self.gtag, self.gep, self.gm, who + 1
         for k in keys:
-            i = hash(k) % gm
+            i = crc32(k) % gm
             gtag[i] = t
             gep[i] = ep
 

@@ -16,6 +16,7 @@ Per tracked slot it keeps the three SlotList words (prev, next, list tag): no ke
 from __future__ import annotations
 
 from typing import Iterator, Sequence
+from zlib import crc32
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
 from .lru import request_id
@@ -87,7 +88,7 @@ class PrefixLRU(EvictionPolicy):
         q = self.quota
         n1, n2 = self._gn[0] + 1.0, self._gn[1] + 1.0
         for k in keys:
-            i = hash(k) % gm
+            i = crc32(k) % gm
             t = gtag[i]
             if t and ((ep - gep[i]) & 0xFF) <= 4:
                 if t == _PROB + 1:
@@ -110,7 +111,7 @@ class PrefixLRU(EvictionPolicy):
         for s, k in zip(slots, keys):
             if member[s] > 1:              # not a doomed block
                 t = 2 + was[s]             # evicted before / after it was ever hit
-                i = hash(k) % gm
+                i = crc32(k) % gm
                 gtag[i] = t
                 gep[i] = ep
                 gn[t - 2] += 1.0
