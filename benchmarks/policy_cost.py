@@ -26,7 +26,7 @@ from kvtier.policies import EVICTION
 from kvtier.sim import make_keys, simulate
 from kvtier.trace import default_trace, load_trace, unique_blocks
 
-POLICIES = ["vllm_lru", "lru", "arc", "s3fifo", "pslru", "nextuse"]
+POLICIES = ["vllm_lru", "lru", "arc", "s3fifo", "pslru", "nextuse", "plru", "duel"]
 LIMITS = {"ns_per_block": 1000.0, "bytes_per_block": 64.0}
 
 
@@ -95,9 +95,9 @@ def measure(reqs, keys, name: str, cap: int, repeat: int) -> dict:
         pol = EVICTION.get(name)(cap)
         gc.collect()
         gc.disable()
-        t0 = time.perf_counter()
+        t0 = time.process_time()     # CPU time of this process: the machine may be shared
         replay_log(pol, log, cap)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
         gc.enable()
     gc.collect()
     tracemalloc.start()
