@@ -25,7 +25,10 @@ _ORDERS = ("vllm", "call", "chain")
 
 
 def request_id(info: RequestInfo):
-    """Identity of the request a call belongs to: the stack passes one keys list per request."""
+    """Identity of the request a call belongs to: its request_id when the caller sets one (the
+    connector), else its keys list (the stack and the simulator pass one list per request)."""
+    if info.request_id is not None:
+        return info.request_id
     ks = info.keys
     return (id(ks), len(ks), info.now) if ks else None
 

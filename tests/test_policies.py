@@ -141,6 +141,13 @@ def test_vllm_lru_frees_a_request_tail_first_new_blocks_before_its_prefix():
     assert list(pol2.victims()) == [5, 3, 2, 1, 0]
     # plain lru is the same policy
     assert EVICTION.get("lru")(8)._order == "vllm"
+    # with a request_id the keys list need not be the same object across the calls
+    pol3 = EVICTION.get("vllm_lru")(8)
+    k3 = [_key(300 + i) for i in range(4)]
+    pol3.on_insert([0, 1], k3[:2], RequestInfo(list(k3[:2]), 0, 0, 128, 64, 0.0, "a"))
+    pol3.on_hit([0, 1], RequestInfo(list(k3), 0, 2, 256, 64, 1.0, "b"))
+    pol3.on_insert([2, 3], k3[2:], RequestInfo(list(k3), 2, 2, 256, 64, 1.0, "b"))
+    assert list(pol3.victims()) == [3, 2, 1, 0]
 
 
 def test_vllm_lru_request_longer_than_the_cache_keeps_its_prefix():
