@@ -26,7 +26,10 @@ divided by expected remaining block-time, given the block's class and current ag
   cell's oldest blocks move to the next bucket (amortised: each block crosses each bucket edge
   once). Victims: partial last blocks first (doomed: their content changes next turn), then
   cells by ascending density (ties: older bucket first), each oldest first. A request's
-  blocks are pushed deepest first (leaf-first), so a chain loses its tail before its root.
+  blocks are pushed deepest first (leaf-first), so a chain loses its tail before its root;
+  with `request_order`, after a request inserts new blocks at chain position `start` > 0 its
+  resident prefix moves behind them (each to its cell's tail), as vLLM frees a request
+  tail-first. `classify="grid"` uses (continuation or not) x (hits) classes instead.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class NextUse(EvictionPolicy):
     name = "nextuse"
 
     def __init__(self, capacity: int, classes: int = 4, ghost_ratio: float = 8.0, doom_partial: bool = True,
-                 leaf_first: bool = True, lifetimes: str = "horizon", request_order: bool = True, classify: str = "max", flood_ratio: float = 0.0, **params) -> None:
+                 leaf_first: bool = True, lifetimes: str = "horizon", request_order: bool = True,
+                 classify: str = "max", **params) -> None:
         super().__init__(capacity)
         if classes < 1:
             raise ValueError(f"nextuse: classes must be >= 1, got {classes}")
@@ -87,7 +91,6 @@ class NextUse(EvictionPolicy):
         self.doom_partial = doom_partial
         self.leaf_first = leaf_first
         self.request_order = request_order
-        self.flood_ratio = flood_ratio
         if lifetimes not in ("horizon", "observed"):
             raise ValueError(f"nextuse: lifetimes must be 'horizon' or 'observed', got {lifetimes!r}")
         self.observed = lifetimes == "observed"
@@ -225,7 +228,6 @@ class NextUse(EvictionPolicy):
         bt, ntok = info.block_tokens, info.num_tokens
         check_partial = self.doom_partial and ntok and bt   # then block pos is full iff (pos+1)*bt <= ntok
         self.slot_of.update(zip(keys, slots))
-        flood = self.flood_ratio > 0 and n > self.flood_ratio * self.capacity
         c0 = d if d < nc else nc - 1        # the class of a block without history
         if self.grid:
             c0 = self.hc if d else 0
@@ -250,7 +252,7 @@ class NextUse(EvictionPolicy):
                 hits[s] = 0
                 tip[s] = -1
                 c = c0
-            if flood or (check_partial and (start + i + 1) * bt > ntok):
+            if check_partial and (start + i + 1) * bt > ntok:
                 cls[s] = 0
                 other.setdefault(0, []).append(s)
                 continue

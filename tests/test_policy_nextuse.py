@@ -67,7 +67,7 @@ def test_old_blocks_move_to_older_buckets():
 @settings(max_examples=60, deadline=None)
 @given(seq=op_lists(60), classify=st.sampled_from(["max", "grid"]), request_order=st.booleans())
 def test_knobs_keep_the_walk_properties(seq, classify, request_order):
-    drive(EVICTION.get("nextuse")(CAP, classify=classify, request_order=request_order, flood_ratio=0.3), seq,
+    drive(EVICTION.get("nextuse")(CAP, classify=classify, request_order=request_order), seq,
           resume_is_suffix=True)
 
 
