@@ -22,7 +22,7 @@ class Duel(EvictionPolicy):
     name = "duel"
 
     def __init__(self, capacity: int, experts: str = "nextuse,vllm_lru", ghost_ratio: float = 2.0,
-                 explore: int = 8, **params) -> None:
+                 explore: int = 8, prefix_regret: bool = False, **params) -> None:
         super().__init__(capacity)
         names = [x.strip() for x in experts.replace("+", ",").split(",")]
         if len(names) != 2 or "duel" in names:
@@ -36,6 +36,7 @@ class Duel(EvictionPolicy):
         self.rg = [0.0, 0.0]                 # recent regrets of each expert
         self.cur = 0
         self.explore_every = max(2, int(explore))
+        self.prefix_regret = prefix_regret
         self._batch = 0
         self._evicted = 0
         self._ep_len = max(1, capacity // 2)
@@ -59,6 +60,7 @@ class Duel(EvictionPolicy):
         hz = self._horizon
         rg = self.rg
         hit = False
+        prefix = self.prefix_regret and info.start == info.hit_blocks
         for k in keys:
             i = crc32(k) % gm
             t = gtag[i]
@@ -66,6 +68,8 @@ class Duel(EvictionPolicy):
                 rg[t - 1] += 1.0
                 gtag[i] = 0
                 hit = True
+            elif prefix:
+                break   # deeper ghost keys could not have hit without this one
         if hit:
             self._update()
         for e in self.experts:
