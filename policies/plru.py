@@ -40,7 +40,7 @@ class PrefixLRU(EvictionPolicy):
         self.quota = float(int(protect * capacity))
         self.qmax = int(max_protect * capacity)
         self.adapt = adapt
-        # ghost: hash(key) -> (list it was evicted from, eviction epoch), 2 bytes per cell
+        # ghost: crc32(key) -> (evicted before or after a hit, eviction epoch), 2 bytes per cell
         self.gm = max(64, 2 * capacity)
         self.gtag = bytearray(self.gm)
         self.gep = bytearray(self.gm)
