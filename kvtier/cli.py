@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None, help="directory for the NVMe files (default: the config's nvme path)")
     p.add_argument("--skip-nvme", action="store_true")
 
+    p = sub.add_parser("workload", help="write a generated Mooncake-format trace (kvtier.workloads)")
+    p.add_argument("shape", choices=["agent", "chat", "rag", "api", "mix"])
+    p.add_argument("--seed", type=int, default=1, help="seed (default 1: an evaluation seed; 0 is the tuning seed)")
+    p.add_argument("--block-tokens", type=int, default=512)
+    p.add_argument("--out", "-o", required=True, help="output JSONL (.gz to compress)")
+
     from . import replay
     replay.add_parser(sub)
     return ap
@@ -149,6 +155,12 @@ def _dispatch(args: argparse.Namespace) -> Any:
     if args.command == "replay":
         from . import replay
         return replay.run(args)
+    if args.command == "workload":
+        from .workloads import generate, stats, write_trace
+        reqs = generate(args.shape, args.seed, args.block_tokens)
+        write_trace(reqs, args.out)
+        print(f"{args.out}: {args.shape} seed {args.seed}: {stats(reqs, args.block_tokens)}")
+        return 0
     from . import commands
     return {"spill": commands.cmd_spill, "restore": commands.cmd_restore, "inspect": commands.cmd_inspect,
             "bench": commands.cmd_bench, "fsck": commands.cmd_fsck}[args.command](args)

@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
                    help="keep what persistent tiers hold from an earlier run (default: start cold, like Belady)")
     p.add_argument("--no-belady", action="store_true", help="skip the Belady yardstick")
     p.add_argument("--plot", default=None, help="PNG: hit ratio vs capacity for the policies")
+    p.add_argument("--compare", action="store_true",
+                   help="metadata-only: the default eviction next to vllm_lru, lru, arc, s3fifo and Belady "
+                        "(block and token hit ratios, at the given capacity or 1/5/10%%)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", "-q", action="store_true")
 
@@ -57,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
     if not trace.is_file():
         raise ConfigError(f"--trace: {trace}: no such file (set KVTIER_TRACE or pass --trace)")
     reqs = load_trace(trace, limit=args.limit)
+    if args.compare:
+        from .compare import run_compare
+        return run_compare(args, reqs, trace)
     cfg = _stack_config(args, unique_blocks(reqs))
     with TierStack.from_config(cfg, with_data=not args.no_data) as stack:
         held = {t.name: t.num_resident for t in stack.tiers if t.num_resident}

@@ -4,6 +4,7 @@ T1 holds blocks seen once recently, T2 blocks seen at least twice; B1/B2 are gho
 histories of blocks evicted from T1/T2. A newcomer whose key is in B1 grows the target
 size `p` of T1, one in B2 shrinks it; either enters T2. The cursor yields victims in ARC's
 replacement order: from T1's head while T1 is larger than p, then T2, then the rest of T1.
+A call's blocks are pushed tail-first (deepest first), as vLLM frees a request's blocks.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class ARC(EvictionPolicy):
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
         c = self.capacity
         b1, b2, t1, t2 = self.b1, self.b2, self.t1, self.t2
-        for s, k in zip(slots, keys):
+        for s, k in zip(reversed(slots), reversed(keys)):  # tail-first: a request's deepest block leaves first
             if k in b1:
                 self.p = min(float(c), self.p + max(1.0, len(b2) / len(b1)))
                 del b1[k]
@@ -51,7 +52,7 @@ class ARC(EvictionPolicy):
     def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
         t1, t2 = self.t1, self.t2
         member = t1.member
-        for s in slots:
+        for s in reversed(slots):
             tag = member[s]
             if tag == 1:
                 t1.unlink(s)

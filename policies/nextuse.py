@@ -26,7 +26,10 @@ divided by expected remaining block-time, given the block's class and current ag
   cell's oldest blocks move to the next bucket (amortised: each block crosses each bucket edge
   once). Victims: partial last blocks first (doomed: their content changes next turn), then
   cells by ascending density (ties: older bucket first), each oldest first. A request's
-  blocks are pushed deepest first (leaf-first), so a chain loses its tail before its root.
+  blocks are pushed deepest first (leaf-first), so a chain loses its tail before its root;
+  with `request_order`, after a request inserts new blocks at chain position `start` > 0 its
+  resident prefix moves behind them (each to its cell's tail), as vLLM frees a request
+  tail-first. `classify="grid"` uses (continuation or not) x (hits) classes instead.
 """
 
 from __future__ import annotations
@@ -44,12 +47,19 @@ class NextUse(EvictionPolicy):
     name = "nextuse"
 
     def __init__(self, capacity: int, classes: int = 4, ghost_ratio: float = 8.0, doom_partial: bool = True,
-                 leaf_first: bool = True, lifetimes: str = "horizon", **params) -> None:
+                 leaf_first: bool = True, lifetimes: str = "horizon", request_order: bool = True,
+                 classify: str = "max", **params) -> None:
         super().__init__(capacity)
         if classes < 1:
             raise ValueError(f"nextuse: classes must be >= 1, got {classes}")
         if ghost_ratio <= 0:
             raise ValueError(f"nextuse: ghost_ratio must be > 0, got {ghost_ratio}")
+        if classify not in ("max", "grid"):
+            raise ValueError(f"nextuse: classify must be 'max' or 'grid', got {classify!r}")
+        self.grid = classify == "grid"
+        if self.grid:   # (continuation or not) x (hits 0 .. classes-1)
+            self.hc = classes
+            classes = 2 * classes
         self.nc = classes
         self.H = max(2.0, ghost_ratio * capacity)
         # bucket edges: 0, C/16, C/8, ..., up to H; the last bucket is "beyond the horizon"
@@ -80,6 +90,7 @@ class NextUse(EvictionPolicy):
         self._age_step = max(1.0, base / 8.0)  # an eighth of the narrowest bucket
         self.doom_partial = doom_partial
         self.leaf_first = leaf_first
+        self.request_order = request_order
         if lifetimes not in ("horizon", "observed"):
             raise ValueError(f"nextuse: lifetimes must be 'horizon' or 'observed', got {lifetimes!r}")
         self.observed = lifetimes == "observed"
@@ -95,6 +106,13 @@ class NextUse(EvictionPolicy):
         self._mids = [0.5 * (edges[b] + edges[b + 1]) if b + 1 < nb else self.H for b in range(nb)]
 
     # ---- helpers -------------------------------------------------------------------------
+    def _cls(self, d: int, h: int) -> int:
+        if self.grid:
+            hc = self.hc
+            return (hc if d else 0) + (h if h < hc else hc - 1)
+        c = d if d > h else h
+        return c if c < self.nc else self.nc - 1
+
     def _bucket(self, age: int) -> int:
         if age < self._base:
             return 0
@@ -211,6 +229,8 @@ class NextUse(EvictionPolicy):
         check_partial = self.doom_partial and ntok and bt   # then block pos is full iff (pos+1)*bt <= ntok
         self.slot_of.update(zip(keys, slots))
         c0 = d if d < nc else nc - 1        # the class of a block without history
+        if self.grid:
+            c0 = self.hc if d else 0
         first: list[int] = []               # new slots of c0's youngest cell, in push order
         other: dict[int, list[int]] = {}    # the other cells' new slots (keys are unique)
         for i in (range(n - 1, -1, -1) if self.leaf_first else range(n)):
@@ -227,9 +247,7 @@ class NextUse(EvictionPolicy):
                 h = g[3] + 1
                 hits[s] = h
                 tip[s] = g[2]
-                c = d if d > h else h
-                if c >= nc:
-                    c = nc - 1
+                c = self._cls(d, h)
             else:
                 hits[s] = 0
                 tip[s] = -1
@@ -250,6 +268,17 @@ class NextUse(EvictionPolicy):
         lists[1 + c0 * nb].extend(first)
         for cell, run in other.items():
             lists[cell].extend(run)
+        if start and self.request_order:
+            # as vLLM frees a request tail-first: its new (deeper) blocks leave before its prefix,
+            # so the prefix moves back behind them (each to the tail of its own cell)
+            slot_of, member, ks = self.slot_of, self.member, info.keys
+            for j in range(min(start, len(ks)) - 1, -1, -1):
+                s = slot_of.get(ks[j])
+                if s is not None:
+                    t = member[s]
+                    if t > 1:
+                        lists[t - 1].move_to_tail(s)
+                        tacc[s] = vt
         if vt - self._aged_at >= self._age_step:  # ages move in batches: each edge is wide
             self._aged_at = vt
             self._age()
@@ -276,9 +305,7 @@ class NextUse(EvictionPolicy):
             if s == ts:
                 self.tip[s] = d
             # placed like a new access (a doomed block, t == 1, reused after all too)
-            c = d if d > h else h
-            if c >= nc:
-                c = nc - 1
+            c = self._cls(d, h)
             cls[s] = c
             tacc[s] = vt
             N[c] += 1.0

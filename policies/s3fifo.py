@@ -38,7 +38,7 @@ class S3FIFO(EvictionPolicy):
 
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
         ghost, freq = self.ghost, self.freq
-        for s, k in zip(slots, keys):
+        for s, k in zip(reversed(slots), reversed(keys)):  # tail-first, as vLLM frees a request's blocks
             freq[s] = 0
             if k in ghost:
                 del ghost[k]

@@ -93,6 +93,43 @@ class SlotList:
             self.tail = t
             self.size += n
 
+    def insert_run_before(self, anchor: int, slots: Sequence[int]) -> None:
+        """Insert `slots` (non-members), in order, just before member `anchor` (nearer the head)."""
+        if not slots:
+            return
+        prev, nxt, member, tag = self.prev, self.nxt, self.member, self.tag
+        p = prev[anchor]
+        for s in slots:
+            prev[s] = p
+            if p == _NIL:
+                self.head = s
+            else:
+                nxt[p] = s
+            member[s] = tag
+            p = s
+        nxt[p] = anchor
+        prev[anchor] = p
+        self.size += len(slots)
+
+    def move_run_to_tail(self, slots: Sequence[int]) -> None:
+        """move_to_tail() each of `slots` (all members), in order, without the calls."""
+        prev, nxt = self.prev, self.nxt
+        head, tail = self.head, self.tail
+        for s in slots:
+            if s == tail:
+                continue
+            p, n = prev[s], nxt[s]   # s is not the tail, so n != _NIL
+            if p == -1:
+                head = n
+            else:
+                nxt[p] = n
+            prev[n] = p
+            prev[s] = tail
+            nxt[s] = -1
+            nxt[tail] = s
+            tail = s
+        self.head, self.tail = head, tail
+
     def move_head_run(self, dst: "SlotList", last: int, count: int) -> None:
         """Move the first `count` slots (head .. `last`) to the tail of `dst`, in order."""
         prev, nxt, member, tag = self.prev, self.nxt, self.member, dst.tag

@@ -9,7 +9,7 @@ from kvtier.keys import make_key
 from kvtier.policies import ADMISSION, EVICTION, OFFLOAD, PROMOTION, RequestInfo
 from kvtier.tiers.base import SlotTier
 
-POLICIES = ["lru", "arc", "s3fifo", "pslru"]
+POLICIES = ["lru", "vllm_lru", "arc", "s3fifo", "pslru", "plru", "duel"]
 CAP = 12
 
 def op_lists(max_size: int):
@@ -92,7 +92,7 @@ def test_victims_yield_each_resident_exactly_once(name, seq):
     drive(EVICTION.get(name)(CAP), seq)
 
 
-@pytest.mark.parametrize("name", ["lru", "pslru"])
+@pytest.mark.parametrize("name", ["lru", "vllm_lru", "pslru", "plru"])
 def test_list_policies_resume_is_a_suffix(name):
     pol = EVICTION.get(name)(8)
     keys = [_key(i) for i in range(6)]
@@ -105,12 +105,81 @@ def test_list_policies_resume_is_a_suffix(name):
 
 
 def test_lru_order():
+    """A call's blocks go tail-first (deepest leaves first); a hit moves them, tail-first, to the end."""
     pol = EVICTION.get("lru")(4)
     pol.on_insert([0, 1, 2], [_key(i) for i in range(3)])
-    pol.on_hit([0])
-    assert list(pol.victims()) == [1, 2, 0]
+    assert list(pol.victims()) == [2, 1, 0]
+    pol.on_hit([2])
+    assert list(pol.victims()) == [1, 0, 2]
     pol.on_insert([3], [_key(3)])
-    assert list(pol.victims(2)) == [0, 3]
+    assert list(pol.victims(0)) == [2, 3]
+    chain = EVICTION.get("lru")(4, order="chain")
+    chain.on_insert([0, 1, 2], [_key(i) for i in range(3)])
+    assert list(chain.victims()) == [0, 1, 2]
+
+
+def _req(n, start=0, hit=0, now=0.0):
+    keys = [_key(100 + i) for i in range(n)]
+    return keys, RequestInfo(keys, start, hit, n * 64, 64, now)
+
+
+def test_vllm_lru_frees_a_request_tail_first_new_blocks_before_its_prefix():
+    """vLLM frees reversed(request blocks): hit prefix p0 p1 then new n2 n3 leave as n3 n2 p1 p0."""
+    pol = EVICTION.get("vllm_lru")(8)
+    old = [_key(i) for i in range(2)]
+    pol.on_insert([6, 7], old, RequestInfo(old, 0, 0, 128, 64, 0.0))     # an older request
+    keys, info = _req(4, now=1.0)
+    pol.on_insert([0, 1], keys[:2], RequestInfo(keys[:2], 0, 0, 128, 64, 0.5))  # the earlier turn
+    pol.on_hit([0, 1], info)
+    pol.on_insert([2, 3], keys[2:], RequestInfo(keys, 2, 2, 256, 64, 1.0))
+    assert list(pol.victims()) == [7, 6, 3, 2, 1, 0]
+    # two new runs of one request (a gap at position 4): the deeper run leaves first
+    keys2 = [_key(200 + i) for i in range(6)]
+    pol2 = EVICTION.get("vllm_lru")(8)
+    pol2.on_insert([0, 1, 2, 3], keys2[:4], RequestInfo(keys2, 0, 0, 384, 64, 2.0))
+    pol2.on_insert([5], keys2[5:], RequestInfo(keys2, 5, 0, 384, 64, 2.0))
+    assert list(pol2.victims()) == [5, 3, 2, 1, 0]
+    # plain lru is the same policy
+    assert EVICTION.get("lru")(8)._order == "vllm"
+    # with a request_id the keys list need not be the same object across the calls
+    pol3 = EVICTION.get("vllm_lru")(8)
+    k3 = [_key(300 + i) for i in range(4)]
+    pol3.on_insert([0, 1], k3[:2], RequestInfo(list(k3[:2]), 0, 0, 128, 64, 0.0, "a"))
+    pol3.on_hit([0, 1], RequestInfo(list(k3), 0, 2, 256, 64, 1.0, "b"))
+    pol3.on_insert([2, 3], k3[2:], RequestInfo(list(k3), 2, 2, 256, 64, 1.0, "b"))
+    assert list(pol3.victims()) == [3, 2, 1, 0]
+
+
+def test_vllm_lru_request_longer_than_the_cache_keeps_its_prefix():
+    """A 10-block request stored in runs of 2 (evicting before each run, as the stack's put does)
+    into a 4-block tier: under vllm_lru each new run goes before the request's older blocks, so
+    the next run evicts the deepest and blocks 0, 1 stay (the next turn hits 2); head-first
+    (order="chain") LRU evicts the prefix first and the next turn hits nothing. The simulator,
+    which stores only what fits, keeps blocks 0..3."""
+    from kvtier.sim import simulate
+    from kvtier.trace import Request
+    a = Request(0.0, 640, 1, tuple(range(10)))
+    b = Request(1.0, 704, 1, tuple(range(11)))
+    # one request at a time, stored run by run as the stack's put does for a long prompt
+    pol = EVICTION.get("vllm_lru")(4)
+    tier = SlotTier("t", 4, 0, pol)
+    keys = [_key(h) for h in a.hash_ids]
+    for lo in range(0, 10, 2):
+        run = keys[lo:lo + 2]
+        need = len(run) - tier.num_free_slots
+        if need > 0:
+            tier.evict(tier.free_slots(need))
+        tier.commit(tier.allocate(run), RequestInfo(keys, lo, 0, 640, 64, 0.0))
+    assert tier.lookup([_key(h) for h in b.hash_ids]) == 2
+    chain = SlotTier("t", 4, 0, EVICTION.get("lru")(4, order="chain"))
+    for lo in range(0, 10, 2):
+        run = keys[lo:lo + 2]
+        need = len(run) - chain.num_free_slots
+        if need > 0:
+            chain.evict(chain.free_slots(need))
+        chain.commit(chain.allocate(run), RequestInfo(keys, lo, 0, 640, 64, 0.0))
+    assert chain.lookup([_key(h) for h in b.hash_ids]) == 0
+    assert simulate([a, b], 4, "vllm_lru", block_tokens=64)["hit_blocks"] == 4
 
 
 def test_arc_moves_hits_to_t2_and_uses_ghosts():
@@ -118,8 +187,8 @@ def test_arc_moves_hits_to_t2_and_uses_ghosts():
     pol.on_insert([0, 1, 2], [_key(i) for i in range(3)])
     pol.on_hit([1])
     assert 1 in pol.t2 and 0 in pol.t1
-    # p == 0: T1 goes first, then T2
-    assert list(pol.victims()) == [0, 2, 1]
+    # p == 0: T1 goes first (pushed tail-first: 2 before 0), then T2
+    assert list(pol.victims()) == [2, 0, 1]
     pol.on_remove(0, _key(0))  # -> ghost B1
     assert _key(0) in pol.b1
     pol.on_insert([0], [_key(0)])  # B1 ghost hit: p grows, block enters T2
@@ -139,11 +208,11 @@ def test_arc_respects_p():
 
 def test_s3fifo_small_queue_and_second_chance():
     pol = EVICTION.get("s3fifo")(10, small_ratio=0.2)
-    pol.on_insert(list(range(4)), [_key(i) for i in range(4)])
-    pol.on_hit([0])
+    pol.on_insert(list(range(4)), [_key(i) for i in range(4)])  # pushed tail-first: S = 3 2 1 0
+    pol.on_hit([3])
     v = pol.victims()
-    assert next(v) == 1          # 0 was hit: promoted to main, 1 is the first victim
-    assert 0 in pol.main
+    assert next(v) == 2          # 3 was hit: promoted to main, 2 is the first victim
+    assert 3 in pol.main
     pol.on_remove(1, _key(1))
     assert _key(1) in pol.ghost
     pol.on_insert([1], [_key(1)])  # ghost hit -> main

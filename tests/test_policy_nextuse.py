@@ -62,3 +62,23 @@ def test_old_blocks_move_to_older_buckets():
     cell = pol.member[0] - 1
     assert cell == 1 + pol._bucket(11)
     assert pol._bucket(11) > pol._bucket(0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seq=op_lists(60), classify=st.sampled_from(["max", "grid"]), request_order=st.booleans())
+def test_knobs_keep_the_walk_properties(seq, classify, request_order):
+    drive(EVICTION.get("nextuse")(CAP, classify=classify, request_order=request_order), seq,
+          resume_is_suffix=True)
+
+
+def test_request_order_new_blocks_leave_before_the_requests_prefix():
+    """vLLM frees a request tail-first: after hit(prefix) + insert(new run), the new blocks are
+    evicted before the prefix (without request_order the prefix, touched first, went first)."""
+    for ro, expect in ((True, [3, 2, 1, 0]), (False, [1, 0, 3, 2])):
+        pol = EVICTION.get("nextuse")(8, classes=1, request_order=ro)
+        keys = [_key(i) for i in range(4)]
+        pol.on_insert([0, 1], keys[:2], RequestInfo(keys[:2], 0, 0, 128, 64, 0.0))
+        info = RequestInfo(keys, 0, 2, 256, 64, 1.0)
+        pol.on_hit([0, 1], info)
+        pol.on_insert([2, 3], keys[2:], RequestInfo(keys, 2, 2, 256, 64, 1.0))
+        assert list(pol.victims()) == expect, ro

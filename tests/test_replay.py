@@ -94,14 +94,17 @@ def test_bad_trace_line(tmp_path, capsys):
 # hit blocks, hit tokens, then per tier (hit blocks, promoted in, demoted in, evicted). Any change
 # here means a policy, tier or stack change altered decisions, not just speed.
 PINNED = {
-    # since the controller: replay offers what vLLM offers (full blocks, >= 1 token computed); a
+    # issue 12: lru and s3fifo push a request's blocks tail-first as vLLM frees them, nextuse moves a
+    # request's prefix behind its new blocks (request_order); vllm_lru is vLLM's block-pool order.
+    # Since the controller: replay offers what vLLM offers (full blocks, >= 1 token computed); a
     # dirty block never leaves in the plan that copies it down (clean-ahead in take_plan)
-    "two-tier": [4720, 2416640, [3618, 1102, 0, 72891], [1102, 0, 75986, 73938]],
+    "two-tier": [4818, 2466816, [3784, 1034, 0, 72643], [1034, 0, 75101, 73053]],
     "nextuse": [3909, 2001408, [3909, 0, 0, 73217]],
     "lru": [3071, 1572352, [3071, 0, 0, 74055]],
     "arc": [3545, 1815040, [3545, 0, 0, 73581]],
     "s3fifo": [3716, 1902592, [3716, 0, 0, 73410]],
     "pslru": [4504, 2306048, [4504, 0, 0, 72491]],
+    "vllm_lru": [3071, 1572352, [3071, 0, 0, 74055]],
 }
 
 

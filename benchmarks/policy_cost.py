@@ -1,0 +1,142 @@
+"""Cost of the eviction policies' own calls: time per block and memory per tracked block.
+
+Method. `kvtier.sim.simulate` is run once per policy with a recording proxy in front of the
+policy: every call the tier makes (on_insert / on_hit / on_remove_many / take_victims / ...)
+is logged with its arguments. The log is then replayed, `--repeat` times, directly against a
+fresh instance of the policy (deterministic: the same calls get the same answers), timing only
+those calls. Reported: median ns per block reference of the trace (all policy work divided by
+the trace's block refs), and memory per tracked block = tracemalloc's traced bytes after the
+replay (policy built and driven with tracing on; the keys themselves are allocated before
+and shared with the tier, so they are not counted) divided by the capacity in blocks.
+
+    python benchmarks/policy_cost.py [--trace PATH] [--fraction 0.05] [--limit N] [--repeat 5] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import tracemalloc
+
+from kvtier.policies import EVICTION
+from kvtier.sim import make_keys, simulate
+from kvtier.trace import default_trace, load_trace, unique_blocks
+
+POLICIES = ["vllm_lru", "lru", "arc", "s3fifo", "pslru", "nextuse", "plru", "duel"]
+LIMITS = {"ns_per_block": 1000.0, "bytes_per_block": 64.0}
+
+
+class Recorder:
+    """Forwards every call to `pol` and logs (method, args) with copies of list arguments."""
+
+    def __init__(self, pol) -> None:
+        self.pol, self.log = pol, []
+
+    def __getattr__(self, name):
+        f = getattr(self.pol, name)
+        if not callable(f) or name.startswith("_"):
+            return f
+
+        def call(*a):
+            if name == "take_victims":  # the tier's live pin array: replayed as "nothing pinned"
+                self.log.append((name, (a[0], None)))
+            else:
+                self.log.append((name, tuple(list(x) if isinstance(x, (list, tuple)) else x for x in a)))
+            r = f(*a)
+            if name == "victims":
+                r = list(r)
+                self.log[-1] = ("victims_list", self.log[-1][1])
+                return iter(r)
+            return r
+        return call
+
+
+def record(reqs, keys, name: str, cap: int) -> list:
+    """The policy calls simulate() makes for `name` at `cap` blocks."""
+    import kvtier.sim as sim
+    real = EVICTION.get(name)
+    holder = {}
+
+    def build(capacity, **params):
+        rec = Recorder(real(capacity, **params))
+        holder["rec"] = rec
+        return rec
+    orig = sim.EVICTION.get
+    sim.EVICTION.get = lambda n: build if n == "__rec__" else orig(n)
+    try:
+        simulate(reqs, cap, "__rec__", keys=keys)
+    finally:
+        sim.EVICTION.get = orig
+    log = holder["rec"].log
+    return log
+
+
+def replay_log(pol, log, cap: int) -> None:
+    zeros = [0] * cap
+    for name, args in log:
+        if name == "take_victims":
+            pol.take_victims(args[0], zeros)
+        elif name == "victims_list":
+            for _ in pol.victims(*args):
+                pass
+        else:
+            getattr(pol, name)(*args)
+
+
+def measure(reqs, keys, name: str, cap: int, repeat: int) -> dict:
+    log = record(reqs, keys, name, cap)
+    refs = sum(len(k) for k in keys)
+    times = []
+    for _ in range(repeat):
+        pol = EVICTION.get(name)(cap)
+        gc.collect()
+        gc.disable()
+        t0 = time.process_time()     # CPU time of this process: the machine may be shared
+        replay_log(pol, log, cap)
+        times.append(time.process_time() - t0)
+        gc.enable()
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    pol = EVICTION.get(name)(cap)
+    replay_log(pol, log, cap)
+    gc.collect()
+    mem = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    t = statistics.median(times)
+    return {"policy": name, "capacity_blocks": cap, "block_refs": refs, "calls": len(log),
+            "seconds_median": t, "ns_per_block": 1e9 * t / refs, "bytes": mem, "bytes_per_block": mem / cap}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=str(default_trace()))
+    ap.add_argument("--fraction", type=float, default=0.05)
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    reqs = load_trace(a.trace, limit=a.limit)
+    keys = make_keys(reqs)
+    cap = max(1, int(a.fraction * unique_blocks(reqs)))
+    rows = [measure(reqs, keys, n, cap, a.repeat) for n in a.policies.split(",")]
+    if a.json:
+        print(json.dumps({"trace": a.trace, "limits": LIMITS, "rows": rows}))
+        return 0
+    print(f"{a.trace}: {len(reqs)} requests, {rows[0]['block_refs']} block refs, capacity {cap} blocks "
+          f"({a.fraction:g} of unique); median of {a.repeat}; limits {LIMITS['ns_per_block']:.0f} ns/block, "
+          f"{LIMITS['bytes_per_block']:.0f} B/tracked block\n")
+    print("| eviction | ns per block ref | bytes per tracked block |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['policy']} | {r['ns_per_block']:.0f} | {r['bytes_per_block']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
