@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from xxhash import xxh3_64_intdigest
+
 from .base import ADMISSION, AdmissionPolicy, RequestInfo, _NO_INFO
 
 
@@ -35,7 +37,7 @@ class _CountMin:
         self.cap = cap
 
     def _idx(self, key: bytes) -> list[int]:
-        h = hash(key) & 0xFFFFFFFFFFFFFFFF
+        h = xxh3_64_intdigest(key)  # not hash(): salted per process, so runs would differ
         w = self.width
         out = []
         for i in range(self.depth):
