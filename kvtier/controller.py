@@ -109,7 +109,7 @@ class TierController(Counting):
         self._plan = Plan()
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
         self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers]
-        self._wb = list(self._wb_max)  # the current write-back window per tier (adapts)
+        self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
         self._init_counters()
 
     # ---- lookups (no side effects) -------------------------------------------------------
@@ -303,10 +303,13 @@ class TierController(Counting):
             ahead = tier.free_slots(need)
             if not ahead:
                 break
-            clean = [s for s in ahead if self.holds(tier.key_at(s), t + 1)]
-            if len(clean) < len(ahead):  # not cleaned ahead in time: copy them now, they leave later
-                self._write_back(t, [(s, tier.key_at(s)) for s in ahead if s not in set(clean)])
-                clean = [s for s in ahead if tier.get_block(s).ref_cnt == 0]  # + refused: dropped
+            if not all(self.holds(tier.key_at(s), t + 1) for s in ahead):
+                # not cleaned ahead in time: copy the dirty blocks of a window down now (they
+                # leave in a later plan); the clean ones go now, and what the next tier refused
+                self._clean_ahead(t, need)
+                clean = [s for s in ahead if tier.get_block(s).ref_cnt == 0]
+            else:
+                clean = ahead
             if clean:
                 self._evict(t, clean)
             need -= len(clean)
@@ -317,24 +320,21 @@ class TierController(Counting):
             dirty = self._admit(t + 1, dirty, [k for _, k in dirty])
         self._plan_copy(t, dirty, demotion=True)
 
-    def _clean_ahead(self, t: int) -> None:
-        """Write-back: copy the dirty blocks among the next victims of tier `t` down in one batch
-        (they stay, pinned while the copy runs, and later leave without I/O), so that the next
-        plans find clean victims. The window halves while under a quarter of it is dirty and
-        doubles back while three quarters are, so the walk costs about what it cleans."""
+    def _clean_ahead(self, t: int, need: int = 0) -> None:
+        """Write-back: copy the dirty blocks among the next `window` victims of tier `t` down in
+        one batch (they stay, pinned while the copy runs, and later leave without I/O), so that
+        the next plans find clean victims. Runs when fewer than half a window of the victims
+        ahead is known clean, so the walk costs about one step per block that leaves."""
         tier = self.tiers[t]
-        window = self._wb[t]
-        ahead = tier.free_slots(window)
+        ahead = tier.free_slots(max(need, self._wb_max[t]))
         dirty = [(s, k) for s in ahead if not self.holds(k := tier.key_at(s), t + 1)]
         if dirty:
             self._write_back(t, dirty)
-        if 4 * len(dirty) < len(ahead):
-            self._wb[t] = max(1, window // 2)
-        elif 4 * len(dirty) >= 3 * len(ahead):
-            self._wb[t] = min(self._wb_max[t], 2 * window)
+        self._clean[t] = len(ahead)
 
     def _evict(self, t: int, slots: Sequence[int]) -> None:
         gone = self.tiers[t].evict(slots)
+        self._clean[t] -= len(gone)
         self._count(f"evicted_blocks.{self.names[t]}", len(gone))
         if self._evict_hooks[t]:
             on_evict = self.admission[t].on_evict
@@ -366,7 +366,7 @@ class TierController(Counting):
         """The ops decided since the last call (write-back tiers clean ahead first)."""
         if self.demotion == "write_back":
             for t in range(len(self.tiers) - 1):
-                if self.tiers[t].num_free_slots < self._wb[t]:
+                if 2 * self._clean[t] < self._wb_max[t] and self.tiers[t].num_free_slots < self._wb_max[t]:
                     self._clean_ahead(t)
         p, self._plan = self._plan, Plan()
         return p

@@ -213,7 +213,7 @@ def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_p
 def test_nvme_corruption_recomputes(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
     """Flip bytes of some blocks in the NVMe data file between the passes: they fail their checksum,
     are reported through get_block_ids_with_load_errors, vLLM recomputes them; tokens identical."""
-    from kvtier.tiers.io_engines import round_up
+    from kvtier.tiers.nvme_block import HEADER_BYTES, slot_stride
     from kvtier.tiers.nvme_index import NvmeIndex
 
     src, pass1 = nvme_written
@@ -222,12 +222,12 @@ def test_nvme_corruption_recomputes(model_dir, prompts, baseline, nvme_written, 
     entries = sorted(idx.items(), key=lambda kv: kv[1].slot)
     idx.close()
     bad = [entries[i] for i in (0, 5, len(entries) - 1)]
-    stride = round_up(entries[0][1].length)
+    stride = slot_stride(entries[0][1].length)
     with open(d / "data.0", "r+b") as f:
-        for _, e in bad:
-            f.seek(e.slot * stride + 100)
+        for _, e in bad:  # in the payload, after the slot's header page
+            f.seek(e.slot * stride + HEADER_BYTES + 100)
             b = f.read(8)
-            f.seek(e.slot * stride + 100)
+            f.seek(e.slot * stride + HEADER_BYTES + 100)
             f.write(bytes(x ^ 0xFF for x in b))
             f.flush()
             os.fsync(f.fileno())

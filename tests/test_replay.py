@@ -98,7 +98,7 @@ PINNED = {
     # request's prefix behind its new blocks (request_order); vllm_lru is vLLM's block-pool order.
     # Since the controller: replay offers what vLLM offers (full blocks, >= 1 token computed); a
     # dirty block never leaves in the plan that copies it down (clean-ahead in take_plan)
-    "two-tier": [4818, 2466816, [3784, 1034, 0, 72643], [1034, 0, 75101, 73053]],
+    "two-tier": [4959, 2539008, [3940, 1019, 0, 72865], [1019, 0, 76061, 74013]],
     "nextuse": [3909, 2001408, [3909, 0, 0, 73217]],
     "lru": [3071, 1572352, [3071, 0, 0, 74055]],
     "arc": [3545, 1815040, [3545, 0, 0, 73581]],
