@@ -7,7 +7,8 @@ import torch
 
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, NvmeWriteOp, StoreOp
 from kvtier.connector.nvme import NvmeControl
-from kvtier.connector.worker import KVLayout, KVTierWorker
+from kvtier.connector.kv_layout import KVLayout
+from kvtier.connector.worker import KVTierWorker
 from kvtier.policies.lru import LRU
 
 NB, H, BS, D2 = 16, 2, 32, 64
@@ -132,7 +133,7 @@ def test_layer_pipelined_load_waits_per_layer(monkeypatch):
         t[10].zero_()
         t[11].zero_()
     gate = [threading.Event() for _ in names]
-    real_copy = w._copy_runs
+    real_copy = w.kv.copy_runs
     copied = []
 
     def slow_copy(li, *a, **k):  # layer li's copy waits for gate li
@@ -140,7 +141,7 @@ def test_layer_pipelined_load_waits_per_layer(monkeypatch):
         real_copy(li, *a, **k)
         copied.append(li)
 
-    w._copy_runs = slow_copy
+    w.kv.copy_runs = slow_copy
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [10, 11])]))
     w.start_load()
     gate[0].set()
@@ -160,7 +161,7 @@ def test_layer_pipelined_load_waits_per_layer(monkeypatch):
 
 
 def test_runs_of_consecutive_blocks_and_slots():
-    from kvtier.connector.worker import _runs
+    from kvtier.connector.kv_layout import runs as _runs
     assert _runs([4, 5, 6, 9, 10, 2], [0, 1, 2, 3, 4, 8]) == [(4, 0, 3, 1, 1), (9, 3, 2, 1, 1), (2, 8, 1, 1, 1)]
     assert _runs([1, 2], [5, 7]) == [(1, 5, 1, 1, 1), (2, 7, 1, 1, 1)]
     assert _runs([10, 9, 8, 0], [0, 1, 2, 3]) == [(10, 0, 3, -1, 1), (0, 3, 1, 1, 1)]  # vLLM hands blocks out in reverse
@@ -176,7 +177,7 @@ def test_scattered_blocks_and_slots_round_trip(one_buffer):
     caches = cpu_layout_caches(layers=3) if one_buffer else {f"l{i}": torch.randn(NB, H, BS, D2) for i in range(3)}
     w = KVTierWorker(lambda bb: 16, pin=False)
     w.register_kv_caches(caches)
-    assert w._runs_ok and (w._kv3 is not None) == one_buffer
+    assert w.kv.runs_ok and (w.kv.kv3 is not None) == one_buffer
     orig = {n: t.clone() for n, t in caches.items()}
     blocks, slots = [3, 4, 5, 9, 1, 2, 8, 7, 6], [7, 8, 9, 0, 15, 14, 1, 2, 3]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))

@@ -1,0 +1,308 @@
+"""vLLM's KV layout and the copies between it and contiguous block rows (gather / scatter).
+
+A block below the GPU is one contiguous region of `block_bytes`: layer 0's bytes of that block,
+then layer 1's, ... (each layer's block copied as raw bytes, so the attention backend's inner
+layout never matters). `KVLayout` reads vLLM's per-layer tensors; `KVCopier` moves blocks
+between them and the rows of a CPU pool (or a staging buffer), as typed copy jobs: `RowCopy`
+(runs of consecutive (block, row) pairs: one strided copy per run, over all layers when vLLM's
+layers share one allocation) and `ViewCopy` (per-layer views, the general case and the GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.tiers.cpu_pool import CpuPool, _copier, copy_blocks, cuda_available
+
+
+@dataclass
+class RowCopy:
+    """Blocks <-> rows of `rows3` ([row, layer, layer bytes], numpy), as `runs` (see `runs`)."""
+
+    rows3: np.ndarray
+    runs: list[tuple[int, int, int, int, int]]
+
+
+@dataclass
+class ViewCopy:
+    """dst[i] <- src[i]: per-layer views, block-major (layer li of the k-th block at k*L + li)."""
+
+    dst: list[torch.Tensor]
+    src: list[torch.Tensor]
+
+
+class KVLayout:
+    """Per-block byte views of every layer's KV tensor, and the split of one block region."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # vLLM may hand several names for one tensor (shared KV layers): copy each buffer once.
+        seen: dict[tuple[int, tuple, tuple], int] = {}
+        self.names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.layer_of: dict[str, int] = {}  # every layer name -> index of the buffer it uses
+        for name, t in kv_caches.items():
+            sig = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if sig not in seen:
+                seen[sig] = len(self.tensors)
+                self.names.append(name)
+                self.tensors.append(t)
+            self.layer_of[name] = seen[sig]
+        if not self.tensors:
+            raise ValueError("kvtier: register_kv_caches got no KV tensors")
+        nb = {t.shape[0] for t in self.tensors}
+        if len(nb) != 1:
+            raise ValueError(f"kvtier: layers disagree on the number of blocks: {sorted(nb)}")
+        self.num_blocks = nb.pop()
+        self.device = self.tensors[0].device
+        self.layer_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.offsets = [0]
+        for b in self.layer_bytes:
+            self.offsets.append(self.offsets[-1] + b)
+        self.block_bytes = self.offsets[-1]
+        # per layer: a [num_blocks, layer_bytes] uint8 view when a block is contiguous, else None
+        self._flat: list[torch.Tensor | None] = []
+        for li, t in enumerate(self.tensors):
+            stride_b = t.stride(0) * t.element_size()
+            if t[0].is_contiguous() and stride_b >= self.layer_bytes[li]:
+                self._flat.append(torch.as_strided(_bytes_storage(t), (self.num_blocks, self.layer_bytes[li]),
+                                                   (stride_b, 1)))
+            else:
+                self._flat.append(None)
+        self._views: list[tuple[torch.Tensor, ...] | None] = [f.unbind(0) if f is not None else None
+                                                              for f in self._flat]
+
+    def block_views(self, block_id: int) -> list[torch.Tensor]:
+        """One view per layer of GPU block `block_id` (uint8 when contiguous)."""
+        out = []
+        for li, v in enumerate(self._views):
+            out.append(v[block_id] if v is not None else self.tensors[li][block_id])
+        return out
+
+    def describe(self) -> dict:
+        t = self.tensors[0]
+        return {"layers": len(self.tensors), "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
+                "shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype), "device": str(t.device),
+                "contiguous_blocks": all(f is not None for f in self._flat)}
+
+
+def runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
+    """(first block, first row, length, block step, row step) of each run where blocks and rows
+    each move by one (up or down) from pair to pair."""
+    out: list[list[int]] = []
+    for b, r in zip(block_ids, rows):
+        if out:
+            b0, r0, n, db, dr = out[-1]
+            if n == 1 and abs(b - b0) == 1 and abs(r - r0) == 1:
+                out[-1] = [b0, r0, 2, b - b0, r - r0]
+                continue
+            if n > 1 and b == b0 + db * n and r == r0 + dr * n:
+                out[-1][2] = n + 1
+                continue
+        out.append([b, r, 1, 1, 1])
+    return [tuple(x) for x in out]  # type: ignore[misc]
+
+
+def _sl(start: int, n: int, step: int) -> slice:
+    if step == 1:
+        return slice(start, start + n)
+    stop = start - n
+    return slice(start, stop if stop >= 0 else None, -1)
+
+
+def _layers_view(lay: KVLayout) -> torch.Tensor | None:
+    """[layer, block, layer_bytes] uint8 view of all layers' KV when every layer's blocks are
+    contiguous rows of one storage and the layers are equally spaced in it; else None."""
+    ts = lay.tensors
+    lb = lay.layer_bytes[0]
+    if lay.device.type != "cpu" or any(f is None or f.stride(0) != lb for f in lay._flat):
+        return None
+    st = ts[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
+        return None
+    ptrs = [t.data_ptr() for t in ts]
+    d = ptrs[1] - ptrs[0] if len(ptrs) > 1 else lay.num_blocks * lb
+    if d <= 0 or any(b - a != d for a, b in zip(ptrs, ptrs[1:])):
+        return None
+    base = _bytes_storage(ts[0])
+    if (len(ts) - 1) * d + lay.num_blocks * lb > base.numel():
+        return None
+    return torch.as_strided(base, (len(ts), lay.num_blocks, lb), (d, lb, 1))
+
+
+def _copy_run_torch(kv3: torch.Tensor, rows: torch.Tensor, run: tuple, to_kv: bool) -> bool:
+    """One run (blocks b0.., rows r0..) of every layer as one torch copy; False when the run goes
+    up on one side and down on the other (torch views have no negative strides: numpy takes it)."""
+    b0, r0, n, db, dr = run
+    if n > 1 and db == dr == -1:    # the same pairs, walked upwards
+        b0, r0 = b0 - n + 1, r0 - n + 1
+    elif n > 1 and (db != 1 or dr != 1):
+        return False
+    kv = kv3[:, b0:b0 + n]
+    rw = rows[r0:r0 + n].transpose(0, 1)
+    if kv.shape[-1] % 8 == 0:  # 8-byte elements: a wider inner loop than bytes
+        kv, rw = kv.view(torch.int64), rw.view(torch.int64)
+    if to_kv:
+        kv.copy_(rw)
+    else:
+        rw.copy_(kv)
+    return True
+
+
+def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over t's whole storage, starting at t's first element."""
+    n = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
+
+
+class KVCopier:
+    """Copies between vLLM's KV (`layout`) and the slots of a CPU pool (or any rows buffer)."""
+
+    def __init__(self, layout: KVLayout, pool: CpuPool) -> None:
+        self.layout = lay = layout
+        self.pool = pool
+        n = pool.num_slots
+        L = len(lay.layer_bytes)
+        uniform = len(set(lay.layer_bytes)) == 1
+        self._slot_layer = pool.buffer.view(n * L, lay.layer_bytes[0]).unbind(0) if uniform else None
+        # [slot, layer, layer_bytes] views: a run of consecutive (block, slot) pairs is one
+        # strided copy per layer (no per-block Python call)
+        self.runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay._flat)
+        self.pool3 = pool.buffer.view(n, L, lay.layer_bytes[0]).numpy() if self.runs_ok else None
+        self._flat_np = [f.numpy() for f in lay._flat] if self.runs_ok else []
+        # every layer's blocks as one strided [layer, block, bytes] view when the layers sit in one
+        # allocation at a fixed distance (vLLM's allocate_kv_cache): a run of blocks is then one
+        # torch copy over all layers, run by the OpenMP team that the forward uses
+        self.kv3 = _layers_view(lay) if self.runs_ok else None
+        self._stream = None
+        if lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
+            self._stream = torch.cuda.Stream(device=lay.device)
+
+    def _slot_views(self, slot: int) -> list[torch.Tensor]:
+        lay = self.layout
+        L = len(lay.layer_bytes)
+        if self._slot_layer is not None:
+            return list(self._slot_layer[slot * L:(slot + 1) * L])
+        v = self.pool.views[slot]
+        return [v[lay.offsets[i]:lay.offsets[i + 1]] for i in range(L)]
+
+    def pool_job(self, block_ids: Sequence[int], slots: Sequence[int]) -> RowCopy | ViewCopy:
+        """The copy between these GPU blocks and these pool slots (either direction)."""
+        if self.runs_ok:
+            return RowCopy(self.pool3, runs(block_ids, slots))
+        return ViewCopy(self.gpu_views(block_ids), self.slot_views(slots))
+
+    def rows_job(self, rows3: np.ndarray | None, block_ids: Sequence[int], rows: Sequence[int],
+                 bufs: Sequence[torch.Tensor]) -> RowCopy | ViewCopy:
+        """Blocks <- rows of `rows3` when row copies apply, else from the whole-block buffers `bufs`."""
+        if rows3 is not None and self.runs_ok:
+            return RowCopy(rows3, runs(block_ids, rows))
+        lay = self.layout
+        src = []
+        for v in bufs:
+            src.extend(v[lay.offsets[li]:lay.offsets[li + 1]] for li in range(len(lay.layer_bytes)))
+        return ViewCopy(self.gpu_views(block_ids), src)
+
+    def copy_layer(self, li: int, jobs: Sequence[RowCopy | ViewCopy]) -> None:
+        """Layer `li` of every job, into the KV (the loader thread's unit of work)."""
+        L = len(self.layout.tensors)
+        d: list[torch.Tensor] = []
+        s: list[torch.Tensor] = []
+        for j in jobs:
+            if isinstance(j, RowCopy):
+                self.copy_runs(li, j.rows3, j.runs, to_kv=True)
+            else:
+                d.extend(j.dst[li::L])
+                s.extend(j.src[li::L])
+        if d:
+            self.copy(d, s)
+
+    def run(self, jobs: Sequence[RowCopy | ViewCopy], to_kv: bool) -> None:
+        """Every job now, on this thread (and the cores)."""
+        rows = [j for j in jobs if isinstance(j, RowCopy)]
+        if rows:
+            self.copy_rows(rows, to_kv)
+        for j in jobs:
+            if isinstance(j, ViewCopy):
+                if to_kv:
+                    self.copy(j.dst, j.src)
+                else:
+                    self.copy(j.src, j.dst)
+
+    def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        # shapes differ only for non-contiguous layer blocks: view the byte side accordingly
+        d2, s2 = [], []
+        for d, s in zip(dst, src):
+            if d.dtype != s.dtype or d.shape != s.shape:
+                if d.dtype == torch.uint8 and d.dim() == 1:
+                    d = d.view(s.dtype).view(s.shape)
+                else:
+                    s = s.view(d.dtype).view(d.shape)
+            d2.append(d)
+            s2.append(s)
+        if self._stream is not None:  # pragma: no cover - GPU only
+            with torch.cuda.stream(self._stream):
+                torch._foreach_copy_(d2, s2, non_blocking=True)
+            self._stream.synchronize()
+        elif d2:
+            copy_blocks(d2, s2, d2[0].numel() * d2[0].element_size())
+
+    def copy_runs(self, li: int, rows3, runs, to_kv: bool) -> None:
+        """Layer `li` of runs of blocks <-> layer `li` of rows of `rows3` ([row, layer, bytes],
+        numpy): one copy per run, in either direction (numpy takes the negative strides)."""
+        flat = self._flat_np[li]
+        for b0, r0, n, db, dr in runs:
+            kv, rows = flat[_sl(b0, n, db)], rows3[_sl(r0, n, dr), li]
+            if to_kv:
+                np.copyto(kv, rows)
+            else:
+                np.copyto(rows, kv)
+
+    def _copy_rows(self, jobs: list, layers: Sequence[int], to_kv: bool) -> None:
+        for li in layers:
+            for j in jobs:
+                self.copy_runs(li, j.rows3, j.runs, to_kv)
+
+    def copy_rows(self, jobs: list, to_kv: bool) -> None:
+        """Every layer of `jobs`: one torch copy per run over all layers when the KV layers are one
+        strided view (torch's OpenMP team splits it over the cores), else the layers split over
+        the cores in plain threads (numpy drops the GIL).
+
+        Why not plain threads first: on the CPU backend this runs right after vLLM's own torch
+        ops (input preparation before a load, the forward before a store), whose OpenMP worker
+        threads keep spinning for a while (libgomp's GOMP_SPINCOUNT); a second Python thread then
+        shares a core with a spinning OpenMP thread and the split copy runs at one core's speed."""
+        if self.kv3 is not None:
+            rest = []
+            for j in jobs:
+                rows_t = torch.from_numpy(j.rows3)  # a view: no copy
+                left = [r for r in j.runs if not _copy_run_torch(self.kv3, rows_t, r, to_kv)]
+                if left:
+                    rest.append(RowCopy(j.rows3, left))
+            jobs = rest
+            if not jobs:
+                return
+        L = len(self.layout.tensors)
+        workers = min(os.cpu_count() or 1, L)
+        futs = [_copier().submit(self._copy_rows, jobs, range(w, L, workers), to_kv) for w in range(1, workers)]
+        self._copy_rows(jobs, range(0, L, workers), to_kv)
+        for f in futs:
+            f.result()
+
+    def gpu_views(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        out = []
+        bv = self.layout.block_views
+        for b in block_ids:
+            out.extend(bv(b))
+        return out
+
+    def slot_views(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        out = []
+        for s in slots:
+            out.extend(self._slot_views(s))
+        return out
