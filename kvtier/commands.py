@@ -322,7 +322,7 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
         missing = sum(1 for s, _, _ in entries if s is None)
         entries = [e for e in entries if e[0] is not None]
     else:
-        entries = sorted((s, k, None) for k, s in nvme._slot_of.items())
+        entries = sorted((s, k, None) for k, s in nvme.resident.items())
         m_n = manifest.get("on_nvme") if manifest else None
         missing = max(0, m_n - len(entries)) if m_n is not None else 0
     staging = _staging(min(batch, max(1, len(entries))), bb)

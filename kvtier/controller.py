@@ -101,7 +101,7 @@ class TierController(Counting):
         self.demotion = demotion
         self.ranks = max(1, int(ranks))
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
-        self._index = [t._slot_of for t in self.tiers]        # read-only: each tier's key -> slot
+        self._index = [t.resident for t in self.tiers]        # read-only: each tier's key -> slot
         self._pending = [set() for _ in self.tiers]            # keys on their way into each tier
         self._stores: dict[int, _Store] = {}
         self._copies: dict[int, _Copy] = {}
@@ -346,7 +346,7 @@ class TierController(Counting):
         if t + 1 >= len(self.tiers):
             return 0
         tier = self.tiers[t]
-        todo = [(s, k) for k, s in list(tier._slot_of.items()) if not self.holds(k, t + 1)]
+        todo = [(s, k) for k, s in list(tier.resident.items()) if not self.holds(k, t + 1)]
         n = 0
         for i in range(0, len(todo), batch):
             n += self._plan_copy(t, todo[i:i + batch], demotion=True)
@@ -474,7 +474,7 @@ class TierController(Counting):
             raise RuntimeError("clear with leases or transfers in flight")
         n = 0
         for i, t in enumerate(self.tiers):
-            slots = list(t._slot_of.values())
+            slots = list(t.resident.values())
             if slots:
                 t.evict(slots)
                 n += len(slots)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Iterable
-
 GROUP_ID_BYTES = 4
 
 
@@ -17,13 +15,3 @@ def make_key(block_hash: bytes | int, group_id: int = 0) -> bytes:
 def split_key(key: bytes) -> tuple[bytes, int]:
     """Inverse of make_key: (block_hash, group_id)."""
     return key[:-GROUP_ID_BYTES], int.from_bytes(key[-GROUP_ID_BYTES:], "big")
-
-
-def keys_from_hashes(hashes: Iterable[bytes | int], group_id: int = 0) -> list[bytes]:
-    suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
-    out = []
-    for h in hashes:
-        if isinstance(h, int):
-            h = h.to_bytes(8, "big", signed=False)
-        out.append(bytes(h) + suffix)
-    return out

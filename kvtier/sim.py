@@ -58,7 +58,7 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
     if keys is None:
         keys = make_keys(requests)
     t0 = time.perf_counter()
-    slot_of = tier._slot_of  # read-only fast path (same dict lookup() walks)
+    slot_of = tier.resident  # read-only fast path (same dict lookup() walks)
     lookup, touch, free, hit = tier.lookup, tier.touch, tier.free_blocks, tier.hit
     allocate, commit, evict = tier.allocate, tier.commit, tier.evict
     free_slots = tier.free_slots

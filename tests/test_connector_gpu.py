@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.tiers.gpu import BlockPoolContext, GpuTier, SchedulerContext
+from kvtier.tiers.gpu import BlockPoolContext, SchedulerContext
 
 bp = pytest.importorskip("vllm.v1.core.block_pool")
 
@@ -40,12 +40,3 @@ def test_cursor_resumes_and_restarts():
     ctx.touch([cur.block_id])                      # the cursor's block left the free set
     assert [v.block_id for v in ctx.iter_free_blocks(after=cur)][0] == it[0].block_id
     ctx.free_blocks([cur.block_id])
-
-
-def test_gpu_tier_view():
-    pool = make_pool()
-    t = GpuTier(BlockPoolContext(pool))
-    assert t.capacity_blocks == 8 and t.num_used == 1
-    pool.get_new_blocks(2)
-    assert t.num_used == 3
-    assert t.stats()["used_blocks"] == 3

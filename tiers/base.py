@@ -138,6 +138,11 @@ class SlotTier:
             n += 1
         return n
 
+    @property
+    def resident(self) -> dict[bytes, int]:
+        """key -> slot of the resident blocks (the live dict: read it, never write it)."""
+        return self._slot_of
+
     def find(self, key: bytes) -> int | None:
         return self._slot_of.get(key)
 
@@ -306,8 +311,9 @@ class SlotTier:
             slots.append(s)
             keys.append(k)
         self._free = [s for s in range(self._cap - 1, -1, -1) if self._state[s] == _FREE]
-        if slots:
-            self.eviction.on_insert(slots, keys)
+        on_insert = self.eviction.on_insert
+        for s, k in zip(slots, keys):  # one by one: no request's order to apply, the oldest leaves first
+            on_insert([s], [k])
 
     # ---- persistence hooks -------------------------------------------------------------
     def _on_commit(self, slots: Sequence[int]) -> None:
