@@ -19,6 +19,7 @@ that one group. A config with several groups disables the connector with a warni
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from kvtier.tiers.base import SlotTier
 
 from .config import Settings, load_settings
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+from .handoff import clear_reports, read_reports, write_report
 from .metrics import KVTierPromMetrics
 from .startup import attach_vllm_log_handler, scheduler_line, worker_line
 from .scheduler import KVTierScheduler
@@ -137,6 +139,9 @@ class KVTierConnector(KVConnectorBase_V1):
         _LIVE.add(self)
         self.fingerprint = self._fingerprint(vllm_config, bb)
         if self.sched is not None:
+            for t in self._nvme_tiers():
+                if clear_reports(t.dir):
+                    log.warning("kvtier: %s: dropped a shutdown report an earlier run left unread", t.dir)
             log.info("%s", scheduler_line(self))
 
     def _fingerprint(self, vllm_config: Any, block_bytes: int) -> dict:
@@ -232,6 +237,9 @@ class KVTierConnector(KVConnectorBase_V1):
                 s.data.setdefault(k, v)  # a controller that reports its own gauges wins
         return s
 
+    def _nvme_tiers(self) -> list:
+        return [t for t in getattr(self.sched, "tiers", []) or [] if getattr(t, "kind", "") == "nvme"]
+
     def _gauges(self) -> dict[str, float]:
         """Occupancy of each tier and blocks held by leases, from the tiers' public counts."""
         out: dict[str, float] = {}
@@ -272,18 +280,29 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         self.closed = True
         if self.worker is not None:
-            final = self.worker.close()
-            if final is not None:
+            nvme_dir = getattr(self.worker.nvme, "dir", None)
+            final = self.worker.close(timeout_s=_flush_budget_s())
+            if final is not None and final.nvme_written:
+                n = sum(1 for v in final.nvme_written.values() for c in v if c >= 0)
                 peers = [c for c in live_connectors("scheduler") if c.sched is not None]
                 if peers:
                     peers[0].sched.on_worker_meta(final)
-                    log.info("kvtier: shutdown: last write-back report (%d NVMe ops) handed to the scheduler",
-                             len(final.nvme_written))
-                elif final.nvme_written:
-                    n = sum(1 for v in final.nvme_written.values() for c in v if c >= 0)
-                    log.warning("kvtier: shutdown: %d blocks reached NVMe after the last step's report and the "
-                                "scheduler is in another process: not indexed (misses after a restart)", n)
+                    log.info("kvtier: shutdown: %d NVMe blocks written back after the last step, handed "
+                             "to the scheduler", n)
+                elif nvme_dir:
+                    path = write_report(nvme_dir, final)
+                    log.info("kvtier: shutdown: %d NVMe blocks written back after the last step; report "
+                             "for the scheduler in %s", n, path)
+                else:
+                    log.warning("kvtier: shutdown: %d NVMe blocks written back after the last step and no "
+                                "way to tell the scheduler: not indexed (misses after a restart)", n)
         if self.sched is not None:
+            for t in self._nvme_tiers():  # the workers exited first: their last reports
+                rep = read_reports(t.dir)
+                if rep is not None:
+                    self.sched.on_worker_meta(rep)
+                    n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
+                    log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
             t0 = time.monotonic()
             self.sched.close()  # the NVMe index and its directory lock
             log.info("kvtier connector (scheduler): shut down, index closed in %.2f s; totals %s",
@@ -382,6 +401,18 @@ class KVTierConnector(KVConnectorBase_V1):
         if part is not None:
             d.update(part.stats())
         return d
+
+
+def _flush_budget_s() -> float:
+    """How long a worker may wait for its NVMe write-back at shutdown: within the grace vLLM's
+    executor gives a worker to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, default 5) before its
+    SIGTERM, and never more than the worker's own bound."""
+    from .worker import SHUTDOWN_FLUSH_TIMEOUT_S
+    try:
+        grace = float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5"))
+    except ValueError:
+        grace = 5.0
+    return max(0.5, min(SHUTDOWN_FLUSH_TIMEOUT_S, grace - 1.0))
 
 
 def _short_totals(totals: dict) -> str:

@@ -78,3 +78,36 @@ def test_metrics_count_blocks_served(model_dir, tmp_path):
     log = srv.log_path.read_text(errors="replace")
     assert "kvtier connector (scheduler) started: tiers cpu 64 blocks" in log, srv.tail()
     assert "kvtier connector (worker rank 0) started:" in log, srv.tail()
+
+
+def test_sigterm_flushes_nvme_and_restart_serves_it(model_dir, tmp_path):
+    """max_tokens=1: the last prompt's NVMe writes are still unreported when the server goes idle,
+    so only the shutdown path (worker flush, report, scheduler commit, index close) indexes them."""
+    d = str(tmp_path / "nvme")
+    cfg = _kvtier(cpu_capacity_blocks=64, nvme_path=d, nvme_capacity_blocks=256)
+    args = ["--shutdown-timeout", "30"]   # vLLM's default (0) SIGKILLs the engine at once
+    ps = U.prompts(N, BLOCKS, seed=13)
+    srv = S.Server(model_dir, tmp_path / "a.log", cfg, extra_args=args)
+    try:
+        srv.wait_ready(START_S)
+        first = [srv.complete(p, max_tokens=1)["choices"][0]["text"] for p in ps]
+        assert _wait_metric(srv, "vllm:kvtier_stored_blocks_total", N * BLOCKS, timeout_s=10, tier="cpu") == N * BLOCKS
+    finally:
+        srv.stop()  # SIGTERM, then the process group is killed whatever happened
+    log = srv.log_path.read_text(errors="replace")
+    assert "kvtier connector (scheduler): shut down, index closed" in log, srv.tail()
+    srv = S.Server(model_dir, tmp_path / "b.log", cfg, extra_args=args)
+    try:
+        srv.wait_ready(START_S)
+        again = [srv.complete(p, max_tokens=1)["choices"][0]["text"] for p in ps]
+        assert again == first
+        hits = _wait_metric(srv, "vllm:kvtier_hit_blocks_total", N * BLOCKS, tier="nvme")
+        m = S.parse_metrics(srv.metrics_text())
+        assert hits == N * BLOCKS
+        assert S.metric(m, "vllm:kvtier_hit_blocks_total", tier="cpu") == 0
+        assert S.metric(m, "vllm:prompt_tokens_cached_by_source_total", source="disk") == N * BLOCKS * U.BLOCK
+        assert S.metric(m, "vllm:kvtier_checksum_failures_total", tier="nvme") == 0
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    assert f"{N * BLOCKS} restored from disk" in log, srv.tail()
