@@ -39,16 +39,18 @@ class Server:
     def __init__(self, model_dir: str, log_path: str | Path, kv_transfer_config: str | None = None,
                  prefix_caching: bool = False, extra_args: list[str] | None = None, env: dict | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 1024, kv_cache_gib: str = "1",
-                 num_gpu_blocks: int | None = None) -> None:
+                 num_gpu_blocks: int | None = None, skip_tokenizer: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port),
-               "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
+               "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK),
                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0",
                "--distributed-executor-backend", "uni",
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+        if skip_tokenizer:  # token-id prompts; the tiny model has no tokenizer
+            cmd += ["--skip-tokenizer-init"]
         if num_gpu_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
         if kv_transfer_config is not None:
