@@ -273,9 +273,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """vLLM's shutdown (SIGTERM / SIGINT of the server, LLM deleted): the executor's workers
-        first, then the scheduler. The worker waits (bounded) for its pending NVMe write-back;
-        when the scheduler side lives in this process (one worker: vLLM's uni executor) it gets
-        that last report, so those blocks are committed to the index before it closes."""
+        first, then the scheduler. The worker waits (bounded) for its pending NVMe write-back and
+        hands the report no step carried to the scheduler: directly when it lives in this
+        process, else through the NVMe directory (connector/handoff.py). The scheduler commits
+        it, then closes the index and its directory lock."""
         if self.closed:
             return
         self.closed = True

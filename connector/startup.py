@@ -64,8 +64,6 @@ def scheduler_line(conn: Any) -> str:
 
 def worker_line(conn: Any) -> tuple[str, list[str]]:
     """(INFO line, fallback WARNINGs) once the worker has its KV caches and CPU pool."""
-    from kvtier.tiers.cpu_pool import cuda_available
-
     st, w = conn.settings, conn.worker
     warnings: list[str] = []
     lay = w.layout
@@ -79,15 +77,13 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
     if pool is not None:
         line += (f"cpu pool {pool.num_slots} slots ({_size(pool.num_slots * pool.block_bytes)}, "
                  f"{'pinned' if pool.pinned else 'pageable'}); ")
-        if gpu and not pool.pinned and st.pin in ("auto", True):
+        if gpu and not pool.pinned and st.pin in ("auto", True):  # pin=true without CUDA: cpu_pool warns
             warnings.append("kvtier: pinned host memory unavailable; the CPU tier uses pageable memory "
                             "(slower GPU<->CPU copies)")
     if st.nvme_path:
         line += f"nvme {st.nvme_path}, io {_io_choice(st, gpu, warnings)}"
     else:
         line += "no nvme tier"
-    if not cuda_available() and st.pin is True:
-        warnings.append("kvtier: pin=true but CUDA is not available: plain memory")
     return line, warnings
 
 
