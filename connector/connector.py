@@ -19,6 +19,8 @@ that one group. A config with several groups disables the connector with a warni
 from __future__ import annotations
 
 import logging
+import os
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,9 @@ from kvtier.builder import build_controller, build_tiers
 
 from .config import load_settings, tier_of
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+from .handoff import clear_reports, read_reports, write_report
+from .metrics import KVTierPromMetrics
+from .startup import attach_vllm_log_handler, scheduler_line, worker_line
 from .scheduler import KVTierScheduler
 from .worker import KVTierWorker
 
@@ -81,6 +86,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        attach_vllm_log_handler()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         cfg = load_settings(extra)
         self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
@@ -93,6 +99,7 @@ class KVTierConnector(KVConnectorBase_V1):
                         ngroups, bb)
         # the block is vLLM's: the YAML's capacities in bytes are counted in these blocks
         self.config = cfg = cfg.model_copy(update={"block_bytes": bb or 1, "block_tokens": self.block_tokens})
+        self.fingerprint = self._fingerprint(vllm_config)
         cpu = tier_of(cfg, "cpu")
         nvme = tier_of(cfg, "nvme")
         cpu_blocks = cpu.blocks(cfg.block_bytes) if (bb and cpu is not None) else 1
@@ -101,12 +108,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker: KVTierWorker | None = None
         self.gpu_ctx = None
         self.closed = False
+        self._last_gauges: dict[str, float] = {}
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier fails to load (I/O error, "
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         if role == KVConnectorRole.SCHEDULER:
-            tiers = build_tiers(cfg, "control", self._fingerprint(vllm_config)) if self.enabled else []
+            tiers = build_tiers(cfg, "control", self.fingerprint) if self.enabled else []
             ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
             self.sched = KVTierScheduler(block_tokens=self.block_tokens, group_id=0,
                                          store=cfg.serving.store and self.enabled, offload="eager",
@@ -119,8 +127,11 @@ class KVTierConnector(KVConnectorBase_V1):
                                        nvme_direct=nvme.direct if nvme else "auto",
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank)
         _LIVE.add(self)
-        log.info("kvtier connector (%s): cpu tier %d blocks x %d B, block %d tokens, config %s",
-                 self.role_name, cpu_blocks, bb, self.block_tokens, cfg.source)
+        if self.sched is not None:
+            for t in self._nvme_tiers():
+                if clear_reports(t.dir):
+                    log.warning("kvtier: %s: dropped a shutdown report an earlier run left unread", t.dir)
+            log.info("%s", scheduler_line(self))
 
     def _fingerprint(self, vllm_config: Any) -> dict:
         """What must match for a stored block to be served (`StackConfig.fingerprint` with vLLM's
@@ -143,6 +154,10 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None and self.enabled:
             self.worker.register_kv_caches(kv_caches)
+            line, warnings = worker_line(self)
+            log.info("%s", line)
+            for w in warnings:
+                log.warning("%s", w)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -186,19 +201,104 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.worker.take_result()
 
     def get_kv_connector_stats(self) -> KVTierStats | None:
-        part = self.worker if self.worker is not None else self.sched
-        return part.take_interval_stats() if part is not None else None
+        """This step's counters (vLLM calls it once per step on each side; see connector/metrics.py).
+
+        Worker: each per-step time becomes one histogram observation (`obs:seconds_*`), and ranks
+        other than 0 leave out their block counts (a block is one block, whatever the ranks; bytes
+        add up over ranks). Scheduler: tier occupancy and leases as gauges, when they changed.
+        """
+        if self.worker is not None:
+            s = self.worker.take_interval_stats()
+            if s is None:
+                return None
+            for k, v in list(s.data.items()):
+                if k.startswith(("seconds_loaded.", "seconds_stored.")) and v > 0:
+                    s.data["obs:" + k] = [float(v)]
+                if self.worker.rank != 0 and k.startswith(("blocks_loaded.", "blocks_stored.")):
+                    del s.data[k]
+            return s
+        if self.sched is None:
+            return None
+        s = self.sched.take_interval_stats()
+        gauges = {k: v for k, v in self._gauges().items() if self._last_gauges.get(k) != v}
+        if gauges:
+            self._last_gauges.update(gauges)
+            s = s if s is not None else KVTierStats()
+            for k, v in gauges.items():
+                s.data.setdefault(k, v)  # a controller that reports its own gauges wins
+        return s
+
+    def _nvme_tiers(self) -> list:
+        return [t for t in getattr(self.sched, "tiers", []) or [] if getattr(t, "kind", "") == "nvme"]
+
+    def _gauges(self) -> dict[str, float]:
+        """Occupancy of each tier and blocks held by leases, from the tiers' public counts."""
+        out: dict[str, float] = {}
+        for t in getattr(self.sched, "tiers", []) or []:
+            try:
+                out[f"gauge_resident_blocks.{t.name}"] = int(t.num_used)
+                out[f"gauge_capacity_blocks.{t.name}"] = int(t.capacity_blocks)
+            except Exception:  # a tier without the counts: no gauge
+                continue
+        leases = getattr(self.sched, "leases", None)
+        if leases is not None and hasattr(leases, "pinned"):
+            out["gauge_leased_blocks"] = int(leases.pinned())
+        return out
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
         return KVTierStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        """The `vllm:kvtier_*` series on the API server's /metrics (connector/metrics.py)."""
+        tiers = ["cpu"]
+        try:
+            kvt = vllm_config.kv_transfer_config
+            if tier_of(load_settings(dict(kvt.kv_connector_extra_config or {})), "nvme") is not None:
+                tiers.append("nvme")
+        except Exception as e:  # the series still exist; other tiers appear when first counted
+            log.warning("kvtier: metrics: could not read the tier config (%s); assuming a cpu tier", e)
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers=tiers)
+
     def shutdown(self) -> None:
+        """vLLM's shutdown (SIGTERM / SIGINT of the server, LLM deleted): the executor's workers
+        first, then the scheduler. The worker waits (bounded) for its pending NVMe write-back and
+        hands the report no step carried to the scheduler: directly when it lives in this
+        process, else through the NVMe directory (connector/handoff.py). The scheduler commits
+        it, then closes the index and its directory lock."""
+        if self.closed:
+            return
         self.closed = True
         if self.worker is not None:
-            self.worker.close()
+            nvme_dir = getattr(self.worker.nvme, "dir", None)
+            final = self.worker.close(timeout_s=_flush_budget_s())
+            if final is not None and final.nvme_written:
+                n = sum(1 for v in final.nvme_written.values() for c in v if c >= 0)
+                peers = [c for c in live_connectors("scheduler") if c.sched is not None]
+                if peers:
+                    peers[0].sched.on_worker_meta(final)
+                    log.info("kvtier: shutdown: %d NVMe blocks written back after the last step, handed "
+                             "to the scheduler", n)
+                elif nvme_dir:
+                    path = write_report(nvme_dir, final)
+                    log.info("kvtier: shutdown: %d NVMe blocks written back after the last step; report "
+                             "for the scheduler in %s", n, path)
+                else:
+                    log.warning("kvtier: shutdown: %d NVMe blocks written back after the last step and no "
+                                "way to tell the scheduler: not indexed (misses after a restart)", n)
         if self.sched is not None:
+            for t in self._nvme_tiers():  # the workers exited first: their last reports
+                rep = read_reports(t.dir)
+                if rep is not None:
+                    self.sched.on_worker_meta(rep)
+                    n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
+                    log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
+            t0 = time.monotonic()
             self.sched.close()  # the NVMe index and its directory lock
+            log.info("kvtier connector (scheduler): shut down, index closed in %.2f s; totals %s",
+                     time.monotonic() - t0, _short_totals(self.sched.totals))
 
     # ==============================================================================
     # Scheduler side
@@ -293,6 +393,23 @@ class KVTierConnector(KVConnectorBase_V1):
         if part is not None:
             d.update(part.stats())
         return d
+
+
+def _flush_budget_s() -> float:
+    """How long a worker may wait for its NVMe write-back at shutdown: within the grace vLLM's
+    executor gives a worker to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, default 5) before its
+    SIGTERM, and never more than the worker's own bound."""
+    from .worker import SHUTDOWN_FLUSH_TIMEOUT_S
+    try:
+        grace = float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5"))
+    except ValueError:
+        grace = 5.0
+    return max(0.5, min(SHUTDOWN_FLUSH_TIMEOUT_S, grace - 1.0))
+
+
+def _short_totals(totals: dict) -> str:
+    keys = ("n_lookups", "hit_tokens", "stored_blocks.cpu", "stored_blocks.nvme", "corrupt_blocks.nvme")
+    return ", ".join(f"{k}={int(totals[k])}" for k in keys if totals.get(k))
 
 
 def _ids0(ids: Any) -> list[int] | None:

@@ -50,14 +50,13 @@ class KVTierWorkerMeta(Report, KVConnectorWorkerMetadata):
     """A worker's report for one step (see `kvtier.plan.Report`); vLLM aggregates it over ranks."""
 
 
-_SUM_KEYS_PREFIX = ("n_", "bytes_", "blocks_", "tokens_", "seconds_")
-
-
 @dataclass
 class KVTierStats(KVConnectorStats):
-    """Counters since the last collection: sums over steps and workers.
+    """kvtier's counters since the last collection, as vLLM carries them from workers to metrics.
 
-    Keys: `<counter>` or `<counter>.<tier>` (e.g. `hit_blocks.cpu`, `bytes_loaded.cpu`).
+    Keys (see connector/metrics.py for the Prometheus mapping): `<counter>` or `<counter>.<tier>`
+    add up over steps and workers; `gauge_<name>[.<tier>]` replace (newest wins);
+    `obs:<name>[.<tier>]` are lists of observations that concatenate.
     """
 
     def reset(self) -> None:
@@ -68,13 +67,24 @@ class KVTierStats(KVConnectorStats):
 
     def aggregate(self, other: "KVConnectorStats") -> "KVTierStats":
         for k, v in (other.data or {}).items():
-            if isinstance(v, (int, float)):
+            if k.startswith("gauge_"):
+                self.data[k] = v
+            elif isinstance(v, (list, tuple)):
+                self.data[k] = list(self.data.get(k, [])) + list(v)
+            elif isinstance(v, (int, float)):
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
+        """One interval's summary for vLLM's "KV Transfer metrics" log line: counters, gauges,
+        per-tier GB/s, and per-step latency means of the observation lists (ms)."""
         out: dict[str, int | float] = {}
         for k, v in sorted(self.data.items()):
+            if isinstance(v, (list, tuple)):
+                if v:
+                    out[f"{k[len('obs:'):] if k.startswith('obs:') else k}_ms_mean"] = round(
+                        1e3 * sum(v) / len(v), 3)
+                continue
             out[k] = round(v, 6) if isinstance(v, float) else v
         for d in ("loaded", "stored"):
             for k in list(self.data):

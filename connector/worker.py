@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
 from .staging import Staging
 
 log = logging.getLogger("kvtier.connector")
+
+SHUTDOWN_FLUSH_TIMEOUT_S = 30.0  # close(): longest wait for pending NVMe write-back
 
 
 class KVTierWorker(Counting):
@@ -365,18 +368,37 @@ class KVTierWorker(Counting):
                 "nvme": {"path": self.nvme.path, "engine": self.nvme.description} if self.nvme else None,
                 "corrupt_blocks": self.corrupt_blocks}
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> KVTierWorkerMeta | None:
+        """Shut down: finish loads, wait up to `timeout_s` (default `SHUTDOWN_FLUSH_TIMEOUT_S`) for
+        the pending NVMe write-back, free the memory. Returns the report no step carried yet (NVMe
+        writes made durable since the last step, for the scheduler to commit), or None."""
         self.finish_loads()
-        if self._writes:  # durable on disk, but the scheduler never hears of them: not indexed
+        final = None
+        late: set = set()
+        if self._writes:
+            t0 = time.monotonic()
+            limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
+            pending = [f for _, f in self._writes]
+            _, late = wait_futures(pending, timeout=limit)
+            self._writes = [(st, f) for st, f in self._writes if f not in late]
             self._reap_writes(wait=True)
-            lost = sum(1 for v in self._result.nvme_written.values() for c in v if c >= 0)
-            if lost:
-                log.warning("kvtier: %d blocks reached NVMe after the last step's report; they are not in "
-                            "the index (misses after a restart)", lost)
-                self._count("nvme_unreported_blocks", lost)
+            n = sum(1 for v in self._result.nvme_written.values() for c in v if c >= 0)
+            if late:
+                log.error("kvtier: shutdown: %d of %d NVMe write batches still running after %.1f s; "
+                          "left behind (their blocks are not indexed)", len(late), len(pending), limit)
+            log.info("kvtier: shutdown: NVMe write-back flushed, %d blocks in %d batches in %.2f s",
+                     n, len(pending) - len(late), time.monotonic() - t0)
+            if n:  # durable on disk; indexed only if the scheduler gets this report
+                self._count("nvme_unreported_blocks", n)
+        r = self._result
+        if r.stored or r.loaded or r.nvme_written or r.corrupt:
+            final, self._result = r, KVTierWorkerMeta(rank=self.rank)
         if self._flusher is not None:
-            self._flusher.shutdown(wait=True)
+            self._flusher.shutdown(wait=not late, cancel_futures=True)
             self._flusher = None
+        self._writes = []
+        if late:  # a write still reads the CPU pool and the data file: leave both to process exit
+            return final
         if self._loader is not None:
             self._loader.shutdown(wait=True)
             self._loader = None
@@ -390,3 +412,4 @@ class KVTierWorker(Counting):
         for p in self.pools:
             p.close()
         self.pools = []
+        return final

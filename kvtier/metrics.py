@@ -1,10 +1,13 @@
-"""Counters every stack keeps, exportable to Prometheus."""
+"""Counters every stack keeps (offline use: CLI, replay).
+
+Inside vLLM the connector exports its counters to Prometheus in vLLM's convention
+(`kvtier.connector.metrics`: `vllm:kvtier_*` series on the server's /metrics).
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable
 
 
 @dataclass
@@ -30,20 +33,3 @@ class StackMetrics:
         for k, v in self.__dict__.items():
             out[k] = dict(v) if isinstance(v, dict) else v
         return out
-
-
-def export_prometheus(metrics: StackMetrics, tier_names: Iterable[str], registry=None, prefix: str = "kvtier"):
-    """Register the counters as Prometheus gauges (current values) in `registry` and return it."""
-    from prometheus_client import CollectorRegistry, Gauge
-
-    registry = registry or CollectorRegistry()
-    names = list(tier_names)
-    for field_name, value in metrics.as_dict().items():
-        if isinstance(value, dict):
-            g = Gauge(f"{prefix}_{field_name}", f"kvtier {field_name.replace('_', ' ')} per tier", ["tier"],
-                      registry=registry)
-            for t in names:
-                g.labels(tier=t).set(value.get(t, 0))
-        else:
-            Gauge(f"{prefix}_{field_name}", f"kvtier {field_name.replace('_', ' ')}", registry=registry).set(value)
-    return registry

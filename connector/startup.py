@@ -1,0 +1,115 @@
+"""What the connector says when it starts: one INFO line per side, a WARNING per fallback.
+
+vLLM configures its own `vllm` logger (a handler, propagate off) and leaves the root logger
+bare, so records of the `kvtier` logger would only reach Python's last-resort handler (WARNING
+and up, no format). `attach_vllm_log_handler` gives `kvtier` vLLM's handlers and level, so
+kvtier's lines look like vLLM's and obey `VLLM_LOGGING_LEVEL`; with `VLLM_CONFIGURE_LOGGING=0`
+or an application that configured logging itself, it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .config import tier_of
+
+log = logging.getLogger("kvtier.connector")
+
+
+def attach_vllm_log_handler() -> bool:
+    """Route the `kvtier` logger through vLLM's handlers when nothing else would show its INFO."""
+    kv = logging.getLogger("kvtier")
+    if kv.handlers or logging.getLogger().handlers:
+        return False
+    vl = logging.getLogger("vllm")
+    if not vl.handlers:
+        return False
+    for h in vl.handlers:
+        kv.addHandler(h)
+    kv.setLevel(vl.level or logging.INFO)
+    kv.propagate = False
+    return True
+
+
+def _size(n: float) -> str:
+    for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= f:
+            return f"{n / f:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def scheduler_line(conn: Any) -> str:
+    """Tiers with capacities, NVMe directory and blocks restored, policies, fingerprint."""
+    from kvtier.tiers.nvme_control import fingerprint_hash
+
+    st = conn.config
+    nv = tier_of(st, "nvme")
+    bb = conn.block_bytes_estimate
+    parts = []
+    restored = 0
+    for t in getattr(conn.sched, "tiers", []) or []:
+        cap = int(getattr(t, "capacity_blocks", 0))
+        p = f"{t.name} {cap} blocks ({_size(cap * bb)})"
+        if getattr(t, "kind", "") == "nvme":
+            r = int(getattr(t, "restored_blocks", 0))
+            restored += r
+            p += f" at {getattr(t, 'dir', nv.path if nv else '?')}, {r} restored from disk"
+        parts.append(p)
+    fp = conn.fingerprint
+    pol = st.policy
+    policies = f"eviction {pol.eviction}" + (f"/{nv.eviction}" if nv and nv.eviction else "")
+    policies += f", admission {pol.admission}" + (f"/{nv.admission}" if nv and nv.admission else "")
+    return (f"kvtier connector (scheduler) started: tiers {'; '.join(parts) or 'none (disabled)'}; "
+            f"block {conn.block_tokens} tokens x {_size(bb)}; {policies}, offload {pol.offload}, "
+            f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
+            f"fingerprint {fingerprint_hash(fp)} "
+            f"(model {fp['model']}, {fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); config {st.source}")
+
+
+def worker_line(conn: Any) -> tuple[str, list[str]]:
+    """(INFO line, fallback WARNINGs) once the worker has its KV caches and CPU pool."""
+    st, w = conn.config, conn.worker
+    cpu, nv = tier_of(st, "cpu"), tier_of(st, "nvme")
+    warnings: list[str] = []
+    lay = w.layout
+    pools = getattr(w, "pools", []) or []
+    pool = pools[0] if pools else None
+    gpu = lay is not None and lay.device.type == "cuda"
+    line = f"kvtier connector (worker rank {w.rank}) started: "
+    if lay is not None:
+        line += (f"KV {len(lay.tensors)} layers x {lay.num_blocks} blocks of {_size(lay.block_bytes)} on "
+                 f"{lay.device}; ")
+    if pool is not None:
+        line += (f"cpu pool {pool.num_slots} slots ({_size(pool.num_slots * pool.block_bytes)}, "
+                 f"{'pinned' if pool.pinned else 'pageable'}); ")
+        if gpu and not pool.pinned and cpu is not None and cpu.pin in ("auto", True):  # pin=true without CUDA: cpu_pool warns
+            warnings.append("kvtier: pinned host memory unavailable; the CPU tier uses pageable memory "
+                            "(slower GPU<->CPU copies)")
+    if nv is not None:
+        line += f"nvme {nv.path}, io {_io_choice(nv, gpu, warnings)}"
+    else:
+        line += "no nvme tier"
+    return line, warnings
+
+
+def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
+    """The NVMe engine `select_engine` will pick when the worker opens the data file (`nv`: the
+    NVMe tier's config)."""
+    from kvtier.tiers.io_engines import cuda_driver_reason
+
+    if nv.io == "posix":
+        return f"posix ({nv.io_threads} threads, O_DIRECT {nv.direct})"
+    why = cuda_driver_reason()
+    if why is None:
+        try:
+            import kvikio  # noqa: F401,PLC0415
+            return f"kvikio ({nv.io_threads} threads)"
+        except Exception as e:
+            why = f"kvikio not importable ({type(e).__name__})"
+    if nv.io == "kvikio":
+        warnings.append(f"kvtier: nvme io 'kvikio' asked but unusable ({why}): NVMe I/O will fail")
+        return f"kvikio (unusable: {why})"
+    if gpu:
+        warnings.append(f"kvtier: NVMe I/O falls back to POSIX: {why}")
+    return f"posix ({nv.io_threads} threads, O_DIRECT {nv.direct}; kvikio not used: {why})"

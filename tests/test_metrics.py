@@ -1,0 +1,74 @@
+"""kvtier's stats in vLLM's metrics pipeline, without a server: the aggregation rules, the
+key -> series map, and the Prometheus series KVTierPromMetrics registers and fills."""
+
+from __future__ import annotations
+
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client")
+pytest.importorskip("vllm")
+
+from kvtier.connector.metadata import KVTierStats  # noqa: E402
+from kvtier.connector.metrics import KVTierPromMetrics, to_series  # noqa: E402
+
+
+def test_stats_aggregate_sum_replace_concat():
+    a = KVTierStats(data={"hit_blocks.cpu": 2, "gauge_resident_blocks.cpu": 5, "obs:seconds_loaded.cpu": [0.1]})
+    b = KVTierStats(data={"hit_blocks.cpu": 3, "gauge_resident_blocks.cpu": 7, "obs:seconds_loaded.cpu": [0.3],
+                          "n_lookups": 1})
+    a.aggregate(b)
+    assert a.data == {"hit_blocks.cpu": 5, "gauge_resident_blocks.cpu": 7, "obs:seconds_loaded.cpu": [0.1, 0.3],
+                      "n_lookups": 1}
+    r = a.reduce()
+    assert r["hit_blocks.cpu"] == 5 and r["seconds_loaded.cpu_ms_mean"] == pytest.approx(200.0)
+    assert KVTierStats().is_empty() and not a.is_empty()
+
+
+def test_to_series_maps_known_keys_only():
+    s = to_series({"hit_blocks.cpu": 4, "n_lookups": 2, "bytes_loaded.nvme": 10, "corrupt_blocks.nvme": 1,
+                   "gauge_leased_blocks": 3, "obs:seconds_stored.nvme": [0.5], "whatever.cpu": 9,
+                   "hit_blocks": 7, "n_lookups.cpu": 1, "evicted_blocks.cpu": 0})
+    assert s == {("counter", "hit_blocks", "cpu"): 4, ("counter", "lookups", None): 2,
+                 ("counter", "loaded_bytes", "nvme"): 10, ("counter", "checksum_failures", "nvme"): 1,
+                 ("gauge", "leased_blocks", None): 3, ("histogram", "store_seconds", "nvme"): [0.5]}
+
+
+def _types(registry):
+    C, G, H = prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram
+
+    class Counter(C):
+        def __init__(self, *a, **k):
+            super().__init__(*a, registry=registry, **k)
+
+    class Gauge(G):
+        def __init__(self, *a, **k):
+            super().__init__(*a, registry=registry, **k)
+
+    class Histogram(H):
+        def __init__(self, *a, **k):
+            super().__init__(*a, registry=registry, **k)
+
+    return {C: Counter, G: Gauge, H: Histogram}
+
+
+def test_prom_series_with_tier_label():
+    reg = prometheus_client.CollectorRegistry()
+
+    class Cfg:
+        kv_transfer_config = None
+
+    m = KVTierPromMetrics(Cfg(), _types(reg), ["model_name", "engine"], {0: ["tiny", "0"]}, tiers=["cpu", "nvme"])
+    lab = {"model_name": "tiny", "engine": "0"}
+    # every known tier's series exists at 0 before anything is counted
+    assert reg.get_sample_value("vllm:kvtier_hit_blocks_total", {**lab, "tier": "nvme"}) == 0
+    assert reg.get_sample_value("vllm:kvtier_io_errors_total", {**lab, "tier": "cpu"}) == 0
+    m.observe({"hit_blocks.cpu": 4, "hit_blocks.nvme": 2, "n_lookups": 3, "gauge_resident_blocks.cpu": 9,
+               "obs:seconds_loaded.cpu": [0.002, 0.2]})
+    m.observe({"hit_blocks.cpu": 1, "gauge_resident_blocks.cpu": 6, "demoted_blocks.nvme": 5})
+    assert reg.get_sample_value("vllm:kvtier_hit_blocks_total", {**lab, "tier": "cpu"}) == 5
+    assert reg.get_sample_value("vllm:kvtier_hit_blocks_total", {**lab, "tier": "nvme"}) == 2
+    assert reg.get_sample_value("vllm:kvtier_lookups_total", lab) == 3
+    assert reg.get_sample_value("vllm:kvtier_resident_blocks", {**lab, "tier": "cpu"}) == 6
+    assert reg.get_sample_value("vllm:kvtier_demoted_blocks_total", {**lab, "tier": "nvme"}) == 5
+    assert reg.get_sample_value("vllm:kvtier_load_seconds_count", {**lab, "tier": "cpu"}) == 2
+    assert reg.get_sample_value("vllm:kvtier_load_seconds_bucket", {**lab, "tier": "cpu", "le": "0.005"}) == 1
