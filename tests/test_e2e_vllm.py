@@ -273,9 +273,9 @@ def test_lazy_offload_hits(model_dir, prompts, baseline, capsys):
     try:
         s, w = _parts()
         assert s.sched.offload == "lazy"
-        first = U.generate(llm, prompts, MAX_TOKENS)
+        first = [U.generate(llm, [p], MAX_TOKENS)[0] for p in prompts]   # one request at a time
         t1 = dict(s.sched.totals)
-        second = U.generate(llm, prompts, MAX_TOKENS)
+        second = [U.generate(llm, [p], MAX_TOKENS)[0] for p in prompts]
         t2 = dict(s.sched.totals)
         p2 = U.tier_hits(t1, t2)
         _report(capsys, "lazy offload (12 GPU blocks, prefix caching on)",
@@ -289,3 +289,46 @@ def test_lazy_offload_hits(model_dir, prompts, baseline, capsys):
         assert not s.sched._gpu_pinned
     finally:
         U.shutdown(llm)
+
+
+def test_yaml_stack_write_back_exclusive_then_inspect(model_dir, prompts, baseline, tmp_path, capsys):
+    """The connector built from a YAML stack (kv_connector_extra_config.config): write-back
+    demotion and exclusive promotion act inside vLLM as in replay, and `kvtier inspect --config`
+    with the same YAML reads the directory the connector wrote (one schema, one fingerprint)."""
+    import json
+    import subprocess
+    y = tmp_path / "stack.yaml"
+    y.write_text(f"""
+tiers:
+  - {{name: cpu, kind: cpu, capacity_blocks: 12}}
+  - {{name: nvme, kind: nvme, path: {tmp_path / 'nv'}, capacity_blocks: {NVME_BLOCKS}, io: posix}}
+policy: {{eviction: lru, promotion: exclusive, demotion: write_back}}
+serving: {{nvme_write_lag_steps: 0}}
+""")
+    llm = U.make_llm(model_dir, U.kvtier_config(config=str(y)))
+    try:
+        s, w = _parts()
+        first = [U.generate(llm, [p], MAX_TOKENS)[0] for p in prompts]   # one request at a time
+        t1 = dict(s.sched.totals)
+        second = [U.generate(llm, [p], MAX_TOKENS)[0] for p in prompts]
+        t2 = dict(s.sched.totals)
+        p2 = U.tier_hits(t1, t2)
+        _report(capsys, "YAML stack: cpu 12 blocks, write-back, exclusive promotion", [("pass 2", p2)])
+        with capsys.disabled():
+            print("  totals:", {k: int(v) for k, v in sorted(t2.items()) if k.split(".")[0] in (
+                "stored_blocks", "demoted_blocks", "promoted_blocks", "evicted_blocks", "store_dropped_blocks")})
+        assert first == baseline and second == baseline
+        cpu_in, nvme_in = t1["stored_blocks.cpu"], t1.get("demoted_blocks.nvme", 0)
+        assert 0 < nvme_in < cpu_in                  # write-back: only what left DRAM (and its window)
+        promoted = t2.get("promoted_blocks.cpu", 0) - t1.get("promoted_blocks.cpu", 0)
+        left_nvme = t2.get("evicted_blocks.nvme", 0) - t1.get("evicted_blocks.nvme", 0)
+        assert p2["nvme"] > 0 and promoted > 0 and left_nvme == promoted   # exclusive: moved up
+        held = s.sched.tiers[1].num_resident
+        assert held > 0
+    finally:
+        U.shutdown(llm)
+    r = subprocess.run([sys.executable, "-m", "kvtier", "inspect", "--config", str(y), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    nv = json.loads(r.stdout.strip().splitlines()[-1])["tiers"][1]
+    assert nv["resident_blocks"] == held and "differs in" in nv["note"]
