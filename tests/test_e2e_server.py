@@ -43,8 +43,7 @@ def _wait_metric(srv, name, want, timeout_s=60.0, **labels) -> float:
 
 
 def _kvtier(**extra) -> str:
-    return S.kvtier_transfer_config(**extra).replace(
-        '"kv_role": "kv_both"', '"kv_role": "kv_both", "kv_load_failure_policy": "recompute"')
+    return S.kvtier_transfer_config(failure_policy="recompute", **extra)
 
 
 def test_metrics_count_blocks_served(model_dir, tmp_path):
@@ -92,6 +91,7 @@ def test_sigterm_flushes_nvme_and_restart_serves_it(model_dir, tmp_path):
         srv.wait_ready(START_S)
         first = [srv.complete(p, max_tokens=1)["choices"][0]["text"] for p in ps]
         assert _wait_metric(srv, "vllm:kvtier_stored_blocks_total", N * BLOCKS, timeout_s=10, tier="cpu") == N * BLOCKS
+        assert srv.wait_idle()
     finally:
         srv.stop()  # SIGTERM, then the process group is killed whatever happened
     log = srv.log_path.read_text(errors="replace")
