@@ -416,3 +416,24 @@ def _ids0(ids: Any) -> list[int] | None:
     if not ids:
         return None
     return list(ids[0])
+
+
+def _register_by_name() -> None:
+    """Register the class under its name in vLLM's connector factory.
+
+    Loaded by module path, an out-of-tree connector is not in the factory's registry; but as a
+    child of MultiConnector its stats reach the API server as a dict keyed by class name, and
+    MultiConnector rebuilds them with `get_connector_class_by_name`: unregistered, that raises
+    in vLLM's output handler and the server fails the request and stops. This module is
+    imported in that process (MultiConnector's build_prom_metrics loads its children), so
+    registering here is enough."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        KVConnectorFactory.register_connector("KVTierConnector", __name__, "KVTierConnector")
+    except ValueError:  # already registered (vLLM may list it one day, or a re-import)
+        pass
+    except Exception as e:  # pragma: no cover - another vLLM
+        log.warning("kvtier: could not register KVTierConnector with vLLM's connector factory: %s", e)
+
+
+_register_by_name()

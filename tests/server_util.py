@@ -28,9 +28,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kvtier_transfer_config(**extra) -> str:
+def kvtier_transfer_config(failure_policy: str = "recompute", **extra) -> str:
+    """--kv-transfer-config mounting kvtier; `extra` goes to kv_connector_extra_config."""
     return json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
-                       "kv_role": "kv_both", "kv_connector_extra_config": extra})
+                       "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
+                       "kv_connector_extra_config": extra})
 
 
 class Server:
@@ -89,6 +91,16 @@ class Server:
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return json.loads(r.read())
+
+    def wait_idle(self, timeout_s: float = 60.0) -> bool:
+        """Until /metrics shows no request running or waiting (bounded); True when idle."""
+        t_end = time.monotonic() + timeout_s
+        while time.monotonic() < t_end:
+            m = parse_metrics(self.metrics_text())
+            if metric(m, "vllm:num_requests_running") == 0 and metric(m, "vllm:num_requests_waiting") == 0:
+                return True
+            time.sleep(0.5)
+        return False
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:

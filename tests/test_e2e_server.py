@@ -43,8 +43,7 @@ def _wait_metric(srv, name, want, timeout_s=60.0, **labels) -> float:
 
 
 def _kvtier(**extra) -> str:
-    return S.kvtier_transfer_config(**extra).replace(
-        '"kv_role": "kv_both"', '"kv_role": "kv_both", "kv_load_failure_policy": "recompute"')
+    return S.kvtier_transfer_config(failure_policy="recompute", **extra)
 
 
 def test_metrics_count_blocks_served(model_dir, tmp_path):
@@ -92,6 +91,7 @@ def test_sigterm_flushes_nvme_and_restart_serves_it(model_dir, tmp_path):
         srv.wait_ready(START_S)
         first = [srv.complete(p, max_tokens=1)["choices"][0]["text"] for p in ps]
         assert _wait_metric(srv, "vllm:kvtier_stored_blocks_total", N * BLOCKS, timeout_s=10, tier="cpu") == N * BLOCKS
+        assert srv.wait_idle()
     finally:
         srv.stop()  # SIGTERM, then the process group is killed whatever happened
     log = srv.log_path.read_text(errors="replace")
@@ -111,3 +111,24 @@ def test_sigterm_flushes_nvme_and_restart_serves_it(model_dir, tmp_path):
         srv.stop()
     log = srv.log_path.read_text(errors="replace")
     assert f"{N * BLOCKS} restored from disk" in log, srv.tail()
+
+
+def test_metrics_as_child_of_multiconnector(model_dir, tmp_path):
+    """Under MultiConnector the stats reach the API server keyed by class name and are rebuilt
+    through vLLM's connector registry: unregistered, the first stats failed the request (500)
+    and stopped the server."""
+    import json
+
+    child = json.loads(S.kvtier_transfer_config(cpu_capacity_blocks=64))
+    cfg = json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                      "kv_connector_extra_config": {"connectors": [child]}})
+    srv = S.Server(model_dir, tmp_path / "server.log", cfg)
+    try:
+        srv.wait_ready(START_S)
+        ps = U.prompts(2, BLOCKS, seed=17)
+        first = [srv.complete(p)["choices"][0]["text"] for p in ps]
+        second = [srv.complete(p)["choices"][0]["text"] for p in ps]
+        assert second == first
+        assert _wait_metric(srv, "vllm:kvtier_hit_blocks_total", 2 * BLOCKS, tier="cpu") == 2 * BLOCKS
+    finally:
+        srv.stop()
