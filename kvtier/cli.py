@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "quiet", False) and level > logging.INFO:
+        logging.getLogger("kvtier.startup").setLevel(logging.INFO)  # the stack's one startup line
     if args.command is None:
         args = ap.parse_args(["replay"] + (argv or []))
     import signal

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -22,6 +23,8 @@ from .config import StackConfig, load_config
 from .controller import TierController
 from .executor import LocalExecutor, NullExecutor
 from .leases import Lease
+
+log = logging.getLogger("kvtier.startup")
 
 
 @dataclass
@@ -84,7 +87,25 @@ class TierStack:
                     fingerprint: dict | None = None, **kw: Any) -> "TierStack":
         if not isinstance(cfg, StackConfig):
             cfg = load_config(cfg)
-        return cls(cfg, build_tiers(cfg, "full" if with_data else "none", fingerprint), with_data, **kw)
+        stack = cls(cfg, build_tiers(cfg, "full" if with_data else "none", fingerprint), with_data, **kw)
+        log.info("%s", stack.startup_line())
+        return stack
+
+    def startup_line(self) -> str:
+        """Tiers and capacities, I/O engines, data directories, blocks restored, policies, fingerprint."""
+        from kvtier.tiers.nvme_control import fingerprint_hash
+        from .units import format_size
+        parts = []
+        for t in self.tiers:
+            p = f"{t.name} {t.capacity_blocks} blocks ({format_size(t.capacity_blocks * self.block_bytes)})"
+            if t.kind == "nvme":
+                p += (f" at {getattr(t, 'dir', '?')}, {getattr(t, 'restored_blocks', 0)} blocks restored, "
+                      f"io {getattr(t, 'io_engine', '?')}")
+            parts.append(p)
+        fp = self.cfg.fingerprint()
+        return (f"kvtier stack opened: {'; '.join(parts)}; policies {self.ctrl.describe()}; "
+                f"{'real bytes' if self.with_data else 'metadata only'}; fingerprint {fingerprint_hash(fp)}; "
+                f"config {self.cfg.source}")
 
     @property
     def leases(self):
