@@ -67,6 +67,9 @@ def test_case1_smaller_capacity_drops_nothing(tmp_path):
     assert r.returncode == 2 and "beyond the configured capacity of 16" in r.stderr and "stores 200 blocks" in r.stderr
     r = verify(big)
     assert r.returncode == 0 and js(r)["verified_blocks"] == 200
+    r = kv("fsck", "-c", small, "--rebuild", "--shrink", "--json")       # the explicit way to shrink
+    assert r.returncode == 0 and (js(r)["rebuilt_entries"], js(r)["dropped_beyond_capacity"]) == (16, 184)
+    assert spill(small, 5, seed=2).returncode == 0
 
 
 def test_case11_read_only_commands_allocate_and_create_nothing(tmp_path):
