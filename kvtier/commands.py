@@ -303,6 +303,7 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
         entries = sorted((s, k, None) for k, s in nvme._slot_of.items())
         m_n = manifest.get("on_nvme") if manifest else None
         missing = max(0, m_n - len(entries)) if m_n is not None else 0
+    batch = max(1, min(batch, (32 << 20) // bb))  # at most 32 MiB of staging
     staging = _staging(min(batch, max(1, len(entries))), bb)
     expect = torch.empty(bb, dtype=torch.uint8) if verify and problem is None else None
     restored = corrupt = bad = good = 0
