@@ -135,6 +135,9 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
     except OSError as e:
         failed = e
     finally:
+        for t in stack.tiers:  # an interrupt may leave writes from `staging` in flight
+            if hasattr(t, "drain"):
+                t.drain()
         if bar is not None:
             bar.close()
         if log_f:
@@ -329,6 +332,8 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
             if bar is not None:
                 bar.update(len(chunk))
     finally:
+        if hasattr(nvme, "drain"):
+            nvme.drain()  # an interrupt may leave reads into `staging` in flight
         if bar is not None:
             bar.close()
         staging.close()

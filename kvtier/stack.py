@@ -367,7 +367,7 @@ class TierStack:
 
     def close(self) -> None:
         self.leases.expire(float("inf"))
-        for t in self.tiers:
+        for t in reversed(self.tiers):  # lower tiers first: their in-flight writes read upper tiers' memory
             _close(t)
 
     def __enter__(self) -> "TierStack":
