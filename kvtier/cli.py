@@ -13,6 +13,17 @@ from .config import ConfigError
 log = logging.getLogger("kvtier")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with kvtier's one-line error (`kvtier: error: ...`, exit 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        where = self.prog.removeprefix("kvtier").strip()
+        print(f"kvtier: error: {where + ': ' if where else ''}{message} (see {self.prog} --help)", file=sys.stderr)
+        if "--json" in sys.argv:
+            print(json.dumps({"error": {"message": message, "exit": 2, "command": self.prog}}))
+        sys.exit(2)
+
+
 def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
     if config:
         p.add_argument("--config", "-c", default=None,
@@ -23,10 +34,10 @@ def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    ap = argparse.ArgumentParser(prog="kvtier", description="KV-cache tiering: CPU DRAM and NVMe tiers for LLM serving")
+    ap = _Parser(prog="kvtier", description="KV-cache tiering: CPU DRAM and NVMe tiers for LLM serving")
     ap.add_argument("--version", action="version", version=f"kvtier {__version__}")
     ap.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
-    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("spill", help="write N deterministic blocks through the stack down to NVMe")
     _common(p)

@@ -7,7 +7,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import errno
@@ -157,6 +156,9 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
     except OSError as e:
         failed = e
     finally:
+        for t in stack.tiers:  # an interrupt may leave writes from `staging` in flight
+            if hasattr(t, "drain"):
+                t.drain()
         if bar is not None:
             bar.close()
         if log_f:
@@ -325,6 +327,7 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
         entries = sorted((s, k, None) for k, s in nvme.resident.items())
         m_n = manifest.get("on_nvme") if manifest else None
         missing = max(0, m_n - len(entries)) if m_n is not None else 0
+    batch = max(1, min(batch, (32 << 20) // bb))  # at most 32 MiB of staging
     staging = _staging(min(batch, max(1, len(entries))), bb)
     expect = torch.empty(bb, dtype=torch.uint8) if verify and problem is None else None
     restored = corrupt = bad = good = 0
@@ -350,6 +353,8 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
             if bar is not None:
                 bar.update(len(chunk))
     finally:
+        if hasattr(nvme, "drain"):
+            nvme.drain()  # an interrupt may leave reads into `staging` in flight
         if bar is not None:
             bar.close()
         staging.close()

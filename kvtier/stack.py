@@ -218,7 +218,7 @@ class TierStack:
                 "metrics": self.metrics.as_dict()}
 
     def close(self) -> None:
-        self.ctrl.close()
+        self.ctrl.close()  # lower tiers first: their in-flight writes read upper tiers' memory
 
     def __enter__(self) -> "TierStack":
         return self

@@ -349,3 +349,41 @@ def test_capacity_larger_than_free_disk_realistic(tmp_path):
         NvmeTier("nvme", str(tmp_path / "t"), cap, 1 << 20, LRU(8), io="posix")
     assert ei.value.errno == errno.ENOSPC and str(cap * ((1 << 20) + 4096)) in str(ei.value)
     assert not (tmp_path / "t" / DATA_FILE).exists()
+
+
+def test_swapped_entries_are_quarantined_misses(tmp_path):
+    """Two index entries swapped (slot and tag): each read fails the header's key check, both
+    entries move to the quarantine, lookups miss, and it is durable."""
+    import lmdb
+    with mk(tmp_path, cap=8) as t:
+        keys, slots, data = put(t, 3, range(4))
+    env = lmdb.open(str(tmp_path / "index"), max_dbs=4)
+    db = env.open_db(b"entries")
+    with env.begin(write=True) as txn:
+        a, b = txn.get(keys[0], db=db), txn.get(keys[1], db=db)
+        txn.put(keys[0], b, db=db)
+        txn.put(keys[1], a, db=db)
+    env.close()
+    with mk(tmp_path, cap=8) as t:
+        res, out = get(t, [t.find(k) for k in keys])
+        assert res.ok == [False, False, True, True] and t.corrupt_blocks == 2
+        assert "misdirected" in res.errors[0]
+        assert t.lookup([keys[0]]) == 0 and t.lookup([keys[1]]) == 0 and t.stats()["quarantined"] == 2
+    with mk(tmp_path, cap=8) as t:
+        assert t.num_resident == 2 and t.stats()["quarantined"] == 2
+
+
+def test_second_writer_in_this_process_is_refused(tmp_path):
+    from kvtier.tiers.nvme_control import DirectoryInUse
+    with mk(tmp_path, cap=4):
+        with pytest.raises(DirectoryInUse, match=f"already open in this process \\(pid {os.getpid()}\\)"):
+            mk(tmp_path, cap=4)
+
+
+def test_secret_and_files_are_private(tmp_path):
+    import stat
+    with mk(tmp_path / "d", cap=4) as t:
+        put(t, 1, range(2))
+    assert stat.S_IMODE(os.stat(tmp_path / "d").st_mode) == 0o700
+    for f in ("secret", DATA_FILE, "index/data.mdb"):
+        assert stat.S_IMODE(os.stat(tmp_path / "d" / f).st_mode) == 0o600, f

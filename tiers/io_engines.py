@@ -165,6 +165,9 @@ class IOEngine:
     def close(self) -> None:
         pass
 
+    def drain(self) -> None:
+        """Wait for every transfer in flight (engines that track them)."""
+
     def stats(self) -> dict:
         return {"engine": self.description}
 
@@ -215,6 +218,18 @@ class PosixEngine(IOEngine):
         self._lock = threading.Lock()
         self.syscalls = 0
         self.bounced_blocks = 0
+        self._live: set[cf.Future] = set()  # submitted, not finished: `drain` waits for them
+
+    def drain(self) -> None:
+        """Wait until every submitted transfer finished (before the caller frees its buffers,
+        e.g. when unwinding from an interrupt with transfers still in flight)."""
+        with self._lock:
+            live = list(self._live)
+        cf.wait(live)
+
+    def _forget(self, fut: cf.Future) -> None:
+        with self._lock:
+            self._live.discard(fut)
 
     @property
     def mode(self) -> str:
@@ -303,6 +318,10 @@ class PosixEngine(IOEngine):
             return DoneHandle(finish(IOResult(ok=[])) if finish else IOResult(ok=[]))
         order = [i for r in runs for i in r]
         futs = [self._pool.submit(fn, r) for r in runs]
+        with self._lock:
+            self._live.update(futs)
+        for f in futs:
+            f.add_done_callback(self._forget)
 
         def reorder(res: IOResult) -> IOResult:
             ok = [False] * nblocks

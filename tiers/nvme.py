@@ -174,6 +174,11 @@ class NvmeTier(NvmeControl):
 
         return self.data.read(slots, dsts, self.checksums(slots), bad, finish=finish, keys=keys)
 
+    def drain(self) -> None:
+        """Wait for every transfer in flight, so their buffers may be freed (an interrupted caller)."""
+        if self.data is not None:
+            self.data.engine.drain()
+
     # ---- misc --------------------------------------------------------------------------
     @property
     def engine(self):
