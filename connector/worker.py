@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from kvtier.tiers.cpu_pool import CpuPool
 
 from .kv_layout import KVCopier, KVLayout, RowCopy, ViewCopy
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
+from .flusher import WriteBehind
 from .staging import Staging
 
 log = logging.getLogger("kvtier.connector")
@@ -56,9 +56,7 @@ class KVTierWorker(Counting):
         self.nvme_load_chunk_bytes = 8 << 20  # CPU backend: copy NVMe loads into the KV per chunk read
         self.corrupt_blocks = 0
         # write-behind: batches of NVMe writes in flight, oldest first: (step, future of results)
-        self._write_lag = max(0, int(nvme_write_lag_steps))
-        self._writes: list[tuple[int, Future]] = []
-        self._flusher: ThreadPoolExecutor | None = None
+        self.writes = WriteBehind(nvme_write_lag_steps)
         self._step = 0
         # layer-pipelined loads: copies run layer by layer on a loader thread while the forward
         # runs; wait_layer(name) blocks until that layer's blocks are in place
@@ -304,35 +302,13 @@ class KVTierWorker(Counting):
             for op in ops:
                 self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
             return
-        if self._flusher is None:
-            self._flusher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nvme-flush")
-        fut = self._flusher.submit(self._flush, self.nvme, batch, set(failed_cpu), time.perf_counter())
-        self._writes.append((self._step, fut))
-        if self._write_lag == 0:
+        self.writes.submit(self._step, self.nvme, batch, failed_cpu)
+        if self.writes.lag == 0:
             self._reap_writes(wait=True)
-
-    @staticmethod
-    def _flush(nvme, batch, failed_cpu: set[int], t0: float) -> tuple[list, float]:
-        """Flusher thread: wait for a batch's writes, fdatasync once, per-op checksums (-1: failed)."""
-        try:
-            results = [(op, sums, h.wait()) for op, sums, h in batch]
-            if any(any(r.ok) for _, _, r in results):
-                nvme.sync()
-        except Exception as e:
-            log.warning("kvtier: NVMe write-through failed: %s", e)
-            return [(op, [-1] * len(op.slots)) for op, _, _ in batch], time.perf_counter() - t0
-        out = [(op, [c if ok and src not in failed_cpu else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)])
-               for op, sums, r in results]
-        return out, time.perf_counter() - t0
 
     def _reap_writes(self, wait: bool = False) -> None:
         """Report finished write batches; wait for those `nvme_write_lag_steps` old (all if `wait`)."""
-        keep = []
-        for step, fut in self._writes:
-            if not (wait or fut.done() or self._step - step >= self._write_lag):
-                keep.append((step, fut))
-                continue
-            done, dt = fut.result()
+        for done, dt in self.writes.reap(self._step, wait):
             n = 0
             for op, out in done:
                 self._result.nvme_written[op.op_id] = out
@@ -340,11 +316,10 @@ class KVTierWorker(Counting):
             self._count("bytes_stored.nvme", n * self.layout.block_bytes)
             self._count("seconds_stored.nvme", dt)
             self._count("blocks_stored.nvme", n)
-        self._writes = keep
 
     @property
     def writes_in_flight(self) -> int:
-        return len(self._writes)
+        return len(self.writes)
 
     def take_result(self) -> KVTierWorkerMeta | None:
         """This step's report (called once per step): loads, stores, NVMe writes now durable."""
@@ -374,29 +349,25 @@ class KVTierWorker(Counting):
         writes made durable since the last step, for the scheduler to commit), or None."""
         self.finish_loads()
         final = None
-        late: set = set()
-        if self._writes:
+        late = 0
+        if len(self.writes):
             t0 = time.monotonic()
             limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
-            pending = [f for _, f in self._writes]
-            _, late = wait_futures(pending, timeout=limit)
-            self._writes = [(st, f) for st, f in self._writes if f not in late]
+            pending = len(self.writes)
+            late = self.writes.drain(limit)
             self._reap_writes(wait=True)
             n = sum(1 for v in self._result.nvme_written.values() for c in v if c >= 0)
             if late:
                 log.error("kvtier: shutdown: %d of %d NVMe write batches still running after %.1f s; "
-                          "left behind (their blocks are not indexed)", len(late), len(pending), limit)
+                          "left behind (their blocks are not indexed)", late, pending, limit)
             log.info("kvtier: shutdown: NVMe write-back flushed, %d blocks in %d batches in %.2f s",
-                     n, len(pending) - len(late), time.monotonic() - t0)
+                     n, pending - late, time.monotonic() - t0)
             if n:  # durable on disk; indexed only if the scheduler gets this report
                 self._count("nvme_unreported_blocks", n)
         r = self._result
         if r.stored or r.loaded or r.nvme_written or r.corrupt:
             final, self._result = r, KVTierWorkerMeta(rank=self.rank)
-        if self._flusher is not None:
-            self._flusher.shutdown(wait=not late, cancel_futures=True)
-            self._flusher = None
-        self._writes = []
+        self.writes.close(wait=not late)
         if late:  # a write still reads the CPU pool and the data file: leave both to process exit
             return final
         if self._loader is not None:
