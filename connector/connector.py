@@ -33,6 +33,8 @@ from kvtier.builder import build_controller, build_tiers
 
 from .config import load_settings, tier_of
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+from kvtier.serving_stats import write_stats
+
 from .handoff import clear_reports, read_reports, write_report
 from .metrics import KVTierPromMetrics
 from .startup import attach_vllm_log_handler, scheduler_line, worker_line
@@ -109,6 +111,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.gpu_ctx = None
         self.closed = False
         self._last_gauges: dict[str, float] = {}
+        self._stats_at = float("-inf")
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier fails to load (I/O error, "
@@ -220,6 +223,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.sched is None:
             return None
         s = self.sched.take_interval_stats()
+        self._publish_stats()
         gauges = {k: v for k, v in self._gauges().items() if self._last_gauges.get(k) != v}
         if gauges:
             self._last_gauges.update(gauges)
@@ -227,6 +231,16 @@ class KVTierConnector(KVConnectorBase_V1):
             for k, v in gauges.items():
                 s.data.setdefault(k, v)  # a controller that reports its own gauges wins
         return s
+
+    def _publish_stats(self, force: bool = False) -> None:
+        """The scheduler's totals into each NVMe directory, at most once a second (and at
+        shutdown), for `kvtier inspect --watch`."""
+        now = time.monotonic()
+        if not force and now - self._stats_at < 1.0:
+            return
+        self._stats_at = now
+        for t in self._nvme_tiers():
+            write_stats(t.dir, dict(self.sched.totals))
 
     def _nvme_tiers(self) -> list:
         return [t for t in getattr(self.sched, "tiers", []) or [] if getattr(t, "kind", "") == "nvme"]
@@ -295,6 +309,7 @@ class KVTierConnector(KVConnectorBase_V1):
                     self.sched.on_worker_meta(rep)
                     n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
                     log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
+            self._publish_stats(force=True)
             t0 = time.monotonic()
             self.sched.close()  # the NVMe index and its directory lock
             log.info("kvtier connector (scheduler): shut down, index closed in %.2f s; totals %s",

@@ -18,6 +18,8 @@ import logging
 import os
 import re
 
+from kvtier.serving_stats import write_private
+
 from .metadata import KVTierWorkerMeta
 
 log = logging.getLogger("kvtier.connector")
@@ -26,19 +28,10 @@ _NAME = re.compile(r"^shutdown-report\.(\d+)\.json$")
 
 def write_report(nvme_dir: str, meta: KVTierWorkerMeta) -> str:
     """Write this rank's unreported NVMe writes; returns the file's path."""
-    body = json.dumps({"rank": int(meta.rank),
-                       "nvme_written": {str(int(op)): [int(c) for c in sums]
-                                        for op, sums in meta.nvme_written.items()}}).encode()
-    path = os.path.join(nvme_dir, f"shutdown-report.{int(meta.rank)}.json")
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, body)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return path
+    return write_private(os.path.join(nvme_dir, f"shutdown-report.{int(meta.rank)}.json"),
+                          {"rank": int(meta.rank),
+                           "nvme_written": {str(int(op)): [int(c) for c in sums]
+                                            for op, sums in meta.nvme_written.items()}}, fsync=True)
 
 
 def read_reports(nvme_dir: str, remove: bool = True) -> KVTierWorkerMeta | None:

@@ -391,6 +391,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def inspect_stats(cfg: StackConfig) -> dict:
+    from kvtier.serving_stats import hit_ratios, read_stats
     from kvtier.tiers.nvme_control import make_fingerprint
     tiers = []
     for t in cfg.storage_tiers():
@@ -410,6 +411,9 @@ def inspect_stats(cfg: StackConfig) -> dict:
                              if ours.get(k) != st["fingerprint"].get(k))
             if differs:  # shown as written (by the vLLM connector, say): serving it needs that fingerprint
                 st["note"] = f"written under another fingerprint than this config's (differs in {', '.join(differs)})"
+            served = read_stats(st.get("path") or t.path)
+            if served is not None:  # a vLLM connector serves (or served) from this directory
+                st["serving"] = hit_ratios(served)
             tiers.append(st)
         else:  # offline: a DRAM tier holds nothing; its capacity is what a stack would allocate
             tiers.append({"name": t.name, "kind": t.kind, "resident_blocks": 0,
@@ -426,6 +430,11 @@ def _inspect_text(d: dict) -> str:
     for t in d["tiers"]:
         lines.append(f"  {t['name']:<8} {t['kind']:<5} {t['resident_blocks']:>9} / {t['capacity_blocks']:<9} blocks "
                      f"({100 * t['occupancy']:.1f}%)  eviction={t['eviction']}  engine={t.get('engine', '-')}")
+        sv = t.get("serving")
+        if sv:
+            by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sv["hit_ratio_by_tier"].items())
+            lines.append(f"           serving: pid {sv['pid']}, {sv['age_s']} s ago: block hit ratio "
+                         f"{100 * sv['hit_ratio']:.1f}% ({by}) of {sv['blocks_looked_up']} blocks looked up")
         for k in ("path", "namespace", "fingerprint", "corrupt_blocks", "quarantined", "stored_capacity",
                   "beyond_capacity", "note"):
             if t.get(k) not in (None, 0) or k in ("path", "quarantined"):

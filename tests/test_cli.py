@@ -93,3 +93,25 @@ def test_bench_small(tmp_path, capsys):
 def test_module_entry_point(tmp_path):
     r = subprocess.run([sys.executable, "-m", "kvtier", "--version"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.startswith("kvtier ")
+
+
+def test_inspect_shows_a_serving_schedulers_hit_ratios(tmp_path):
+    """`kvtier inspect` reads the counters a serving connector leaves in its NVMe directory
+    (serving-stats.json) without its lock, and shows hit ratios per tier."""
+    import json
+    import subprocess
+    import sys
+    from kvtier.serving_stats import write_stats
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"block_bytes: 64KiB\ntiers:\n  - {{name: cpu, kind: cpu, capacity_blocks: 8}}\n"
+                   f"  - {{name: nvme, kind: nvme, path: {tmp_path / 'nv'}, capacity_blocks: 32, io: posix}}\n")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvtier", *a, "-c", str(cfg), "-q", "--json"],  # noqa: E731
+                                    capture_output=True, text=True, timeout=120)
+    assert run("spill", "-n", "4").returncode == 0
+    assert "serving" not in json.loads(run("inspect").stdout)["tiers"][1]
+    write_stats(str(tmp_path / "nv"), {"hit_blocks.cpu": 30, "hit_blocks.nvme": 10, "miss_blocks": 60,
+                                       "n_lookups": 7})
+    assert oct((tmp_path / "nv" / "serving-stats.json").stat().st_mode & 0o777) == "0o600"
+    sv = json.loads(run("inspect").stdout)["tiers"][1]["serving"]
+    assert (sv["blocks_looked_up"], sv["hit_ratio"], sv["hit_ratio_by_tier"], sv["lookups"]) == \
+        (100, 0.4, {"cpu": 0.3, "nvme": 0.1}, 7)

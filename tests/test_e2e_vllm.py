@@ -332,3 +332,7 @@ serving: {{nvme_write_lag_steps: 0}}
     assert r.returncode == 0, r.stderr
     nv = json.loads(r.stdout.strip().splitlines()[-1])["tiers"][1]
     assert nv["resident_blocks"] == held and "differs in" in nv["note"]
+    sv = nv["serving"]   # the scheduler's totals, left in the directory at shutdown
+    hits = {k.split(".")[1]: int(v) for k, v in t2.items() if k.startswith("hit_blocks.")}
+    assert sv["blocks_looked_up"] == sum(hits.values()) + int(t2.get("miss_blocks", 0))
+    assert {k: round(v * sv["blocks_looked_up"]) for k, v in sv["hit_ratio_by_tier"].items()} == hits
