@@ -121,17 +121,21 @@ def _tag(key: bytes) -> int:
     return int.from_bytes(key[:8], "little", signed=True) ^ 0x5DEECE66D
 
 
-def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = None, progress: bool = False) -> dict:
+def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = None, progress: bool = False,
+           keys: list[list[bytes]] | None = None, vllm: bool = True, warmup: int = 0) -> dict:
     """Drive the stack's controller request by request, as the connector's scheduler side does
     inside vLLM: lease the present prefix of the request's full blocks (at least one token is
     left to compute), load it (promotions as planned), store its other full blocks (a partial
     last block is never stored: vLLM does not hash it), run the plan (real bytes, or none),
-    complete it, release the lease. The hit ratio counts every block of the trace."""
+    complete it, release the lease. The hit ratio counts every block of the trace.
+
+    `vllm=False` is the prefix rule Belady is measured under: every block of the trace can hit
+    and is stored. The first `warmup` requests fill the tiers but are not counted."""
     from kvtier.policies.base import RequestInfo
     from .sim import make_keys
 
     bt = block_tokens or stack.cfg.block_tokens
-    keys = make_keys(reqs)
+    keys = keys if keys is not None else make_keys(reqs)
     ctrl, execute = stack.ctrl, stack.executor.run
     ntiers = len(stack.tiers)
     tier_hits = [0] * ntiers
@@ -158,16 +162,22 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             n = len(ks)
             if not n:
                 continue
-            # what vLLM offers the connector: full blocks only, at least one token left to compute
-            full = min(n, r.input_length // bt)
-            lease = acquire("replay", ks[:min(full, (r.input_length - 1) // bt)])
+            if vllm:  # what vLLM offers the connector: full blocks only, at least one token computed
+                full = min(n, r.input_length // bt)
+                lease = acquire("replay", ks[:min(full, (r.input_length - 1) // bt)])
+            else:
+                full = n
+                lease = acquire("replay", ks)
             k = lease.num_blocks if lease is not None else 0
-            refs += n
-            in_tok += r.input_length
+            counted = i >= warmup
+            if counted:
+                refs += n
+                in_tok += r.input_length
             now = r.timestamp / 1000.0
             if k:
-                for t, _ in lease.blocks:
-                    tier_hits[t] += 1
+                if counted:
+                    for t, _ in lease.blocks:
+                        tier_hits[t] += 1
                 load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now), checksums=False)
             count_request(n, k)
             if k < full:
@@ -183,8 +193,9 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
                 for j in range(served):
                     if not bool((scratch.views[j].view(torch.int64) == _tag(ks[j])).all()):
                         bad += 1
-            hits += served
-            hit_tok += min(r.input_length, served * bt)
+            if counted:
+                hits += served
+                hit_tok += min(r.input_length, served * bt)
             if k:
                 release("replay")
             if bar is not None and i % 256 == 0:

@@ -1,10 +1,8 @@
-"""Fast single-tier metadata replay of a request trace through a real SlotTier.
+"""Single-tier metadata replay of a request trace: the controller on one tier, no bytes.
 
-No bytes move: each request looks up its chained keys (the prefix rule), records the hit,
-pins the hit prefix for the duration of the request (as a lease would), asks the admission
-policy which missing blocks to keep, evicts victims from the tier's cursor when the tier is
-full, then allocates and commits the admitted blocks. The eviction policy sees exactly the
-calls it sees inside the full stack (on_insert / on_hit / on_remove / victims).
+The same TierController and policies that run inside vLLM (`kvtier.replay.replay` on a one-tier
+stack with no data), so a policy measured here is the policy served; it exists for sweeps
+(capacities x policies) and the yardstick comparisons next to Belady.
 
 Block hit ratio = hit blocks / block references; token hit ratio = hit tokens / input tokens,
 where a hit block counts block_tokens tokens except a partial last block, which counts its
@@ -13,12 +11,9 @@ real tokens.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Sequence
 
 from kvtier.keys import make_key
-from kvtier.policies import ADMISSION, EVICTION, RequestInfo
-from kvtier.tiers.base import SlotTier
 
 from .trace import BLOCK_TOKENS, Request
 
@@ -42,7 +37,8 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
              admission: str = "all", eviction_params: dict[str, Any] | None = None,
              admission_params: dict[str, Any] | None = None, block_tokens: int = BLOCK_TOKENS,
              keys: list[list[bytes]] | None = None, warmup: int = 0, vllm: bool = False) -> dict:
-    """Replay `requests` through one SlotTier of `capacity_blocks` slots.
+    """Replay `requests` through one metadata-only tier of `capacity_blocks` slots: the
+    controller and the policies vLLM runs (`kvtier.replay.replay` on a one-tier stack, no bytes).
 
     `keys` may be passed (from make_keys) to reuse them across runs. The first `warmup`
     requests fill the cache but are not counted. The default is the prefix rule Belady is
@@ -50,99 +46,29 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
     served system does and `kvtier replay` measures (full blocks only, at least one token
     left to compute).
     """
+    from .config import parse_config
+    from .replay import replay
+    from .stack import TierStack
+
     if capacity_blocks <= 0:
         raise ValueError("capacity_blocks must be > 0")
-    pol = EVICTION.get(eviction)(capacity_blocks, **(eviction_params or {}))
-    adm = ADMISSION.get(admission)(**(admission_params or {}))
-    tier = SlotTier("sim", capacity_blocks, 0, pol)
-    if keys is None:
-        keys = make_keys(requests)
-    t0 = time.perf_counter()
-    slot_of = tier.resident  # read-only fast path (same dict lookup() walks)
-    lookup, touch, free, hit = tier.lookup, tier.touch, tier.free_blocks, tier.hit
-    allocate, commit, evict = tier.allocate, tier.commit, tier.evict
-    free_slots = tier.free_slots
-    admit, on_evict = adm.admit, adm.on_evict
-    admit_all = admission == "all"
-    hits = refs = 0
-    hit_tok = in_tok = 0
-    evictions = admitted = rejected = 0
-    for idx, r in enumerate(requests):
-        ks = keys[idx]
-        n = len(ks)
-        if n == 0:
-            continue
-        if vllm:  # vLLM offers full blocks only and computes at least one token
-            full = min(n, r.input_length // block_tokens)
-            k = lookup(ks[:min(full, (r.input_length - 1) // block_tokens)])
-        else:
-            full = n
-            k = lookup(ks)
-        counted = idx >= warmup
-        if counted:
-            refs += n
-            hits += k
-            in_tok += r.input_length
-            if k:
-                if k == n and r.input_length < n * block_tokens:
-                    hit_tok += r.input_length
-                else:
-                    hit_tok += k * block_tokens
-        now = r.timestamp / 1000.0
-        info = RequestInfo(ks, 0, k, r.input_length, block_tokens, now)
-        # resident blocks of the request (the hit prefix and any resident beyond a gap)
-        if k == full:
-            if k:
-                hit([slot_of[x] for x in ks[:k]], info)
-            continue
-        res = [slot_of[x] for x in ks[:k]]
-        missing = []
-        for j in range(k, full):
-            s = slot_of.get(ks[j])
-            if s is None:
-                missing.append(j)
-            else:
-                res.append(s)
-        if res:
-            hit(res, info)
-            touch(res)  # the request's lease: its own blocks are not victims
-        if not admit_all:
-            mask = admit([ks[j] for j in missing], info)
-            keep = [j for j, m in zip(missing, mask) if m]
-            rejected += len(missing) - len(keep)
-            missing = keep
-        if missing:
-            room = capacity_blocks - len(res)
-            if len(missing) > room:
-                missing = missing[:room]
-            need = len(missing) - tier.num_free_slots
-            if need > 0:
-                gone = evict(free_slots(need))
-                evictions += len(gone)
-                if not admit_all:
-                    for g in gone:
-                        on_evict(g)
-            admitted += len(missing)
-            # commit per contiguous run so info.start tells the policy each run's position
-            i0 = 0
-            m = len(missing)
-            while i0 < m:
-                i1 = i0 + 1
-                while i1 < m and missing[i1] == missing[i1 - 1] + 1:
-                    i1 += 1
-                j0 = missing[i0]
-                run = ks[j0:j0 + (i1 - i0)]
-                slots = allocate(run)
-                commit(slots, info if j0 == 0 else RequestInfo(ks, j0, k, r.input_length, block_tokens, now))
-                i0 = i1
-        if res:
-            free(res)
-    dt = time.perf_counter() - t0
+    params = {}
+    if eviction_params:
+        params[eviction] = dict(eviction_params)
+    if admission_params:
+        params[admission] = dict(admission_params)
+    cfg = parse_config({"block_bytes": 4096, "block_tokens": block_tokens,
+                        "tiers": [{"name": "sim", "kind": "cpu", "capacity_blocks": capacity_blocks}],
+                        "policy": {"eviction": eviction, "admission": admission, "params": params}},
+                       source="<simulate>", check_env=False)
+    with TierStack.from_config(cfg, with_data=False) as stack:
+        r = replay(stack, requests, block_tokens, keys=keys, vllm=vllm, warmup=warmup)
+        tot = stack.ctrl.totals
     return {
         "eviction": eviction, "admission": admission, "capacity_blocks": capacity_blocks,
-        "hit_ratio": hits / refs if refs else 0.0,
-        "token_hit_ratio": hit_tok / in_tok if in_tok else 0.0,
-        "hit_blocks": hits, "total_blocks": refs, "hit_tokens": hit_tok, "input_tokens": in_tok,
-        "evictions": evictions, "admitted": admitted, "rejected": rejected,
-        "seconds": dt, "blocks_per_s": (sum(len(x) for x in keys) / dt) if dt > 0 else float("inf"),
+        "hit_ratio": r["hit_ratio"], "token_hit_ratio": r["token_hit_ratio"],
+        "hit_blocks": r["hit_blocks"], "total_blocks": r["block_refs"], "hit_tokens": r["hit_tokens"],
+        "input_tokens": r["input_tokens"], "evictions": int(tot.get("evicted_blocks.sim", 0)),
+        "admitted": int(tot.get("stored_blocks.sim", 0)), "rejected": int(tot.get("not_admitted_blocks.sim", 0)),
+        "seconds": r["seconds"], "blocks_per_s": r["blocks_per_s"],
     }
