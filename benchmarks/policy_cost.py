@@ -57,7 +57,6 @@ class Recorder:
 
 def record(reqs, keys, name: str, cap: int) -> list:
     """The policy calls simulate() makes for `name` at `cap` blocks."""
-    import kvtier.sim as sim
     real = EVICTION.get(name)
     holder = {}
 
@@ -65,12 +64,11 @@ def record(reqs, keys, name: str, cap: int) -> list:
         rec = Recorder(real(capacity, **params))
         holder["rec"] = rec
         return rec
-    orig = sim.EVICTION.get
-    sim.EVICTION.get = lambda n: build if n == "__rec__" else orig(n)
+    EVICTION.classes["__rec__"] = build  # for this call: the controller builds its policy by name
     try:
         simulate(reqs, cap, "__rec__", keys=keys)
     finally:
-        sim.EVICTION.get = orig
+        del EVICTION.classes["__rec__"]
     log = holder["rec"].log
     return log
 
