@@ -1,7 +1,7 @@
 """The default eviction policy next to the yardsticks, on any Mooncake-format trace.
 
 For each capacity (a fraction of the trace's unique blocks, or a block count) every policy
-is replayed through one SlotTier with ``kvtier.sim.simulate`` (the same hooks the stack calls)
+is replayed with ``kvtier.sim.simulate`` (the controller on one metadata-only tier)
 and Belady's MIN (ties deepest-first) gives the bound. Reported per policy: block and token hit
 ratios and the share of the vLLM-ordered-LRU -> Belady gap it closes,
 ``(hit - vllm_lru) / (belady - vllm_lru)``.
