@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.config import StackConfig, load_config, parse_config
+from kvtier.config import ConfigError, StackConfig, load_config, parse_config
 
 DEFAULT_CPU_BLOCKS = 256
 DEFAULT_NVME_BLOCKS = 1024
@@ -66,7 +66,13 @@ def load_settings(extra: dict[str, Any] | None) -> StackConfig:
             target["capacity_blocks" if leaf == "capacity" else "capacity"] = None
     if extra and extra.keys() != {"config"}:
         source += " + kv_connector_extra_config"
-    return parse_config(data, source, check_env=False)
+    cfg = parse_config(data, source, check_env=False)
+    kinds = [t.kind for t in cfg.storage_tiers()]
+    if kinds[:1] != ["cpu"] or kinds.count("cpu") > 1 or kinds.count("nvme") > 1:
+        raise ConfigError(f"{source}: tiers: the vLLM connector runs one cpu tier, optionally one nvme "
+                          f"tier below it (its workers copy GPU blocks through the cpu tier); got "
+                          f"{', '.join(kinds) or 'no storage tier'}")
+    return cfg
 
 
 def _tier(data: dict, kind: str) -> dict:
