@@ -65,16 +65,16 @@ class KVLayout:
             self.offsets.append(self.offsets[-1] + b)
         self.block_bytes = self.offsets[-1]
         # per layer: a [num_blocks, layer_bytes] uint8 view when a block is contiguous, else None
-        self._flat: list[torch.Tensor | None] = []
+        self.flat: list[torch.Tensor | None] = []
         for li, t in enumerate(self.tensors):
             stride_b = t.stride(0) * t.element_size()
             if t[0].is_contiguous() and stride_b >= self.layer_bytes[li]:
-                self._flat.append(torch.as_strided(_bytes_storage(t), (self.num_blocks, self.layer_bytes[li]),
+                self.flat.append(torch.as_strided(_bytes_storage(t), (self.num_blocks, self.layer_bytes[li]),
                                                    (stride_b, 1)))
             else:
-                self._flat.append(None)
+                self.flat.append(None)
         self._views: list[tuple[torch.Tensor, ...] | None] = [f.unbind(0) if f is not None else None
-                                                              for f in self._flat]
+                                                              for f in self.flat]
 
     def block_views(self, block_id: int) -> list[torch.Tensor]:
         """One view per layer of GPU block `block_id` (uint8 when contiguous)."""
@@ -87,7 +87,7 @@ class KVLayout:
         t = self.tensors[0]
         return {"layers": len(self.tensors), "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
                 "shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype), "device": str(t.device),
-                "contiguous_blocks": all(f is not None for f in self._flat)}
+                "contiguous_blocks": all(f is not None for f in self.flat)}
 
 
 def runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
@@ -119,7 +119,7 @@ def _layers_view(lay: KVLayout) -> torch.Tensor | None:
     contiguous rows of one storage and the layers are equally spaced in it; else None."""
     ts = lay.tensors
     lb = lay.layer_bytes[0]
-    if lay.device.type != "cpu" or any(f is None or f.stride(0) != lb for f in lay._flat):
+    if lay.device.type != "cpu" or any(f is None or f.stride(0) != lb for f in lay.flat):
         return None
     st = ts[0].untyped_storage()
     if any(t.untyped_storage().data_ptr() != st.data_ptr() for t in ts):
@@ -172,9 +172,9 @@ class KVCopier:
         self._slot_layer = pool.buffer.view(n * L, lay.layer_bytes[0]).unbind(0) if uniform else None
         # [slot, layer, layer_bytes] views: a run of consecutive (block, slot) pairs is one
         # strided copy per layer (no per-block Python call)
-        self.runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay._flat)
+        self.runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay.flat)
         self.pool3 = pool.buffer.view(n, L, lay.layer_bytes[0]).numpy() if self.runs_ok else None
-        self._flat_np = [f.numpy() for f in lay._flat] if self.runs_ok else []
+        self._flat_np = [f.numpy() for f in lay.flat] if self.runs_ok else []
         # every layer's blocks as one strided [layer, block, bytes] view when the layers sit in one
         # allocation at a fixed distance (vLLM's allocate_kv_cache): a run of blocks is then one
         # torch copy over all layers, run by the OpenMP team that the forward uses

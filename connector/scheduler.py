@@ -21,7 +21,7 @@ from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier
 
-from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
+from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 
 log = logging.getLogger("kvtier.connector")
 
@@ -38,7 +38,7 @@ class _Req:
     load_tier_blocks: dict[int, int] = field(default_factory=dict)
 
 
-class KVTierScheduler(Counting):
+class KVTierScheduler:
     def __init__(self, tiers: Sequence[SlotTier] | None = None, block_tokens: int = 1, group_id: int = 0,
                  store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
                  max_blocks_per_step: int | None = 64, promote: bool | PromotionPolicy | None = True,
@@ -73,21 +73,22 @@ class KVTierScheduler(Counting):
         self._gpu_pinned: dict[int, list[int]] = {}   # store op -> GPU blocks protected for its copy
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self._reqs: dict[str, _Req] = {}
-        self._init_counters()
-        self.totals = self.ctrl.totals       # one set of counters: the controller's
-        self._interval = self.ctrl._interval
 
     @property
     def leases(self):
         return self.ctrl.leases
 
-    def _count(self, key: str, v: float = 1) -> None:
-        self.ctrl._count(key, v)
+    @property
+    def totals(self) -> dict[str, float]:
+        """The controller's counters (one set for the whole scheduler side)."""
+        return self.ctrl.totals
 
-    def take_interval(self) -> dict[str, float] | None:
+    def _count(self, key: str, v: float = 1) -> None:
+        self.ctrl.count(key, v)
+
+    def take_interval_stats(self) -> KVTierStats | None:
         d = self.ctrl.take_interval()
-        self._interval = self.ctrl._interval
-        return d
+        return KVTierStats(data=d) if d else None
 
     # ---- requests ----------------------------------------------------------------------
     def _track(self, request: Any) -> _Req:
@@ -120,7 +121,7 @@ class KVTierScheduler(Counting):
         start = num_computed_tokens // bt
         end = min(len(r.keys), (request.num_tokens - 1) // bt)
         if start >= end or num_computed_tokens % bt:
-            self.ctrl._count("n_lookups")
+            self.ctrl.count("n_lookups")
             self.ctrl.release(r.req_id)
             r.asked = 0
             return 0

@@ -79,7 +79,7 @@ class TierStack:
         self.with_data = with_data
         self.block_bytes = cfg.block_bytes
         self.ctrl: TierController = build_controller(cfg, self.tiers, lease_timeout_s=lease_timeout_s)
-        self.executor = LocalExecutor(self.tiers, self.ctrl._count) if with_data else NullExecutor()
+        self.executor = LocalExecutor(self.tiers, self.ctrl.count) if with_data else NullExecutor()
         self._ids = itertools.count()
 
     @classmethod
