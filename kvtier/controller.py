@@ -489,13 +489,6 @@ class TierController(Counting):
     def pinned_blocks(self) -> int:
         return sum(t.pinned_blocks() for t in self.tiers)
 
-    def gauges(self) -> dict[str, int]:
-        out = {"gauge_leased_blocks": self.leases.pinned()}
-        for t in self.tiers:
-            out[f"gauge_resident_blocks.{t.name}"] = t.num_resident
-            out[f"gauge_capacity_blocks.{t.name}"] = t.capacity_blocks
-        return out
-
     def describe(self) -> dict:
         return {"eviction": [t.eviction.name for t in self.tiers],
                 "admission": [a.name if a is not None else "all" for a in self.admission],
