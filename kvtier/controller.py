@@ -46,7 +46,6 @@ class _Copy:
     src: list[tuple[int, bytes]]      # (slot, key) in the source tier
     tier: int
     slots: list[int]
-    demotion: bool = True
     reports: dict[int, list] = field(default_factory=dict)  # rank -> checksums (several ranks)
 
 
@@ -244,7 +243,7 @@ class TierController(Counting):
         if self.demotion == "write_through" and len(self.tiers) > 1:
             lower = [j for j, k in enumerate(ks) if not self.holds(k, 1)]
             lower = self._admit(1, lower, [ks[j] for j in lower], info)
-            self._plan_copy(0, [(slots[j], ks[j]) for j in lower], demotion=True)
+            self._plan_copy(0, [(slots[j], ks[j]) for j in lower])
         return want, op_id, deferred
 
     def count_dropped(self, t: int, n: int) -> None:
@@ -261,7 +260,7 @@ class TierController(Counting):
             self._count(f"not_admitted_blocks.{self.names[t]}", len(items) - len(out))
         return out
 
-    def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]], demotion: bool) -> int:
+    def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]]) -> int:
         """Copy (slot, key) blocks of `src_tier` into new slots of the next tier; returns how many."""
         t = src_tier + 1
         if not src:
@@ -277,7 +276,7 @@ class TierController(Counting):
         self._pending[t].update(keys)
         self.tiers[src_tier].touch([s for s, _ in src])  # the source stays until the copy is durable
         op_id = next(self._op_ids)
-        self._copies[op_id] = _Copy(src_tier, src, t, slots, demotion)
+        self._copies[op_id] = _Copy(src_tier, src, t, slots)
         self._plan.copies.append(NvmeWriteOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
         self._count(f"store_planned_blocks.{self.names[t]}", len(slots))
         return len(slots)
@@ -318,7 +317,7 @@ class TierController(Counting):
     def _write_back(self, t: int, dirty: list[tuple[int, bytes]]) -> None:
         if self.admission[t + 1] is not None:
             dirty = self._admit(t + 1, dirty, [k for _, k in dirty])
-        self._plan_copy(t, dirty, demotion=True)
+        self._plan_copy(t, dirty)
 
     def _clean_ahead(self, t: int, need: int = 0) -> None:
         """Write-back: copy the dirty blocks among the next `window` victims of tier `t` down in
@@ -349,7 +348,7 @@ class TierController(Counting):
         todo = [(s, k) for k, s in list(tier.resident.items()) if not self.holds(k, t + 1)]
         n = 0
         for i in range(0, len(todo), batch):
-            n += self._plan_copy(t, todo[i:i + batch], demotion=True)
+            n += self._plan_copy(t, todo[i:i + batch])
         return n
 
     # ---- the plan and its completion -----------------------------------------------------
@@ -442,8 +441,7 @@ class TierController(Counting):
                 good = []
             else:
                 self._count(f"stored_blocks.{tier.name}", len(good))
-                if cp.demotion:
-                    self._count(f"demoted_blocks.{tier.name}", len(good))
+                self._count(f"demoted_blocks.{tier.name}", len(good))
         if bad:
             tier.abort(bad)
             self._count(f"store_failed_blocks.{tier.name}", len(bad))

@@ -1,8 +1,8 @@
 """TierStack: the controller plus a local executor, driven without vLLM (CLI, tests, benchmarks).
 
 Every decision is the `TierController`'s (the same object the vLLM connector runs); this class
-only turns synchronous calls into plan -> execute -> complete rounds. Public surface: lookup /
-match (side-effect free), get / put (bytes in and out), flush, clear, and the lease API
+only turns synchronous calls into plan -> execute -> complete rounds. Public surface: lookup
+(side-effect free), get / put (bytes in and out), flush, clear, and the lease API
 plan / commit / release.
 """
 
@@ -23,20 +23,9 @@ from .config import StackConfig, load_config
 from .controller import TierController
 from .executor import LocalExecutor, NullExecutor
 from .leases import Lease
+from .plan import Plan
 
 log = logging.getLogger("kvtier.startup")
-
-
-@dataclass
-class Match:
-    """Where each block of a matched prefix lives: parallel lists, prefix order."""
-
-    tier: list[int]
-    slot: list[int]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.tier)
 
 
 _PER_TIER = {"hits": "hit_blocks", "stored": "stored_blocks", "not_admitted": "not_admitted_blocks",
@@ -120,10 +109,6 @@ class TierStack:
         """Length of the prefix of `keys` present in some tier. No side effects."""
         return self.ctrl.lookup(keys)
 
-    def match(self, keys: Sequence[bytes]) -> Match:
-        m = self.ctrl.match(keys)
-        return Match([t for t, _ in m], [s for _, s in m])
-
     def plan(self, request_id: str, keys: Sequence[bytes], start: int = 0) -> Lease:
         """Pin the present prefix of keys[start:] under a lease (idempotent per range); a lease
         of no blocks when nothing is present."""
@@ -197,13 +182,11 @@ class TierStack:
         key = f"demoted_blocks.{self.tiers[ti + 1].name}"
         before = self.ctrl.total(key)
         self.ctrl.flush(ti, batch)
-        plan = self.ctrl.take_plan()
-        for i in range(0, len(plan.copies), 1):
-            part = type(plan)(copies=plan.copies[i:i + 1])
-            rep, _ = self.executor.run(part)
+        for op in self.ctrl.take_plan().copies:  # one batch at a time, for the progress bar
+            rep, _ = self.executor.run(Plan(copies=[op]))
             self.ctrl.complete(rep)
             if progress:
-                progress(len(part.copies[0].slots))
+                progress(len(op.slots))
         return int(self.ctrl.total(key) - before)
 
     def clear(self) -> int:

@@ -481,22 +481,14 @@ def _open_in(path: str, flags: int, dir_fd: int | None) -> int:
     """open(2) of `path` (0600), or of its base name inside `dir_fd` with O_NOFOLLOW and an owner check."""
     if dir_fd is None:
         return _os_open(path, flags | os.O_CLOEXEC, 0o600)
-    from .nvme_block import UnsafePath, check_owned
+    from .nvme_block import UnsafePath, guard_file
     try:
         fd = _os_open(os.path.basename(path), flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == _errno.ELOOP:
             raise UnsafePath(e.errno, f"data file {path} is a symlink; refused", path) from None
         raise
-    try:
-        st = os.fstat(fd)
-        check_owned(st, path, "data file", want_dir=False)
-        if st.st_mode & 0o077 and (flags & os.O_ACCMODE) != os.O_RDONLY:
-            os.fchmod(fd, 0o600)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return guard_file(fd, path, "data file", writable=(flags & os.O_ACCMODE) != os.O_RDONLY)
 
 
 def _failed(what: str, n: int, offset: int, path: str, e: OSError) -> IOResult:

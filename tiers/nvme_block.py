@@ -105,10 +105,16 @@ def open_file(dir_fd: int, dir_path: str, name: str, flags: int, what: str) -> i
         if e.errno == _errno.ELOOP:
             raise UnsafePath(e.errno, f"{what} {path} is a symlink; refused", path) from None
         raise OSError(e.errno, f"cannot open {what} {path}: [{_name(e.errno)}] {e.strerror}", path) from None
+    return guard_file(fd, path, what, writable=bool(flags & (os.O_RDWR | os.O_WRONLY)))
+
+
+def guard_file(fd: int, path: str, what: str, writable: bool) -> int:
+    """`fd` when it is a regular file this user owns (else it is closed and refused); a writable
+    one open to others is narrowed to 0600."""
     try:
         st = os.fstat(fd)
         check_owned(st, path, what, want_dir=False)
-        if st.st_mode & 0o077 and flags & (os.O_RDWR | os.O_WRONLY):
+        if st.st_mode & 0o077 and writable:
             os.fchmod(fd, 0o600)
     except BaseException:
         os.close(fd)
