@@ -28,6 +28,8 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "store": (None, "serving.store"), "lease_timeout_s": (None, "serving.lease_timeout_s"),
     "max_blocks_per_step": (None, "serving.max_blocks_per_step"),
     "nvme_write_lag_steps": (None, "serving.nvme_write_lag_steps"),
+    "redis_url": ("redis", "url"), "redis_cluster": ("redis", "cluster"), "redis_admission": ("redis", "admission"),
+    "redis_timeout_s": ("redis", "timeout_s"),
 }
 _KNOWN = {"config", "promote"} | set(_OVERRIDES)
 
@@ -70,7 +72,8 @@ def load_settings(extra: dict[str, Any] | None) -> StackConfig:
     kinds = [t.kind for t in cfg.storage_tiers()]
     if kinds[:1] != ["cpu"] or kinds.count("cpu") > 1 or kinds.count("nvme") > 1:
         raise ConfigError(f"{source}: tiers: the vLLM connector runs one cpu tier, optionally one nvme "
-                          f"tier below it (its workers copy GPU blocks through the cpu tier); got "
+                          f"tier and one redis tier below it (its workers copy GPU blocks through the cpu "
+                          f"tier); got "
                           f"{', '.join(kinds) or 'no storage tier'}")
     return cfg
 
@@ -80,8 +83,8 @@ def _tier(data: dict, kind: str) -> dict:
     for t in data["tiers"]:
         if t["kind"] == kind:
             return t
-    t = {"name": kind, "kind": kind,
-         "capacity_blocks": DEFAULT_NVME_BLOCKS if kind == "nvme" else DEFAULT_CPU_BLOCKS}
+    t = {"name": "shared", "kind": kind} if kind == "redis" else {
+        "name": kind, "kind": kind, "capacity_blocks": DEFAULT_NVME_BLOCKS if kind == "nvme" else DEFAULT_CPU_BLOCKS}
     data["tiers"].append(t)
     return t
 

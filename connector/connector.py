@@ -116,8 +116,9 @@ class KVTierConnector(KVConnectorBase_V1):
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier fails to load (I/O error, "
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
+        shared = tier_of(cfg, "redis")
         if role == KVConnectorRole.SCHEDULER:
-            tiers = build_tiers(cfg, "control", self.fingerprint) if self.enabled else []
+            tiers = build_tiers(cfg, "control", self.fingerprint, ranks=_world_size(vllm_config)) if self.enabled else []
             ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
             self.sched = KVTierScheduler(block_tokens=self.block_tokens, group_id=0,
                                          store=cfg.serving.store and self.enabled, offload="eager",
@@ -128,7 +129,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                        nvme_io=nvme.io if nvme else "auto",
                                        nvme_io_threads=nvme.io_threads if nvme else 4,
                                        nvme_direct=nvme.direct if nvme else "auto",
-                                       nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank)
+                                       nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
+                                       remote_fn=_remote_opener(shared, self.fingerprint, rank) if shared else None)
         _LIVE.add(self)
         if self.sched is not None:
             for t in self._nvme_tiers():
@@ -270,8 +272,8 @@ class KVTierConnector(KVConnectorBase_V1):
         tiers = ["cpu"]
         try:
             kvt = vllm_config.kv_transfer_config
-            if tier_of(load_settings(dict(kvt.kv_connector_extra_config or {})), "nvme") is not None:
-                tiers.append("nvme")
+            cfg = load_settings(dict(kvt.kv_connector_extra_config or {}))
+            tiers = [t.name for t in cfg.storage_tiers()]
         except Exception as e:  # the series still exist; other tiers appear when first counted
             log.warning("kvtier: metrics: could not read the tier config (%s); assuming a cpu tier", e)
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers=tiers)
@@ -341,7 +343,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.sched is None or not self.enabled:
             return 0, False
-        return self.sched.lookup(request, num_computed_tokens), False
+        n = self.sched.lookup(request, num_computed_tokens)
+        return n, False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.sched is None or not self.enabled:
@@ -359,7 +362,9 @@ class KVTierConnector(KVConnectorBase_V1):
         by = self.sched.hit_sources(request.request_id)
         out: dict = {}
         for name, n in by.items():
-            src = CacheHitSource.DISK if name.startswith("nvme") else CacheHitSource.HOST
+            kind = self.sched.tier_kind(name)
+            src = (CacheHitSource.DISK if kind == "nvme" else
+                   CacheHitSource.EXTERNAL_UNSPECIFIED if kind == "redis" else CacheHitSource.HOST)
             out[src] = out.get(src, 0) + n
         if sum(out.values()) != num_external_tokens:
             return {CacheHitSource.HOST: num_external_tokens}
@@ -408,6 +413,17 @@ class KVTierConnector(KVConnectorBase_V1):
         if part is not None:
             d.update(part.stats())
         return d
+
+
+def _remote_opener(t: Any, fingerprint: dict, rank: int):
+    """The worker's shared-tier data plane, opened once the block size is known."""
+    def open_(block_bytes: int, count):
+        from kvtier.tiers.redis_conn import Namespace, RedisSettings
+        from kvtier.tiers.redis_data import RedisData
+        s = RedisSettings.of(t)
+        return RedisData(s, Namespace(fingerprint, s.secret, rank), block_bytes, threads=t.io_threads,
+                         count=count, name=t.name)
+    return open_
 
 
 def _flush_budget_s() -> float:

@@ -1,4 +1,4 @@
-"""Write-behind of the worker's NVMe writes: the forward never waits for the SSD.
+"""Write-behind of the worker's NVMe (and shared-tier) writes: the forward never waits for them.
 
 `submit` takes a step's batch of writes already handed to the I/O engine; one flusher thread
 waits for them, fdatasyncs the data file once and turns each op into per-slot tags (-1: not
@@ -69,8 +69,8 @@ def _flush(nvme: Any, batch: list, failed_src: set[int], t0: float) -> Done:
         if any(any(r.ok) for _, _, r in results):
             nvme.sync()
     except Exception as e:
-        log.warning("kvtier: NVMe write-behind failed: %s", e)
-        return [(op, [-1] * len(op.slots)) for op, _, _ in batch], time.perf_counter() - t0
+        log.warning("kvtier: write-behind to %s failed: %s", getattr(nvme, "name", "nvme"), e)
+        return [(op, [-1] * len(op.src_slots)) for op, _, _ in batch], time.perf_counter() - t0
     out = [(op, [c if ok and src not in failed_src else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)])
            for op, sums, r in results]
     return out, time.perf_counter() - t0

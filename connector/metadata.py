@@ -40,6 +40,8 @@ class KVTierMetadata(KVConnectorMetadata):
     nvme_writes: list[NvmeWriteOp] = field(default_factory=list)
     nvme_dir: str | None = None          # where the worker opens the NVMe data file
     nvme_capacity: int = 0
+    remote_tier: int | None = None       # index of the shared tier (its ops name blocks by key)
+    tier_names: list[str] | None = None
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.nvme_writes

@@ -44,6 +44,11 @@ counter vllm:kvtier_demoted_blocks_total{tier}         demoted_blocks.<tier>
 counter vllm:kvtier_promoted_blocks_total{tier}        promoted_blocks.<tier>
 counter vllm:kvtier_checksum_failures_total{tier}      corrupt_blocks.<tier>
 counter vllm:kvtier_io_errors_total{tier}              io_errors.<tier>
+counter vllm:kvtier_gone_blocks_total{tier}            gone_blocks.<tier> (shared: found, then absent at load)
+counter vllm:kvtier_missing_blocks_total{tier}         missing_blocks.<tier> (shared: a read found no value)
+counter vllm:kvtier_unreachable_total{tier}            unreachable.<tier> (shared: failed / timed-out commands)
+counter vllm:kvtier_lookup_timeouts_total{tier}        lookup_timeouts.<tier> (shared: lookup answered late)
+counter vllm:kvtier_put_failed_blocks_total{tier}      put_failed_blocks.<tier> (shared: writes refused)
 histogram vllm:kvtier_load_seconds{tier}               obs:seconds_loaded.<tier> (one per step and rank)
 histogram vllm:kvtier_store_seconds{tier}              obs:seconds_stored.<tier> (one per step / NVMe batch)
 gauge vllm:kvtier_resident_blocks{tier}                gauge_resident_blocks.<tier>
@@ -98,6 +103,11 @@ COUNTERS: dict[str, tuple[str, bool, str]] = {
     "promoted_blocks": ("promoted_blocks", True, "Blocks copied up into this tier on a lower-tier hit."),
     "checksum_failures": ("corrupt_blocks", True, "Blocks that failed checksum verification on read."),
     "io_errors": ("io_errors", True, "I/O errors of a tier (reads and writes)."),
+    "gone_blocks": ("gone_blocks", True, "Shared tier: blocks found by lookup, absent or bad at load (recomputed)."),
+    "missing_blocks": ("missing_blocks", True, "Shared tier: reads that found no value (server evicted it)."),
+    "unreachable": ("unreachable", True, "Shared tier: commands that failed or timed out (server unreachable)."),
+    "lookup_timeouts": ("lookup_timeouts", True, "Shared tier: lookups answered as misses after the timeout."),
+    "put_failed_blocks": ("put_failed_blocks", True, "Shared tier: block writes the server refused or lost."),
 }
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "load_seconds": ("seconds_loaded", "Time a worker spent loading from a tier in one step."),

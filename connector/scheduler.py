@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from kvtier.controller import TierController
+from kvtier.controller import PENDING, TierController
 from kvtier.keys import GROUP_ID_BYTES
 from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
@@ -110,11 +110,12 @@ class KVTierScheduler:
                            now=float(getattr(r.request, "arrival_time", 0.0) or 0.0))
 
     # ---- lookup / lease ----------------------------------------------------------------
-    def lookup(self, request: Any, num_computed_tokens: int) -> int:
+    def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
         """Tokens beyond `num_computed_tokens` the tiers can load; leases the matched blocks.
 
         Idempotent per request and range: asking again returns the same count and pins nothing
-        new. At least one token is always left to compute.
+        new. At least one token is always left to compute. None: the shared tier is being asked
+        (vLLM asks again next step; the scheduler never waits on the network).
         """
         r = self._track(request)
         bt = self.block_tokens
@@ -126,7 +127,9 @@ class KVTierScheduler:
             r.asked = 0
             return 0
         r.asked = end - start
-        lease = self.ctrl.acquire(r.req_id, r.keys[start:end], start)
+        lease = self.ctrl.acquire(r.req_id, r.keys[start:end], start, wait=False)
+        if lease is PENDING:
+            return None
         n = lease.num_blocks if lease is not None else 0
         r.hit_blocks = start + n
         return n * bt
@@ -159,6 +162,9 @@ class KVTierScheduler:
         r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
         r.stored_upto = max(r.stored_upto, lease.start + n)
 
+    def tier_kind(self, name: str) -> str:
+        return next((getattr(t, "kind", "") for t in self.tiers if t.name == name), "")
+
     def hit_sources(self, request_id: str) -> dict[str, int]:
         """Tokens of the planned load per tier name."""
         r = self._reqs.get(request_id)
@@ -177,7 +183,8 @@ class KVTierScheduler:
             else:
                 self._plan_stores(scheduled)
         plan = self.ctrl.take_plan()
-        meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, nvme_writes=plan.copies)
+        meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, nvme_writes=plan.copies,
+                              remote_tier=self.ctrl.remote, tier_names=self.ctrl.names)
         if self.nvme_dir is not None:  # the worker opens the data plane from it (loads and stores)
             meta.nvme_dir = self.nvme_dir
             meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks

@@ -55,6 +55,8 @@ def scheduler_line(conn: Any) -> str:
             r = int(getattr(t, "restored_blocks", 0))
             restored += r
             p += f" at {getattr(t, 'dir', nv.path if nv else '?')}, {r} restored from disk"
+        if getattr(t, "kind", "") == "redis":
+            p = shared_part(t)
         parts.append(p)
     fp = conn.fingerprint
     pol = st.policy
@@ -65,6 +67,12 @@ def scheduler_line(conn: Any) -> str:
             f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
             f"fingerprint {fingerprint_hash(fp)} "
             f"(model {fp['model']}, {fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); config {st.source}")
+
+
+def shared_part(t: Any) -> str:
+    """The shared tier as a startup line shows it (the server without credentials)."""
+    return (f"{t.name} on {t.settings.where} (namespace {t.ns.ns}, "
+            f"{'secret set' if t.ns.authenticated else 'no secret: integrity only'}; the server evicts)")
 
 
 def worker_line(conn: Any) -> tuple[str, list[str]]:
@@ -90,6 +98,8 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
         line += f"nvme {nv.path}, io {_io_choice(nv, gpu, warnings)}"
     else:
         line += "no nvme tier"
+    if getattr(w, "remote", None) is not None:
+        line += f"; shared tier {w.remote.description}, keys of rank {w.remote.ns.rank}"
     return line, warnings
 
 

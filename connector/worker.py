@@ -37,8 +37,12 @@ SHUTDOWN_FLUSH_TIMEOUT_S = 30.0  # close(): longest wait for pending NVMe write-
 class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
-                 nvme_write_lag_steps: int = 4, rank: int = 0) -> None:
+                 nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None) -> None:
+        """`remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for
+        this rank, or None when the stack has no shared tier."""
         self._cpu_blocks_fn = cpu_blocks_fn
+        self._remote_fn = remote_fn
+        self.remote = None                    # RedisData: the shared tier's data plane
         self._pin = pin
         self._expected = expected_block_bytes
         self.layout: KVLayout | None = None
@@ -57,6 +61,7 @@ class KVTierWorker(Counting):
         self.corrupt_blocks = 0
         # write-behind: batches of NVMe writes in flight, oldest first: (step, future of results)
         self.writes = WriteBehind(nvme_write_lag_steps)
+        self.puts = WriteBehind(nvme_write_lag_steps)   # shared-tier writes, reported the same way
         self._step = 0
         # layer-pipelined loads: copies run layer by layer on a loader thread while the forward
         # runs; wait_layer(name) blocks until that layer's blocks are in place
@@ -80,9 +85,18 @@ class KVTierWorker(Counting):
         self.kv = KVCopier(lay, pool)
         self.staging = Staging(lay.block_bytes)
         log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
+        if self._remote_fn is not None and self.remote is None:
+            self.remote = self._remote_fn(lay.block_bytes, self._count)
+            why = self.remote.ping()
+            if why:
+                log.warning("kvtier worker: shared tier %s not reachable now (%s): misses until it answers",
+                            self.remote.s.where, why)
 
     # ---- per step ----------------------------------------------------------------------
     def _tier_name(self, tier: int) -> str:
+        meta = self._meta
+        if meta is not None and meta.tier_names:
+            return meta.tier_names[tier] if tier < len(meta.tier_names) else str(tier)
         return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
 
     def bind(self, meta: Any) -> None:
@@ -101,23 +115,33 @@ class KVTierWorker(Counting):
         self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
                              rank=self.rank)
 
-    def _load_nvme(self, op, jobs: list, stage: list[torch.Tensor], row0: int, copy_now: bool) -> list[bool]:
-        """NVMe slots -> (CPU slots `op.via`, or staging rows row0..), checksums verified; the copies
-        into the KV go to `jobs`, or with `copy_now` run chunk by chunk as each chunk's reads land
-        (the next chunks are still reading meanwhile)."""
-        if self.nvme is None:
-            raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
+    def _load_lower(self, op, jobs: list, stage: list[torch.Tensor], row0: int, copy_now: bool,
+                    remote: bool) -> list[bool]:
+        """NVMe slots or shared-tier keys -> (CPU slots `op.via`, or staging rows row0..), each
+        block verified; the copies into the KV go to `jobs`, or with `copy_now` run chunk by chunk
+        as each chunk's reads land (the next chunks are still reading meanwhile)."""
         n = len(op.slots)
-        if op.checksums is None or len(op.checksums) != n:
-            raise RuntimeError("NVMe load without expected checksums")
+        if remote:
+            if self.remote is None:
+                raise RuntimeError("no shared-tier data plane on this worker")
+            if not op.keys or len(op.keys) != n:
+                raise RuntimeError("shared-tier load without keys")
+        else:
+            if self.nvme is None:
+                raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
+            if op.checksums is None or len(op.checksums) != n:
+                raise RuntimeError("NVMe load without expected checksums")
         bufs = [self.pools[0].views[s] for s in op.via] if op.via else stage[row0:row0 + n]
         step = max(1, self.nvme_load_chunk_bytes // self.layout.block_bytes) if copy_now else n
-        reads = []  # all chunks in flight at once: the engine's pool keeps the disk busy
+        reads = []  # all chunks in flight at once: the engine's pool keeps the disk / server busy
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             bad = [False] * (hi - lo)
-            reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
-                                                 keys=op.keys[lo:hi] if op.keys else None)))
+            if remote:
+                reads.append((lo, bad, self.remote.get(op.keys[lo:hi], bufs[lo:hi])))
+            else:
+                reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
+                                                     keys=op.keys[lo:hi] if op.keys else None)))
         # the rows the blocks are copied from: CPU slots, or this op's staging rows
         lay, kv = self.layout, self.kv
         rows = op.via or range(row0, row0 + n)
@@ -130,6 +154,8 @@ class KVTierWorker(Counting):
             r = h.wait()
             oks.extend(r.ok)
             errors.extend(r.errors)
+            if remote:  # absent (the server evicted it) or failed verification: a miss, reported
+                self._result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
             corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
             if not good:
@@ -164,7 +190,8 @@ class KVTierWorker(Counting):
         if meta is None or not meta.loads or self.layout is None:
             return
         self.finish_loads()
-        self._open_nvme(meta)
+        if any(op.tier != meta.remote_tier for op in meta.loads):
+            self._open_nvme(meta)
         t0 = time.perf_counter()
         self._copy_s = 0.0
         copy_now = self.layout.device.type == "cpu"
@@ -183,7 +210,7 @@ class KVTierWorker(Counting):
                     jobs.append(self.kv.pool_job(op.block_ids, op.slots))
                     oks = [True] * len(op.slots)
                 else:
-                    oks = self._load_nvme(op, jobs, stage, row0, copy_now)
+                    oks = self._load_lower(op, jobs, stage, row0, copy_now, op.tier == meta.remote_tier)
             except Exception as e:
                 log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
                 if op.via:
@@ -286,8 +313,15 @@ class KVTierWorker(Counting):
 
     def _write_nvme(self, meta: KVTierMetadata, failed_cpu: set[int]) -> None:
         """Queue CPU slots -> NVMe slots; the flusher writes, fdatasyncs and returns per-slot
-        checksums (-1: not durable), reported by `take_result` once done (see `_reap_writes`)."""
+        checksums (-1: not durable), reported by `take_result` once done (see `_reap_writes`).
+        Copies to the shared tier go to its data plane the same way (0: written, -1: not)."""
         ops, meta.nvme_writes = list(meta.nvme_writes), []
+        puts = [op for op in ops if op.tier == meta.remote_tier]
+        ops = [op for op in ops if op.tier != meta.remote_tier]
+        if puts:
+            self._put_remote(puts, failed_cpu)
+        if not ops:
+            return
         try:
             self._open_nvme(meta)
             if self.nvme is None:
@@ -306,6 +340,21 @@ class KVTierWorker(Counting):
         if self.writes.lag == 0:
             self._reap_writes(wait=True)
 
+    def _put_remote(self, ops: list, failed_cpu: set[int]) -> None:
+        try:
+            if self.remote is None:
+                raise RuntimeError("no shared-tier data plane on this worker")
+            batch = [(op, [0] * len(op.src_slots),
+                      self.remote.put(op.keys, [self.pools[0].views[s] for s in op.src_slots])) for op in ops]
+        except Exception as e:
+            log.warning("kvtier: shared-tier write of %d ops failed: %s", len(ops), e)
+            for op in ops:
+                self._result.nvme_written[op.op_id] = [-1] * len(op.src_slots)
+            return
+        self.puts.submit(self._step, self.remote, batch, failed_cpu)
+        if self.puts.lag == 0:
+            self._reap_writes(wait=True)
+
     def _reap_writes(self, wait: bool = False) -> None:
         """Report finished write batches; wait for those `nvme_write_lag_steps` old (all if `wait`)."""
         for done, dt in self.writes.reap(self._step, wait):
@@ -316,10 +365,19 @@ class KVTierWorker(Counting):
             self._count("bytes_stored.nvme", n * self.layout.block_bytes)
             self._count("seconds_stored.nvme", dt)
             self._count("blocks_stored.nvme", n)
+        name = self.remote.name if self.remote is not None else "shared"
+        for done, dt in self.puts.reap(self._step, wait):
+            n = 0
+            for op, out in done:
+                self._result.nvme_written[op.op_id] = out
+                n += sum(1 for c in out if c >= 0)
+            self._count(f"bytes_stored.{name}", n * self.layout.block_bytes)
+            self._count(f"seconds_stored.{name}", dt)
+            self._count(f"blocks_stored.{name}", n)
 
     @property
     def writes_in_flight(self) -> int:
-        return len(self.writes)
+        return len(self.writes) + len(self.puts)
 
     def take_result(self) -> KVTierWorkerMeta | None:
         """This step's report (called once per step): loads, stores, NVMe writes now durable."""
@@ -327,7 +385,7 @@ class KVTierWorker(Counting):
         self._reap_writes()
         self._step += 1
         r = self._result
-        if not r.stored and not r.loaded and not r.nvme_written and not r.corrupt:
+        if r.is_empty():
             return None
         self._result = KVTierWorkerMeta(rank=self.rank)
         return r
@@ -349,7 +407,13 @@ class KVTierWorker(Counting):
         writes made durable since the last step, for the scheduler to commit), or None."""
         self.finish_loads()
         final = None
-        late = 0
+        late = late_puts = 0
+        if len(self.puts):  # shared-tier writes: wait as long as the NVMe ones may, then leave them
+            limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
+            late_puts = self.puts.drain(limit)
+            if late_puts:
+                log.warning("kvtier: shutdown: %d shared-tier write batches still running; left behind",
+                            late_puts)
         if len(self.writes):
             t0 = time.monotonic()
             limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
@@ -365,10 +429,11 @@ class KVTierWorker(Counting):
             if n:  # durable on disk; indexed only if the scheduler gets this report
                 self._count("nvme_unreported_blocks", n)
         r = self._result
-        if r.stored or r.loaded or r.nvme_written or r.corrupt:
+        if not r.is_empty():
             final, self._result = r, KVTierWorkerMeta(rank=self.rank)
         self.writes.close(wait=not late)
-        if late:  # a write still reads the CPU pool and the data file: leave both to process exit
+        self.puts.close(wait=not late_puts)
+        if late or late_puts:  # a write still reads the CPU pool (and the data file): leave them to exit
             return final
         if self._loader is not None:
             self._loader.shutdown(wait=True)
@@ -376,6 +441,9 @@ class KVTierWorker(Counting):
         if self.nvme is not None:
             self.nvme.close()
             self.nvme = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         if self.staging is not None:
             self.staging.close()
             self.staging = None

@@ -42,14 +42,24 @@ def make_promotion(cfg: StackConfig) -> PromotionPolicy:
     return PROMOTION.get(name)(**policy_params(cfg.policy.params, name))
 
 
-def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: dict | None = None) -> Any:
-    """Storage tier `index` of the config (the gpu tier is vLLM's block pool, not built here)."""
+def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: dict | None = None,
+               ranks: int = 1) -> Any:
+    """Storage tier `index` of the config (the gpu tier is vLLM's block pool, not built here).
+    `ranks`: workers holding a shard of every block (the shared tier asks for all of them)."""
     if data not in DATA_MODES:
         raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}")
     t = cfg.storage_tiers()[index]
     cap = t.blocks(cfg.block_bytes)
-    eviction = make_eviction(cfg, t, cap)
     fp = fingerprint or cfg.fingerprint()
+    if t.kind == "redis":
+        if data == "none":
+            from kvtier.tiers.redis import SimRemoteTier
+            return SimRemoteTier(t.name, cap, cfg.block_bytes)
+        from kvtier.tiers.redis import RedisTier
+        from kvtier.tiers.redis_conn import RedisSettings
+        return RedisTier(t.name, RedisSettings.of(t), fp, cfg.block_bytes, ranks=ranks, capacity_blocks=cap,
+                         data=data == "full", threads=t.io_threads)
+    eviction = make_eviction(cfg, t, cap)
     if t.kind == "cpu":
         from kvtier.tiers.cpu import CpuTier
         return CpuTier(t.name, cap, cfg.block_bytes, eviction, pin=t.pin, with_data=data == "full")
@@ -64,11 +74,12 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
     raise ValueError(f"tier {t.name!r}: kind {t.kind!r} is not a storage tier")
 
 
-def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None = None) -> list[Any]:
+def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None = None,
+                ranks: int = 1) -> list[Any]:
     tiers: list[Any] = []
     try:
         for i in range(len(cfg.storage_tiers())):
-            tiers.append(build_tier(cfg, i, data, fingerprint))
+            tiers.append(build_tier(cfg, i, data, fingerprint, ranks))
     except BaseException:
         for t in tiers:
             close = getattr(t, "close", None)
@@ -90,4 +101,5 @@ def build_controller(cfg: StackConfig, tiers: Sequence[Any], ranks: int = 1,
 
 def fresh_evictions(cfg: StackConfig, tiers: Sequence[Any]) -> list[EvictionPolicy]:
     """New eviction policies for `tiers` (a cleared stack starts its policies afresh)."""
-    return [make_eviction(cfg, tc, t.capacity_blocks) for tc, t in zip(cfg.storage_tiers(), tiers)]
+    return [make_eviction(cfg, tc, t.capacity_blocks) if tc.kind != "redis" else None
+            for tc, t in zip(cfg.storage_tiers(), tiers)]

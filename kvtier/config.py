@@ -89,8 +89,8 @@ def _check_params(params: dict[str, Any], registries) -> None:
 
 class TierConfig(_Model):
     name: str
-    kind: Literal["gpu", "cpu", "nvme"]
-    capacity: int | None = None  # bytes
+    kind: Literal["gpu", "cpu", "nvme", "redis"]
+    capacity: int | None = None  # bytes (redis: the share of the server replay models; optional)
     capacity_blocks: int | None = None
     # cpu
     pin: Literal["auto", True, False] = "auto"
@@ -100,6 +100,17 @@ class TierConfig(_Model):
     io_threads: int = Field(default=4, ge=1, le=64)
     direct: Literal["auto", True, False] = "auto"   # O_DIRECT (auto: when the filesystem takes it)
     on_fingerprint_mismatch: Literal["refuse", "namespace"] = "refuse"
+    # redis (the shared tier): server, client settings, the fleet's block secret
+    url: str = "${KVTIER_REDIS_URL:-redis://localhost:6379/0}"
+    cluster: bool = False              # a Redis Cluster (url names one node; the rest are discovered)
+    username: str | None = None        # ACL user (or in the url); "${ENV}" is expanded
+    password: str | None = None        # AUTH password (or in the url); "${ENV}" is expanded, never logged
+    tls_ca: str | None = None          # CA file for rediss:// (default: the system's)
+    timeout_s: float = Field(default=1.0, gt=0, le=60)          # per command; a slow server is a miss
+    connect_timeout_s: float = Field(default=0.5, gt=0, le=60)
+    pool_size: int = Field(default=16, ge=1, le=1024)           # connections per client
+    batch_bytes: int = 16 << 20        # values per pipeline round trip
+    secret: str | None = None          # the fleet's shared block secret ("${KVTIER_SHARED_SECRET}")
     # per-tier policy overrides
     eviction: str | None = None
     admission: str | None = None
@@ -110,6 +121,23 @@ class TierConfig(_Model):
         if isinstance(v, str) and "$" in v:
             v = expand_path(v)
         return None if v is None else _size(v)
+
+    @field_validator("batch_bytes", mode="before")
+    @classmethod
+    def _batch(cls, v: Any) -> int:
+        n = _size(v)
+        if not 1 << 16 <= n <= 1 << 30:
+            raise ValueError("must be between 64 KiB and 1 GiB")
+        return n
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+        u = urlsplit(expand_vars(v))
+        if u.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
 
     @field_validator("capacity_blocks")
     @classmethod
@@ -122,13 +150,15 @@ class TierConfig(_Model):
     def _check(self) -> "TierConfig":
         if self.kind == "nvme" and not self.path:
             raise ValueError(f"tier {self.name!r}: kind nvme needs a path")
-        if self.kind != "gpu" and self.capacity is None and self.capacity_blocks is None:
+        if self.kind not in ("gpu", "redis") and self.capacity is None and self.capacity_blocks is None:
             raise ValueError(f"tier {self.name!r}: give capacity (e.g. 2GiB) or capacity_blocks")
         if self.capacity is not None and self.capacity_blocks is not None:
             raise ValueError(f"tier {self.name!r}: give capacity or capacity_blocks, not both")
         return self
 
     def blocks(self, block_bytes: int) -> int:
+        if self.kind == "redis" and self.capacity is None and self.capacity_blocks is None:
+            return 0  # the server's memory decides (replay models it as unbounded)
         if self.capacity_blocks is not None:
             return self.capacity_blocks
         n = (self.capacity or 0) // block_bytes
@@ -175,10 +205,14 @@ class StackConfig(_Model):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"tiers: duplicate tier names {sorted(dup)}")
-        order = {"gpu": 0, "cpu": 1, "nvme": 2}
+        order = {"gpu": 0, "cpu": 1, "nvme": 2, "redis": 3}
         ranks = [order[t.kind] for t in self.tiers]
         if ranks != sorted(ranks):
-            raise ValueError("tiers: list them fastest first (gpu, cpu, nvme)")
+            raise ValueError("tiers: list them fastest first (gpu, cpu, nvme, redis)")
+        if sum(t.kind == "redis" for t in self.tiers) > 1:
+            raise ValueError("tiers: at most one redis tier (the shared tier, the lowest)")
+        if self.tiers[0].kind == "redis" or all(t.kind in ("gpu", "redis") for t in self.tiers):
+            raise ValueError("tiers: a redis tier needs a cpu tier above it (blocks reach the server from DRAM)")
         if sum(t.kind == "gpu" for t in self.tiers) > 1:
             raise ValueError("tiers: at most one gpu tier")
         return self
@@ -218,6 +252,12 @@ def parse_config(data: Any, source: str = "<dict>", check_env: bool = True) -> S
     for t in cfg.tiers:
         if t.path:
             t.path = expand_path(t.path)
+        if t.kind == "redis":
+            t.url = expand_vars(t.url)
+            for f in ("username", "password", "secret", "tls_ca"):
+                v = getattr(t, f)
+                if v and "$" in v:
+                    setattr(t, f, (expand_path if f == "tls_ca" else expand_vars)(v) or None)
     if check_env:
         check_environment(cfg)
     return cfg
@@ -226,12 +266,17 @@ def parse_config(data: Any, source: str = "<dict>", check_env: bool = True) -> S
 _VAR = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}|\$(\w+)")
 
 
-def expand_path(value: str) -> str:
-    """Expand ~, $VAR, ${VAR} and ${VAR:-default}."""
+def expand_vars(value: str) -> str:
+    """Expand $VAR, ${VAR} and ${VAR:-default}."""
     def sub(m: re.Match) -> str:
         name = m.group(1) or m.group(3)
         return os.environ.get(name) or (m.group(2) or "")
-    return os.path.expanduser(_VAR.sub(sub, value))
+    return _VAR.sub(sub, value)
+
+
+def expand_path(value: str) -> str:
+    """Expand ~, $VAR, ${VAR} and ${VAR:-default}."""
+    return os.path.expanduser(expand_vars(value))
 
 
 MAX_CONFIG_BYTES = 1 << 20

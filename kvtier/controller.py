@@ -18,6 +18,12 @@ Decisions, all here:
   tier lacks is copied down first (kept, pinned, until the copy is durable), and the head of the
   cursor is cleaned ahead in batches so that victims are mostly clean when they are needed.
 A block becomes visible only when the executor reports its bytes written (`complete`).
+
+A shared tier (`kvtier.tiers.redis`, `remote = True`) may be the lowest tier. The server owns its
+membership and eviction: lookups ask it (`probe`) for the part of the prefix the local tiers
+miss, its blocks are never leased (a hit may be gone at load: a handled miss), it is written
+through from the top tier whatever `demotion` says (a fleet shares a prefix once computed), its
+admission policy permitting, and it is never cleared or evicted from here.
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ from .plan import Counting, LoadOp, NvmeWriteOp, Plan, Report, StoreOp
 log = logging.getLogger("kvtier.controller")
 
 DEMOTION = ("write_through", "write_back")
+
+
+class _Pending:
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING = _Pending()   # acquire(wait=False): the shared tier's answer is on its way; ask again
 
 
 @dataclass
@@ -88,8 +102,14 @@ class TierController(Counting):
         NVMe commits once every rank reported). `writeback_blocks`: the write-back batch."""
         if demotion not in DEMOTION:
             raise ValueError(f"demotion must be one of {DEMOTION}, got {demotion!r}")
+        self._init_counters()
         self.tiers = list(tiers)
         self.names = [t.name for t in self.tiers]
+        remote = [i for i, t in enumerate(self.tiers) if getattr(t, "remote", False)]
+        if remote and remote != [len(self.tiers) - 1] or remote == [0]:
+            raise ValueError(f"a shared tier must be the lowest of several tiers: {self.names}")
+        self.remote: int | None = remote[0] if remote else None
+        self.nlocal = len(self.tiers) - len(remote)   # slot tiers, top first
         self.block_tokens = block_tokens
         adm = list(admission or [])
         self.admission: list[AdmissionPolicy | None] = [
@@ -100,47 +120,63 @@ class TierController(Counting):
         self.demotion = demotion
         self.ranks = max(1, int(ranks))
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
-        self._index = [t.resident for t in self.tiers]        # read-only: each tier's key -> slot
+        if self.remote is not None and hasattr(self.tiers[self.remote], "bind_counter"):
+            self.tiers[self.remote].bind_counter(self._count)  # its network counters join ours
+        self._index = [t.resident for t in self.tiers[:self.nlocal]]  # read-only: key -> slot
         self._pending = [set() for _ in self.tiers]            # keys on their way into each tier
         self._stores: dict[int, _Store] = {}
         self._copies: dict[int, _Copy] = {}
         self._op_ids = itertools.count(1)
         self._plan = Plan()
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
-        self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers]
+        self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers[:self.nlocal]]
         self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
-        self._init_counters()
 
     # ---- lookups (no side effects) -------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the prefix of `keys` present in some tier."""
-        return len(match_prefix(self._index, keys)[1])
+        """Length of the prefix of `keys` present in some tier (the shared tier asked at once)."""
+        return len(self.match(keys))
 
-    def match(self, keys: Sequence[bytes]) -> list[tuple[int, int]]:
-        """(tier, slot) of each block of the present prefix (the topmost copy)."""
-        return list(zip(*match_prefix(self._index, keys)))
+    def match(self, keys: Sequence[bytes], wait: bool = True) -> list[tuple[int, int]] | _Pending:
+        """(tier, slot) of each block of the present prefix (the topmost copy); a shared-tier
+        block's slot is -1. PENDING when `wait` is False and the shared tier is still asked."""
+        blocks = list(zip(*match_prefix(self._index, keys)))
+        if self.remote is not None and len(blocks) < len(keys):
+            n = self.tiers[self.remote].probe(keys[len(blocks):], wait)
+            if n is None:
+                return PENDING
+            blocks.extend([(self.remote, -1)] * n)
+        return blocks
 
     def holds(self, key: bytes, tier: int = 0) -> bool:
-        """Whether `tier` has the block or is receiving it."""
+        """Whether `tier` has the block or is receiving it (the shared tier: as far as known here)."""
+        if tier == self.remote:
+            return key in self._pending[tier] or self.tiers[tier].known(key)
         return key in self._index[tier] or key in self._pending[tier]
 
     # ---- leases --------------------------------------------------------------------------
     def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
         for t, slots in group_by_tier(blocks).items():
-            self.tiers[t].touch(slots)
+            if t != self.remote:   # the server owns its blocks: nothing to pin
+                self.tiers[t].touch(slots)
 
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
         for t, slots in group_by_tier(blocks).items():
-            self.tiers[t].free_blocks(slots)
+            if t != self.remote:
+                self.tiers[t].free_blocks(slots)
 
-    def acquire(self, request_id: str, keys: Sequence[bytes], start: int = 0) -> Lease | None:
+    def acquire(self, request_id: str, keys: Sequence[bytes], start: int = 0,
+                wait: bool = True) -> Lease | None | _Pending:
         """Pin the present prefix of `keys` (chain positions from `start`) for the request.
-        Asking again for the same range pins nothing new; another range replaces the lease."""
+        Asking again for the same range pins nothing new; another range replaces the lease.
+        `wait=False`: PENDING while the shared tier is being asked (ask again later)."""
         lease = self.leases.get(request_id, start, keys)
         if lease is not None:
             return lease
+        blocks = self.match(keys, wait)
+        if blocks is PENDING:
+            return PENDING
         self._count("n_lookups")
-        blocks = self.match(keys)
         if not blocks:
             self.leases.release(request_id)
             return None
@@ -179,7 +215,10 @@ class TierController(Counting):
             pos_of[t].append(lease.start + j)
         for t, op in ops.items():
             tier = self.tiers[t]
-            if checksums and hasattr(tier, "checksums"):
+            if t == self.remote:
+                op.keys = keys_of[t]
+                tier.touch_keys(op.keys)
+            elif checksums and hasattr(tier, "checksums"):
                 op.checksums = tier.checksums(op.slots)
                 op.keys = keys_of[t]
             tier.hit(op.slots, info)
@@ -208,7 +247,7 @@ class TierController(Counting):
         op.via = slots
         op.via_tier = tgt
         op.op_id = next(self._op_ids)
-        excl = None if self.promotion.inclusive else (op.tier, list(zip(op.slots, keys)))
+        excl = None if self.promotion.inclusive or op.tier == self.remote else (op.tier, list(zip(op.slots, keys)))
         self._stores[op.op_id] = _Store(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
                                         info=info, pos=pos)
 
@@ -240,10 +279,15 @@ class TierController(Counting):
         self._stores[op_id] = _Store(0, slots, ks, info=info, pos=[info.start + i for i in want])
         self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
         self._count(f"store_planned_blocks.{top.name}", len(slots))
-        if self.demotion == "write_through" and len(self.tiers) > 1:
+        if self.demotion == "write_through" and self.nlocal > 1:
             lower = [j for j, k in enumerate(ks) if not self.holds(k, 1)]
             lower = self._admit(1, lower, [ks[j] for j in lower], info)
             self._plan_copy(0, [(slots[j], ks[j]) for j in lower])
+        if self.remote is not None:  # the fleet's tier: written through from the top tier
+            r = self.remote
+            up = [j for j, k in enumerate(ks) if not self.holds(k, r)]
+            up = self._admit(r, up, [ks[j] for j in up], info)
+            self._plan_put(0, [(slots[j], ks[j]) for j in up])
         return want, op_id, deferred
 
     def count_dropped(self, t: int, n: int) -> None:
@@ -259,6 +303,21 @@ class TierController(Counting):
         if len(out) < len(items):
             self._count(f"not_admitted_blocks.{self.names[t]}", len(items) - len(out))
         return out
+
+    def _plan_put(self, src_tier: int, src: list[tuple[int, bytes]]) -> int:
+        """Copy (slot, key) blocks of `src_tier` to the shared tier (no room to make: the server
+        evicts); the sources stay pinned until the workers report the writes."""
+        if not src:
+            return 0
+        r = self.remote
+        keys = [k for _, k in src]
+        self._pending[r].update(keys)
+        self.tiers[src_tier].touch([s for s, _ in src])
+        op_id = next(self._op_ids)
+        self._copies[op_id] = _Copy(src_tier, src, r, [-1] * len(src))
+        self._plan.copies.append(NvmeWriteOp(op_id, [s for s, _ in src], [], src_tier=src_tier, tier=r, keys=keys))
+        self._count(f"store_planned_blocks.{self.names[r]}", len(src))
+        return len(src)
 
     def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]]) -> int:
         """Copy (slot, key) blocks of `src_tier` into new slots of the next tier; returns how many."""
@@ -293,7 +352,7 @@ class TierController(Counting):
         need = n - tier.num_free_slots
         if need <= 0:
             return tier.num_free_slots
-        if self.demotion != "write_back" or t + 1 >= len(self.tiers):
+        if self.demotion != "write_back" or t + 1 >= self.nlocal:
             victims = tier.free_slots(need)
             if victims:
                 self._evict(t, victims)
@@ -341,8 +400,9 @@ class TierController(Counting):
                 on_evict(k)
 
     def flush(self, t: int = 0, batch: int = 256) -> int:
-        """Plan copying every resident block of tier `t` that the next tier lacks; returns how many."""
-        if t + 1 >= len(self.tiers):
+        """Plan copying every resident block of tier `t` that the next (slot) tier lacks; returns
+        how many. The shared tier is written through at store time instead."""
+        if t + 1 >= self.nlocal:
             return 0
         tier = self.tiers[t]
         todo = [(s, k) for k, s in list(tier.resident.items()) if not self.holds(k, t + 1)]
@@ -364,7 +424,7 @@ class TierController(Counting):
     def take_plan(self) -> Plan:
         """The ops decided since the last call (write-back tiers clean ahead first)."""
         if self.demotion == "write_back":
-            for t in range(len(self.tiers) - 1):
+            for t in range(self.nlocal - 1):
                 if 2 * self._clean[t] < self._wb_max[t] and self.tiers[t].num_free_slots < self._wb_max[t]:
                     self._clean_ahead(t)
         p, self._plan = self._plan, Plan()
@@ -403,6 +463,9 @@ class TierController(Counting):
             self._count(f"corrupt_blocks.{tier.name}", len(slots))
         for op_id, by_rank in sorted(rep.written_by_rank().items()):
             self._complete_copy(op_id, by_rank)
+        if rep.gone and self.remote is not None:  # found by lookup, gone (or bad) at load: a miss
+            self.tiers[self.remote].note_gone(rep.gone)
+            self._count(f"gone_blocks.{self.names[self.remote]}", len(rep.gone))
         for rid, ok in rep.loaded.items():
             self.release(rid)
             if not ok:
@@ -425,6 +488,9 @@ class TierController(Counting):
         del self._copies[op_id]
         tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
         sums = self._rank_sums(by_rank, len(cp.slots))
+        if cp.tier == self.remote:
+            self._complete_put(cp, sums)
+            return
         good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]
         bad = [s for s, c in zip(cp.slots, sums) if c == -1]
         if good:
@@ -452,6 +518,18 @@ class TierController(Counting):
         for s, k in cp.src:  # unpin the sources that still hold the same block
             src_tier.unpin_if(s, k)
 
+    def _complete_put(self, cp: _Copy, sums: list) -> None:
+        tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
+        good = [k for (_, k), c in zip(cp.src, sums) if c != -1]
+        if good:
+            tier.note_written(good)
+            self._count(f"stored_blocks.{tier.name}", len(good))
+        if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
+            self._count(f"store_failed_blocks.{tier.name}", len(cp.src) - len(good))
+        self._pending[cp.tier].difference_update(k for _, k in cp.src)
+        for s, k in cp.src:
+            src_tier.unpin_if(s, k)
+
     def _rank_sums(self, by_rank: dict[int, list], n: int) -> list:
         """Per slot: the checksum (one rank), the tuple of every rank's (several), or -1 when a
         rank failed the write."""
@@ -471,7 +549,7 @@ class TierController(Counting):
         if self.leases.leases or self._stores or self._copies:
             raise RuntimeError("clear with leases or transfers in flight")
         n = 0
-        for i, t in enumerate(self.tiers):
+        for i, t in enumerate(self.tiers[:self.nlocal]):  # never the shared tier: it is the fleet's
             slots = list(t.resident.values())
             if slots:
                 t.evict(slots)
@@ -485,10 +563,10 @@ class TierController(Counting):
         return len(self._stores) + len(self._copies)
 
     def pinned_blocks(self) -> int:
-        return sum(t.pinned_blocks() for t in self.tiers)
+        return sum(t.pinned_blocks() for t in self.tiers[:self.nlocal])
 
     def describe(self) -> dict:
-        return {"eviction": [t.eviction.name for t in self.tiers],
+        return {"eviction": [t.eviction.name if hasattr(t, "eviction") else "server" for t in self.tiers],
                 "admission": [a.name if a is not None else "all" for a in self.admission],
                 "promotion": self.promotion.name if self.promotion is not None else "none",
                 "demotion": self.demotion}

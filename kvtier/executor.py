@@ -30,7 +30,7 @@ class NullExecutor:
         for op in plan.stores:
             rep.stored[op.op_id] = [True] * len(op.slots)
         for op in plan.copies:
-            rep.nvme_written[op.op_id] = [0] * len(op.slots)
+            rep.nvme_written[op.op_id] = [0] * len(op.src_slots)
         return rep, loaded
 
 
@@ -53,7 +53,8 @@ class LocalExecutor:
             tier = self.tiers[op.tier]
             via = self.tiers[op.via_tier] if op.via else None
             bufs = [via.view(s) for s in op.via] if via is not None else [dsts[b] for b in op.block_ids]
-            r = tier.read(op.slots, bufs).wait()
+            remote = getattr(tier, "remote", False)
+            r = (tier.get(op.keys, bufs) if remote else tier.read(op.slots, bufs)).wait()
             self._count(f"bytes_read.{tier.name}", r.nbytes)
             if via is not None:
                 for b, buf, ok in zip(op.block_ids, bufs, r.ok):
@@ -61,7 +62,9 @@ class LocalExecutor:
                         dsts[b].copy_(buf)
                 rep.stored[op.op_id] = list(r.ok)
             bad = [s for s, ok in zip(op.slots, r.ok) if not ok]
-            if bad:
+            if bad and remote:  # absent (evicted by the server) or failed verification: a miss
+                rep.gone.extend(k for k, ok in zip(op.keys, r.ok) if not ok)
+            elif bad:
                 rep.corrupt.setdefault(op.tier, []).extend(bad)
             rep.loaded[op.req_id] = rep.loaded.get(op.req_id, True) and not bad
             loaded.update(zip(op.block_ids, r.ok))
@@ -75,7 +78,14 @@ class LocalExecutor:
             failed.update((op.tier, s) for s, ok in zip(op.slots, r.ok) if not ok)
         for op in plan.copies:
             src, tier = self.tiers[op.src_tier], self.tiers[op.tier]
-            r = tier.write(op.slots, [src.view(s) for s in op.src_slots]).wait()
+            bufs = [src.view(s) for s in op.src_slots]
+            if getattr(tier, "remote", False):
+                r = tier.put(op.keys, bufs).wait()
+                self._count(f"bytes_written.{tier.name}", r.nbytes)
+                rep.nvme_written[op.op_id] = [0 if ok and (op.src_tier, s) not in failed else -1
+                                              for ok, s in zip(r.ok, op.src_slots)]
+                continue
+            r = tier.write(op.slots, bufs).wait()
             self._count(f"bytes_written.{tier.name}", r.nbytes)
             self.errors.extend(r.errors)
             sums = tier.checksums(op.slots) if hasattr(tier, "checksums") else [0] * len(op.slots)

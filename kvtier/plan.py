@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class LoadOp:
-    """Copy tier slots into the caller's blocks (before the forward that reads them)."""
+    """Copy tier slots into the caller's blocks (before the forward that reads them); from the
+    shared tier `slots` are placeholders and `keys` name the blocks."""
 
     req_id: str
     tier: int
@@ -37,8 +38,9 @@ class StoreOp:
 
 @dataclass
 class NvmeWriteOp:
-    """Copy slots of one tier into reserved slots of the next (write-through or write-back);
-    in vLLM always CPU -> NVMe, the only tier-to-tier copy the workers run."""
+    """Copy slots of one tier into reserved slots of the next (write-through or write-back), or
+    into the shared tier (`slots` then empty: the server names blocks by `keys`). In vLLM the
+    source is always the CPU tier."""
 
     op_id: int
     src_slots: list[int]
@@ -75,6 +77,7 @@ class Report:
     corrupt: dict[int, list[int]] = field(default_factory=dict)
     rank: int = 0
     nvme_written_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    gone: list[bytes] = field(default_factory=list)   # shared tier: keys a read found absent or bad
 
     def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
         """Copy op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
@@ -97,12 +100,13 @@ class Report:
         corrupt = {t: list(v) for t, v in self.corrupt.items()}
         for t, v in other.corrupt.items():
             corrupt.setdefault(t, []).extend(s for s in v if s not in corrupt[t])
+        gone = list(self.gone) + [k for k in other.gone if k not in self.gone]
         return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
-                          nvme_written_ranks=written)
+                          nvme_written_ranks=written, gone=gone)
 
     def is_empty(self) -> bool:
         return not self.stored and not self.loaded and not self.nvme_written and not self.corrupt \
-            and not self.nvme_written_ranks
+            and not self.nvme_written_ranks and not self.gone
 
 
 class Counting:

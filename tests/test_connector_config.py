@@ -60,7 +60,7 @@ def test_admission_from_yaml_and_inline(tmp_path):
 def test_the_connector_needs_a_cpu_tier_on_top(tmp_path):
     p = tmp_path / "nvme-only.yaml"
     p.write_text(f"tiers:\n  - {{name: nvme, kind: nvme, path: {tmp_path}/nv, capacity_blocks: 8}}\n")
-    with pytest.raises(ConfigError, match="runs one cpu tier, optionally one nvme tier below it.*got nvme"):
+    with pytest.raises(ConfigError, match="runs one cpu tier, optionally one nvme tier and one redis tier below it.*got nvme"):
         load_settings({"config": str(p)})
     q = tmp_path / "two-cpu.yaml"
     q.write_text("tiers:\n  - {name: a, kind: cpu, capacity_blocks: 8}\n  - {name: b, kind: cpu, capacity_blocks: 8}\n")

@@ -228,6 +228,18 @@ class BlockCodec:
             return f"block of rank {rank}, this file is rank {self.rank}'s"
         return key, length, tag
 
+    @staticmethod
+    def header_size(key: bytes) -> int:
+        """Bytes `seal` fills for `key` (a shared-tier value carries just these, then the payload)."""
+        return _HDR.size + len(key) + 8
+
+    def verify(self, hdr, key: bytes, payload) -> str | None:
+        """`check` without an index to hold the tag (the shared tier): the header must be genuine."""
+        got = self.parse(hdr)
+        if isinstance(got, str):
+            return got
+        return self.check(hdr, key, got[2], payload)
+
     def check(self, hdr, key: bytes, expect: int, payload) -> str | None:
         """None when the header is genuine, names `key`, carries tag `expect` and the payload
         matches its hash; else why not."""

@@ -1,0 +1,240 @@
+"""The shared tier (Redis / Valkey, standalone or Cluster) as the controller sees it.
+
+Unlike a slot tier it has no local index, no slots and no pins: the server owns membership and
+eviction (`maxmemory` + `allkeys-lru`), and other instances write to it too. So:
+- membership comes from the server: `probe(keys)` is the prefix every rank has a value for,
+  asked with one pipelined EXISTS for the part not known locally; `wait=False` (the vLLM
+  scheduler) answers None while the answer is on its way, so the scheduler never waits on the
+  network (vLLM asks again next step);
+- a block found by a probe may be gone when it is read: a handled miss (`note_gone`);
+- `known(key)`: a bounded local memory of keys written or seen, so a block is not put twice.
+The bytes move through `redis_data.RedisData` (offline: this object's `get` / `put`; in vLLM
+each worker opens its own). `SimRemoteTier` is the metadata-only model replay runs: an LRU of
+`capacity_blocks` (unbounded when 0), as a server with `allkeys-lru` behaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+from .handles import IOHandle
+from .redis_conn import Namespace, RedisSettings
+from .redis_data import RedisData
+
+log = logging.getLogger("kvtier.redis")
+
+KNOWN_MAX = 1 << 18      # keys remembered as on the server (about 30 MB)
+PROBES_MAX = 4096        # lookups in flight (a request that never asks again is dropped)
+
+
+class _Known:
+    """A bounded LRU set of keys."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self._d: OrderedDict[bytes, None] = OrderedDict()
+
+    def __contains__(self, k: bytes) -> bool:
+        return k in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def add(self, keys) -> list[bytes]:
+        """Insert or refresh; returns the keys pushed out (capacity)."""
+        d = self._d
+        for k in keys:
+            d[k] = None
+            d.move_to_end(k)
+        out = []
+        while self.cap and len(d) > self.cap:
+            out.append(d.popitem(last=False)[0])
+        return out
+
+    def touch(self, keys) -> None:
+        d = self._d
+        for k in keys:
+            if k in d:
+                d.move_to_end(k)
+
+    def discard(self, keys) -> None:
+        for k in keys:
+            self._d.pop(k, None)
+
+
+class _RemoteBase:
+    kind = "redis"
+    remote = True
+    capacity_blocks = 0
+
+    def hit(self, slots, info=None) -> None:
+        """Slot tiers reorder their eviction; the server does its own LRU on GET."""
+
+    def pinned_blocks(self) -> int:
+        return 0
+
+
+class RedisTier(_RemoteBase):
+    def __init__(self, name: str, settings: RedisSettings, fingerprint: dict, block_bytes: int,
+                 ranks: int = 1, capacity_blocks: int = 0, data: bool = True, threads: int = 4,
+                 count: Callable[[str, float], None] | None = None) -> None:
+        self.name = name
+        self.settings = settings
+        self.block_bytes = block_bytes
+        self.ranks = max(1, ranks)
+        self.capacity_blocks = capacity_blocks
+        self.ns = Namespace(fingerprint, settings.secret, rank=0)
+        self.conn = RedisData(settings, self.ns, block_bytes, threads=threads if data else 1, count=count,
+                              name=name)
+        self.with_data = data
+        self._known = _Known(KNOWN_MAX)
+        self._probes: OrderedDict[tuple, tuple[Future, float, int]] = OrderedDict()
+        self._prober = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-lookup")
+        self._count = self.conn._count
+        if not self.ns.authenticated:
+            log.warning("kvtier: shared tier %s: no secret set (tiers.%s.secret, e.g. ${KVTIER_SHARED_SECRET}): "
+                        "blocks are checked for corruption and foreign models, but a client with write access "
+                        "to the server could plant blocks", settings.where, name)
+
+    def bind_counter(self, count: Callable[[str, float], None]) -> None:
+        """Count network events (`unreachable.<name>`, ...) into the controller's counters too."""
+        self.conn._ext_count = count
+
+    # ---- membership ----------------------------------------------------------------------
+    def known(self, key: bytes) -> bool:
+        return key in self._known
+
+    def note_written(self, keys: Sequence[bytes]) -> None:
+        self._known.add(keys)
+
+    def note_gone(self, keys: Sequence[bytes]) -> None:
+        """Blocks a read found missing or bad: not known any more (a later store puts them again)."""
+        self._known.discard(keys)
+
+    def touch_keys(self, keys: Sequence[bytes]) -> None:
+        self._known.touch(keys)
+
+    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int | None:
+        """Length of the prefix of `keys` on the server (all ranks); None: asked, answer pending
+        (only with `wait=False`). Unreachable or too slow: the locally known part only, counted."""
+        n = 0
+        for k in keys:
+            if k not in self._known:
+                break
+            n += 1
+        if n == len(keys):
+            return n
+        rest = tuple(keys[n:])
+        if wait:
+            return n + self._answer(self.conn.exists(rest, self.ranks), rest)
+        entry = self._probes.get(rest)
+        if entry is None:
+            self._probes[rest] = (self._prober.submit(self.conn.exists, rest, self.ranks), time.monotonic(), n)
+            while len(self._probes) > PROBES_MAX:
+                self._probes.popitem(last=False)
+            return None
+        fut, t0, _ = entry
+        if not fut.done():
+            if time.monotonic() - t0 < self.settings.timeout_s + self.settings.connect_timeout_s:
+                return None
+            self._count("lookup_timeouts")
+            del self._probes[rest]
+            return n
+        del self._probes[rest]
+        return n + self._answer(fut.result(), rest)
+
+    def _answer(self, found: list[bool] | None, keys: Sequence[bytes]) -> int:
+        if found is None:
+            self._count("lookup_failures")
+            return 0
+        m = 0
+        for f in found:
+            if not f:
+                break
+            m += 1
+        self._known.add(keys[:m])
+        return m
+
+    # ---- data plane (offline; vLLM's workers open their own `RedisData`) -------------------
+    def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor]) -> IOHandle:
+        return self.conn.get(keys, dsts)
+
+    def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor]) -> IOHandle:
+        return self.conn.put(keys, srcs)
+
+    # ---- introspection -------------------------------------------------------------------
+    def scan_count(self, limit: int | None = None) -> int | None:
+        """Entries of this namespace on the server (all ranks; SCAN, so O(keys)); None: unreachable."""
+        try:
+            cl = self.conn.client
+            n = 0
+            for _ in cl.scan_iter(match=self.ns.pattern(), count=1000):
+                n += 1
+                if limit is not None and n >= limit:
+                    break
+            return n
+        except Exception as e:
+            self.conn.breaker.fail(e)
+            return None
+
+    @property
+    def io_engine(self) -> str:
+        return self.conn.description
+
+    def stats(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "server": self.settings.where, "namespace": self.ns.ns,
+                "known_blocks": len(self._known), "block_bytes": self.block_bytes,
+                "authenticated": self.ns.authenticated, "server_down": self.conn.breaker.down,
+                **{k: int(v) for k, v in self.conn.counters.items()}}
+
+    def close(self) -> None:
+        self._prober.shutdown(wait=False, cancel_futures=True)
+        self.conn.close()
+
+
+class SimRemoteTier(_RemoteBase):
+    """Metadata-only shared tier (replay): the server modelled as an LRU of `capacity_blocks`."""
+
+    def __init__(self, name: str, capacity_blocks: int = 0, block_bytes: int = 0) -> None:
+        self.name = name
+        self.capacity_blocks = capacity_blocks
+        self.block_bytes = block_bytes
+        self._on = _Known(capacity_blocks)
+        self.evicted = 0
+
+    def known(self, key: bytes) -> bool:
+        return key in self._on
+
+    def note_written(self, keys: Sequence[bytes]) -> None:
+        self.evicted += len(self._on.add(keys))
+
+    def note_gone(self, keys: Sequence[bytes]) -> None:
+        self._on.discard(keys)
+
+    def touch_keys(self, keys: Sequence[bytes]) -> None:
+        self._on.touch(keys)
+
+    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int:
+        n = 0
+        for k in keys:
+            if k not in self._on:
+                break
+            n += 1
+        return n
+
+    @property
+    def io_engine(self) -> str:
+        return "none (metadata only: an LRU model of the server)"
+
+    def stats(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "capacity_blocks": self.capacity_blocks,
+                "resident_blocks": len(self._on), "evicted_blocks": self.evicted, "model": "lru"}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,211 @@
+"""The shared tier's data plane: blocks in and out of a Redis / Valkey server, pipelined.
+
+A value is the block's keyed header (`nvme_block.BlockCodec`, sealed with the fleet's secret,
+naming key, fingerprint namespace, rank, length and payload hash) then the payload. A value that
+is absent (the server evicted it), truncated, foreign or corrupt is a miss for that block,
+counted, never bytes handed on. Transfers run on a small thread pool, each thread one pipeline
+of at most `batch_bytes` of values per round trip; the caller polls or waits on the handle.
+A server that fails or times out trips the breaker (`redis_conn.Breaker`): misses, one
+warning, a counter, retries with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Sequence
+
+import torch
+
+from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
+from .redis_conn import Breaker, Namespace, RedisSettings, connect
+
+log = logging.getLogger("kvtier.redis")
+
+EXISTS_BATCH = 2048   # keys per pipelined EXISTS round trip
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, without a copy."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+class RedisData:
+    """Blocks of `block_bytes` under the keys of `ns` (one fingerprint, one rank) on one server."""
+
+    def __init__(self, settings: RedisSettings, ns: Namespace, block_bytes: int, threads: int = 4,
+                 count: Callable[[str, float], None] | None = None, name: str = "shared") -> None:
+        self.s = settings
+        self.ns = ns
+        self.name = name
+        self.block_bytes = block_bytes
+        self.counters: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._ext_count = count
+        self.breaker = Breaker(settings.where, self._count)
+        self.client = connect(settings)
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-{name}")
+        self._warned: set[str] = set()
+
+    def _count(self, key: str, v: float = 1) -> None:
+        with self._lock:
+            self.counters[key] = self.counters.get(key, 0) + v
+        if self._ext_count is not None:
+            self._ext_count(f"{key}.{self.name}", v)
+
+    def _warn_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(msg, *args)
+
+    def _batches(self, n: int, per_item: int) -> list[tuple[int, int]]:
+        step = max(1, self.s.batch_bytes // max(1, per_item))
+        return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+
+    # ---- membership ----------------------------------------------------------------------
+    def exists(self, keys: Sequence[bytes], ranks: int = 1) -> list[bool] | None:
+        """Per key, whether every rank's value is on the server; None when it is unreachable."""
+        if not keys:
+            return []
+        if not self.breaker.allow():
+            return None
+        names = [self.ns.name(k, r) for k in keys for r in range(ranks)]
+        found: list[int] = []
+        try:
+            for lo in range(0, len(names), EXISTS_BATCH):
+                hi = lo + EXISTS_BATCH
+                pipe = self.client.pipeline(transaction=False)
+                for n in names[lo:hi]:
+                    pipe.exists(n)
+                found.extend(int(x) for x in pipe.execute())
+        except Exception as e:  # ConnectionError, TimeoutError, cluster errors
+            self.breaker.fail(e)
+            return None
+        self.breaker.ok()
+        return [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(keys))]
+
+    # ---- blocks --------------------------------------------------------------------------
+    def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor]) -> IOHandle:
+        """Read and verify blocks into `dsts` (CPU tensors of block_bytes); ok[i] False: a miss."""
+        if len(keys) != len(dsts):
+            raise ValueError(f"shared tier: get of {len(keys)} keys into {len(dsts)} buffers")
+        if not keys:
+            return DoneHandle(IOResult(ok=[]))
+        if not self.breaker.allow():
+            self._count("skipped_blocks", len(keys))
+            return DoneHandle(IOResult(ok=[False] * len(keys), errors=[f"{self.s.where} unreachable"]))
+        keys, dsts = list(keys), list(dsts)
+        futs = [self._pool.submit(self._get, keys[lo:hi], dsts[lo:hi])
+                for lo, hi in self._batches(len(keys), self.block_bytes)]
+        return FutureHandle(futs)
+
+    def _get(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(self.ns.name(k))
+            vals = pipe.execute()
+        except Exception as e:
+            self.breaker.fail(e)
+            return IOResult(ok=[False] * len(keys), errors=[f"{self.s.where}: {type(e).__name__}"])
+        self.breaker.ok()
+        ok: list[bool] = []
+        errors: list[str] = []
+        nbytes = missing = bad = 0
+        codec, bb = self.ns.codec, self.block_bytes
+        for k, v, dst in zip(keys, vals, dsts):
+            if v is None:
+                missing += 1
+                ok.append(False)
+                continue
+            h = codec.header_size(k)
+            why = ("truncated value" if len(v) != h + bb else
+                   codec.verify(memoryview(v)[:h], k, memoryview(v)[h:]))
+            if why is not None:
+                bad += 1
+                ok.append(False)
+                errors.append(f"{k.hex()[:16]}: {why}")
+                continue
+            _bytes_of(dst)[:] = memoryview(v)[h:]
+            nbytes += bb
+            ok.append(True)
+        if missing:
+            self._count("missing_blocks", missing)
+        if bad:
+            self._count("corrupt_blocks", bad)
+            log.error("kvtier: shared tier %s: %d blocks failed verification (not served): %s",
+                      self.s.where, bad, errors[:2])
+        self._count("bytes_read", nbytes)
+        return IOResult(ok=ok, nbytes=nbytes, errors=errors)
+
+    def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor]) -> IOHandle:
+        """Seal and write blocks (SET, pipelined); ok[i] False: not written (counted, logged once)."""
+        if len(keys) != len(srcs):
+            raise ValueError(f"shared tier: put of {len(keys)} keys from {len(srcs)} buffers")
+        if not keys:
+            return DoneHandle(IOResult(ok=[]))
+        if not self.breaker.allow():
+            self._count("put_skipped_blocks", len(keys))
+            return DoneHandle(IOResult(ok=[False] * len(keys), errors=[f"{self.s.where} unreachable"]))
+        keys, srcs = list(keys), list(srcs)
+        futs = [self._pool.submit(self._put, keys[lo:hi], srcs[lo:hi])
+                for lo, hi in self._batches(len(keys), self.block_bytes)]
+        return FutureHandle(futs)
+
+    def seal(self, key: bytes, src: torch.Tensor) -> bytearray:
+        """The value stored for `key`: header then payload (one copy of the payload)."""
+        payload = _bytes_of(src)
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"shared tier: block of {len(payload)} bytes, block_bytes is {self.block_bytes}")
+        h = self.ns.codec.header_size(key)
+        v = bytearray(h + len(payload))
+        mv = memoryview(v)
+        mv[h:] = payload
+        self.ns.codec.seal(mv[:h], key, mv[h:])
+        return v
+
+    def _put(self, keys: list[bytes], srcs: list[torch.Tensor]) -> IOResult:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k, src in zip(keys, srcs):
+                pipe.set(self.ns.name(k), self.seal(k, src))
+            res = pipe.execute(raise_on_error=False)
+        except Exception as e:
+            self.breaker.fail(e)
+            self._count("put_failed_blocks", len(keys))
+            return IOResult(ok=[False] * len(keys), errors=[f"{self.s.where}: {type(e).__name__}"])
+        self.breaker.ok()
+        ok = [r is True or r == b"OK" for r in res]
+        errs = [f"{type(r).__name__}: {r}" for r in res if isinstance(r, Exception)]
+        if errs:  # e.g. OOM with maxmemory and a noeviction policy
+            self._count("put_failed_blocks", len(errs))
+            self._warn_once("put:" + errs[0][:40], "kvtier: shared tier %s refused writes: %s (counted in "
+                            "put_failed_blocks; set maxmemory-policy allkeys-lru)", self.s.where, errs[0])
+        n = sum(ok) * self.block_bytes
+        self._count("bytes_written", n)
+        return IOResult(ok=ok, nbytes=n, errors=errs)
+
+    def sync(self) -> None:
+        """Nothing to make durable (the server owns persistence); for the write-behind flusher."""
+
+    # ---- misc ----------------------------------------------------------------------------
+    def ping(self) -> str | None:
+        """None when the server answers, else why not (one line, no credentials)."""
+        try:
+            self.client.ping()
+        except Exception as e:
+            from .redis_conn import _clean
+            return f"{type(e).__name__}: {_clean(e)}"
+        return None
+
+    @property
+    def description(self) -> str:
+        return f"redis-py {'cluster ' if self.s.cluster else ''}at {self.s.where}"
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        try:
+            self.client.close()
+        except Exception:  # pragma: no cover - closing a dead connection
+            pass
