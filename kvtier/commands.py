@@ -166,12 +166,62 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
         staging.close()
     present = [j for j in range(n) if block_key(seed, j) in nvme]
     write_manifest(nvme, seed, n, present)
+    shared = _shared(stack.tiers)
+    on_shared = None
+    if shared is not None:  # the fleet's copy: its own manifest, kept on the server
+        found = shared.conn.exists([block_key(seed, j) for j in range(n)]) or []
+        on_shared = [j for j, f in enumerate(found) if f]
+        put_shared_manifest(shared, seed, n, on_shared)
     if failed is not None:
         raise failed
     return {"blocks": n, "bytes": n * bb, "seconds": io_s, "gen_seconds": gen_s,
             "gbps": n * bb / io_s / 1e9 if io_s > 0 else 0.0, "engine": _engine(nvme), "tier": nvme.name,
             "nvme_resident": len(present), "evicted_from_nvme": n - len(present), "seed": seed,
-            "metrics": stack.metrics.as_dict()}
+            "on_shared": None if on_shared is None else len(on_shared), "metrics": stack.metrics.as_dict()}
+
+
+def _shared(tiers) -> Any:
+    return next((t for t in tiers if getattr(t, "remote", False)), None)
+
+
+def _shared_manifest_name(shared: Any, seed: int) -> bytes:
+    return shared.ns.prefix + b"manifest:" + str(seed).encode()
+
+
+def put_shared_manifest(shared: Any, seed: int, n: int, present: list[int]) -> None:
+    """The spill manifest of the shared tier, on the server next to the blocks (no expiry)."""
+    import xxhash
+    bb = shared.block_bytes
+    body = {"seed": seed, "blocks": n, "block_bytes": bb, "namespace": shared.ns.ns, "on_shared": len(present),
+            "digests": {str(j): _digest(seed, j, bb) for j in present}}
+    text = json.dumps(body, sort_keys=True)
+    shared.conn.client.set(_shared_manifest_name(shared, seed),
+                           json.dumps({"manifest": body, "xxh3": xxhash.xxh3_64_hexdigest(text.encode())}))
+
+
+def get_shared_manifest(shared: Any, seed: int | None) -> dict | None:
+    """The shared tier's spill manifest of `seed` (None: the newest found), checked; None if none."""
+    import xxhash
+    cl = shared.conn.client
+    if seed is None:
+        names = sorted(cl.scan_iter(match=shared.ns.prefix + b"manifest:*", count=1000))
+        if not names:
+            return None
+        raw = cl.get(names[-1])
+    else:
+        raw = cl.get(_shared_manifest_name(shared, seed))
+    if raw is None:
+        return None
+    where = f"shared tier {shared.settings.where} (namespace {shared.ns.ns})"
+    try:
+        doc = json.loads(raw)
+        body = doc["manifest"]
+        ok = xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode()) == doc["xxh3"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise OSError(errno.EINVAL, f"spill manifest on {where} is damaged: {e!r}") from None
+    if not ok:
+        raise OSError(errno.EINVAL, f"spill manifest on {where} fails its checksum (damaged or edited)")
+    return body
 
 
 def _advance(durable: int, hi: int, nvme: Any, seed: int) -> int:
@@ -218,6 +268,11 @@ def write_manifest(nvme: Any, seed: int, n: int, present: list[int]) -> None:
 
 
 MAX_MANIFEST_BYTES = 256 << 20
+
+
+def read_manifest_if_dir(path: str) -> dict | None:
+    """`read_manifest` of a directory that may not exist (None then)."""
+    return read_manifest(path) if os.path.isdir(path) else None
 
 
 def read_manifest(path: str) -> dict | None:
@@ -267,11 +322,22 @@ def _engine(tier: Any) -> str:
 def cmd_restore(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     cfg = load_config(args.config, check_env=False)
-    nvme = open_nvme_read_only(cfg)
-    try:
-        r = restore(nvme, args.seed, args.verify, args)
-    finally:
-        nvme.close()
+    t = _nvme_cfg(cfg)
+    if any(c.kind == "redis" for c in cfg.tiers) and read_manifest_if_dir(t.path) is None:
+        # this data dir holds no spill (another machine's, or empty): restore from the fleet's tier
+        from kvtier.builder import build_tier
+        idx = next(i for i, c in enumerate(cfg.storage_tiers()) if c.kind == "redis")
+        shared = build_tier(cfg, idx, "full")
+        try:
+            r = restore_shared(shared, args.seed, args.verify, args)
+        finally:
+            shared.close()
+    else:
+        nvme = open_nvme_read_only(cfg)
+        try:
+            r = restore(nvme, args.seed, args.verify, args)
+        finally:
+            nvme.close()
 
     def text(d: dict) -> str:
         s = (f"restored {d['restored']} blocks ({format_size(d['bytes'])}) in {d['seconds']:.2f} s: "
@@ -298,8 +364,6 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
     """Read back every block in the index (or, with `verify`, every block the manifest lists)
     and verify it; `problem` says why a verify fails (wrong seed, other namespace, missing or
     corrupt blocks, nothing to verify)."""
-    import torch
-
     bb = nvme.block_bytes
     indexed = nvme.num_resident
     manifest = read_manifest(nvme.dir) if nvme.dir and os.path.isdir(nvme.dir) else None
@@ -327,9 +391,51 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
         entries = sorted((s, k, None) for k, s in nvme.resident.items())
         m_n = manifest.get("on_nvme") if manifest else None
         missing = max(0, m_n - len(entries)) if m_n is not None else 0
+    r = _read_back(entries, lambda chunk, bufs: nvme.read([s for s, _, _ in chunk], bufs), bb, seed,
+                   expected, verify and problem is None, args, batch, drain=getattr(nvme, "drain", None))
+    if verify and problem is None and (missing or r["corrupt"]):
+        problem = (f"{missing} of the manifest's {len(expected)} blocks are missing from the index "
+                   f"(evicted or lost) and {r['corrupt']} failed verification")
+    return {**r, "missing": missing, "verify": verify, "expected": len(expected), "problem": problem,
+            "index_entries": indexed, "verified": verify and problem is None, "seed": seed,
+            "engine": _engine(nvme), "tier": nvme.name}
+
+
+def restore_shared(shared: Any, seed: int | None, verify: bool, args: Any = None, batch: int = 64) -> dict:
+    """`restore` from the shared tier: the blocks its spill manifest (kept on the server) lists."""
+    manifest = get_shared_manifest(shared, seed)
+    problem = None
+    expected: dict[int, str] = {}
+    if manifest is None:
+        problem = (f"nothing to restore: no spill manifest{'' if seed is None else f' of seed {seed}'} on "
+                   f"{shared.settings.where} for namespace {shared.ns.ns} (another fingerprint, or the server "
+                   f"evicted or lost it)")
+    else:
+        seed = manifest["seed"]
+        expected = {int(j): d for j, d in manifest["digests"].items()}
+    entries = [(None, block_key(seed, j), j) for j in sorted(expected)]
+    r = _read_back(entries, lambda chunk, bufs: shared.get([k for _, k, _ in chunk], bufs), shared.block_bytes,
+                   seed, expected, verify and problem is None, args, batch, drain=shared.conn.drain)
+    missing = r["corrupt"]  # absent (evicted) and bad values are both misses on the shared tier
+    if problem is None and missing:
+        problem = (f"{missing} of the manifest's {len(expected)} blocks are absent from the shared tier "
+                   f"(evicted by the server) or failed verification")
+    stats = shared.stats()
+    return {**r, "corrupt": int(stats.get("corrupt_blocks", 0)), "missing": int(stats.get("missing_blocks", 0)),
+            "verify": verify, "expected": len(expected), "problem": problem if (verify or manifest is None) else None,
+            "index_entries": None, "verified": verify and problem is None, "seed": seed,
+            "engine": shared.io_engine, "tier": shared.name}
+
+
+def _read_back(entries: list, read, bb: int, seed: int | None, expected: dict[int, str], verify: bool,
+               args: Any, batch: int, drain=None) -> dict:
+    """Read `entries` ((slot, key, spill index)) in batches with `read(chunk, bufs)`, each block
+    checked against the regenerated spill data when `verify`; `drain()` waits for reads still in
+    flight (an interrupt) before the staging rows are freed."""
+    import torch
     batch = max(1, min(batch, (32 << 20) // bb))  # at most 32 MiB of staging
     staging = _staging(min(batch, max(1, len(entries))), bb)
-    expect = torch.empty(bb, dtype=torch.uint8) if verify and problem is None else None
+    expect = torch.empty(bb, dtype=torch.uint8) if verify else None
     restored = corrupt = bad = good = 0
     bar = _progress(args, len(entries), "restore") if args is not None else None
     t_io = 0.0
@@ -337,7 +443,7 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
         for lo in range(0, len(entries), batch):
             chunk = entries[lo:lo + batch]
             t0 = time.perf_counter()
-            res = nvme.read([s for s, _, _ in chunk], staging.views[:len(chunk)]).wait()
+            res = read(chunk, staging.views[:len(chunk)]).wait()
             t_io += time.perf_counter() - t0
             for i, ((s, k, j), ok) in enumerate(zip(chunk, res.ok)):
                 if not ok:
@@ -353,19 +459,13 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
             if bar is not None:
                 bar.update(len(chunk))
     finally:
-        if hasattr(nvme, "drain"):
-            nvme.drain()  # an interrupt may leave reads into `staging` in flight
+        if drain is not None:
+            drain()
         if bar is not None:
             bar.close()
         staging.close()
-    if verify and problem is None and (missing or corrupt):
-        problem = (f"{missing} of the manifest's {len(expected)} blocks are missing from the index "
-                   f"(evicted or lost) and {corrupt} failed verification")
-    return {"restored": restored, "corrupt": corrupt, "missing": missing, "bad_served": bad,
-            "verify": verify, "verified_blocks": good, "expected": len(expected), "problem": problem,
-            "index_entries": indexed, "bytes": restored * bb, "seconds": t_io,
-            "gbps": restored * bb / t_io / 1e9 if t_io > 0 else 0.0, "verified": verify and problem is None,
-            "seed": seed, "engine": _engine(nvme), "tier": nvme.name}
+    return {"restored": restored, "corrupt": corrupt, "bad_served": bad, "verified_blocks": good,
+            "bytes": restored * bb, "seconds": t_io, "gbps": restored * bb / t_io / 1e9 if t_io > 0 else 0.0}
 
 
 # ---- inspect ----------------------------------------------------------------------------
@@ -415,6 +515,8 @@ def inspect_stats(cfg: StackConfig) -> dict:
             if served is not None:  # a vLLM connector serves (or served) from this directory
                 st["serving"] = hit_ratios(served)
             tiers.append(st)
+        elif t.kind == "redis":
+            tiers.append(inspect_shared(cfg, t))
         else:  # offline: a DRAM tier holds nothing; its capacity is what a stack would allocate
             tiers.append({"name": t.name, "kind": t.kind, "resident_blocks": 0,
                           "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
@@ -423,6 +525,32 @@ def inspect_stats(cfg: StackConfig) -> dict:
             "policies": {"eviction": cfg.policy.eviction, "admission": cfg.policy.admission,
                          "promotion": cfg.policy.promotion, "offload": cfg.policy.offload},
             "time": time.time()}
+
+
+def inspect_shared(cfg: StackConfig, t: Any) -> dict:
+    """The shared tier's entries for this config's fingerprint, and how the server evicts."""
+    from kvtier.builder import build_tier
+    idx = next(i for i, c in enumerate(cfg.storage_tiers()) if c is t)
+    shared = build_tier(cfg, idx, "control")
+    try:
+        n = shared.scan_count()
+        d = {"name": t.name, "kind": "redis", "server": shared.settings.where, "namespace": shared.ns.ns,
+             "resident_blocks": n or 0, "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
+             "eviction": "server", "engine": shared.io_engine}
+        if n is None:
+            d["note"] = f"server unreachable: {shared.conn.ping() or 'no answer'}"
+            return d
+        try:
+            mem = shared.conn.client.info("memory")
+            d["server_memory"] = {k: mem.get(k) for k in ("used_memory", "maxmemory", "maxmemory_policy")}
+            if not str(mem.get("maxmemory_policy", "")).startswith("allkeys") or not mem.get("maxmemory"):
+                d["note"] = ("the server does not evict by itself (set maxmemory and maxmemory-policy "
+                             "allkeys-lru): writes fail once it is full")
+        except Exception:  # INFO refused by an ACL, or a cluster without one answer: entries only
+            pass
+        return d
+    finally:
+        shared.close()
 
 
 def _inspect_text(d: dict) -> str:
@@ -435,8 +563,8 @@ def _inspect_text(d: dict) -> str:
             by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sv["hit_ratio_by_tier"].items())
             lines.append(f"           serving: pid {sv['pid']}, {sv['age_s']} s ago: block hit ratio "
                          f"{100 * sv['hit_ratio']:.1f}% ({by}) of {sv['blocks_looked_up']} blocks looked up")
-        for k in ("path", "namespace", "fingerprint", "corrupt_blocks", "quarantined", "stored_capacity",
-                  "beyond_capacity", "note"):
+        for k in ("path", "server", "namespace", "fingerprint", "server_memory", "corrupt_blocks", "quarantined",
+                  "stored_capacity", "beyond_capacity", "note"):
             if t.get(k) not in (None, 0) or k in ("path", "quarantined"):
                 if k in t:
                     lines.append(f"           {k}: {t[k]}")

@@ -113,8 +113,8 @@ class Namespace:
         return self.prefix + str(self.rank if rank is None else rank).encode() + b":" + key.hex().encode()
 
     def pattern(self) -> bytes:
-        """SCAN pattern of every entry of this namespace (all ranks)."""
-        return self.prefix + b"*"
+        """SCAN pattern of every block of this namespace (all ranks; not its manifests)."""
+        return self.prefix + b"[0-9]*:*"
 
 
 class Breaker:

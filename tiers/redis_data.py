@@ -47,6 +47,7 @@ class RedisData:
         self.client = connect(settings)
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-{name}")
         self._warned: set[str] = set()
+        self._inflight: set = set()
 
     def _count(self, key: str, v: float = 1) -> None:
         with self._lock:
@@ -96,9 +97,22 @@ class RedisData:
             self._count("skipped_blocks", len(keys))
             return DoneHandle(IOResult(ok=[False] * len(keys), errors=[f"{self.s.where} unreachable"]))
         keys, dsts = list(keys), list(dsts)
-        futs = [self._pool.submit(self._get, keys[lo:hi], dsts[lo:hi])
-                for lo, hi in self._batches(len(keys), self.block_bytes)]
+        return self._submit(self._get, keys, dsts)
+
+    def _submit(self, fn, keys: list[bytes], bufs: list[torch.Tensor]) -> IOHandle:
+        futs = [self._pool.submit(fn, keys[lo:hi], bufs[lo:hi]) for lo, hi in self._batches(len(keys), self.block_bytes)]
+        for f in futs:
+            self._inflight.add(f)
+            f.add_done_callback(self._inflight.discard)
         return FutureHandle(futs)
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight (their buffers may then be freed)."""
+        for f in list(self._inflight):
+            try:
+                f.result()
+            except Exception:  # reported through its handle
+                pass
 
     def _get(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
         try:
@@ -148,10 +162,7 @@ class RedisData:
         if not self.breaker.allow():
             self._count("put_skipped_blocks", len(keys))
             return DoneHandle(IOResult(ok=[False] * len(keys), errors=[f"{self.s.where} unreachable"]))
-        keys, srcs = list(keys), list(srcs)
-        futs = [self._pool.submit(self._put, keys[lo:hi], srcs[lo:hi])
-                for lo, hi in self._batches(len(keys), self.block_bytes)]
-        return FutureHandle(futs)
+        return self._submit(self._put, list(keys), list(srcs))
 
     def seal(self, key: bytes, src: torch.Tensor) -> bytearray:
         """The value stored for `key`: header then payload (one copy of the payload)."""
