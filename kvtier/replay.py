@@ -23,7 +23,7 @@ from .trace import default_trace
 from .units import format_size
 
 DEFAULT_PREFILL_TPS = 10_000.0            # prefill tokens/s of the model being served
-DEFAULT_LOAD_GBPS = {"cpu": 20.0, "nvme": 5.0}  # host->GPU and NVMe->GPU GB/s
+DEFAULT_LOAD_GBPS = {"cpu": 20.0, "nvme": 5.0, "redis": 1.0}  # host, NVMe, shared tier -> GPU GB/s
 
 
 def add_parser(sub) -> None:

@@ -50,7 +50,7 @@ def fake_vllm(cfg_path: str, reqs) -> dict:
         for op in meta.loads:
             if op.via:
                 wm.stored[op.op_id] = [True] * len(op.slots)
-        wm.nvme_written = {op.op_id: [0] * len(op.slots) for op in meta.nvme_writes}
+        wm.nvme_written = {op.op_id: [0] * len(op.src_slots) for op in meta.nvme_writes}
         s.on_worker_meta(wm)
         s.on_finished(req.request_id)
     out = {c: {t.name: int(s.ctrl.totals.get(f"{c}.{t.name}", 0)) for t in s.tiers} for c in COUNTS}
@@ -65,13 +65,26 @@ def fake_vllm(cfg_path: str, reqs) -> dict:
     "{eviction: nextuse, promotion: inclusive, demotion: write_through}",
 ])
 def test_replay_equals_connector_scheduler(tmp_path, capsys, trace_path, policy):
+    _check_equal(tmp_path, capsys, trace_path, policy, "")
+
+
+def test_replay_equals_connector_scheduler_with_a_shared_tier(tmp_path, capsys, trace_path):
+    """The shared tier as replay models it (an LRU of its capacity): the same decisions both ways."""
+    shared = "  - {name: shared, kind: redis, capacity_blocks: 1536, admission: second_hit}\n"
+    d = _check_equal(tmp_path, capsys, trace_path, "{eviction: lru, promotion: inclusive, demotion: write_back}",
+                     shared)
+    sh = next(t for t in d["per_tier"] if t["name"] == "shared")
+    assert sh["hit_blocks"] > 0 and sh["stored"] > 0 and sh["not_admitted"] > 0
+
+
+def _check_equal(tmp_path, capsys, trace_path, policy: str, extra_tiers: str) -> dict:
     cfg = tmp_path / "stack.yaml"
     cfg.write_text(f"""
 block_bytes: 256KiB
 tiers:
   - {{name: cpu, kind: cpu, capacity_blocks: 64}}
   - {{name: nvme, kind: nvme, path: {tmp_path}/nvme, capacity_blocks: 1024}}
-policy: {policy}
+{extra_tiers}policy: {policy}
 """)
     limit = 1500
     assert cli.main(["replay", "--trace", str(trace_path), "--config", str(cfg), "--limit", str(limit),
@@ -86,3 +99,4 @@ policy: {policy}
     # not vacuous: both tiers served hits, blocks moved down and up
     assert all(replayed["hit_blocks"].values()) and replayed["demoted_blocks"]["nvme"] > 0
     assert replayed["promoted_blocks"]["cpu"] > 0
+    return d

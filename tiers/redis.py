@@ -79,6 +79,11 @@ class _RemoteBase:
     def pinned_blocks(self) -> int:
         return 0
 
+    @property
+    def num_resident(self) -> int:
+        """Blocks known here to be on the server (the server may hold more, or fewer)."""
+        return 0
+
 
 class RedisTier(_RemoteBase):
     def __init__(self, name: str, settings: RedisSettings, fingerprint: dict, block_bytes: int,
@@ -207,6 +212,14 @@ class SimRemoteTier(_RemoteBase):
         self.block_bytes = block_bytes
         self._on = _Known(capacity_blocks)
         self.evicted = 0
+
+    @property
+    def num_resident(self) -> int:
+        return len(self._on)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._on)
 
     def known(self, key: bytes) -> bool:
         return key in self._on
