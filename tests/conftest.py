@@ -28,8 +28,9 @@ def _redis_started(obj):
     try:
         return obj.start()
     except _redis_util().HarnessError as e:
-        obj.close()
-        pytest.fail(str(e), pytrace=False)
+        msg = str(e)
+    obj.close()
+    pytest.fail(msg, pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -255,8 +255,8 @@ class RedisServer:
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise HarnessError(f"redis-server on port {self.port} exited with {self.proc.returncode} "
-                                       f"(log {self.log_path}):\n{_tail(self.log_path)}")
+                    raise HarnessError(f"redis-server on port {self.port} exited with {self.proc.returncode}:\n"
+                                       f"{_tail(self.log_path)}")
                 try:
                     if c.ping():
                         return
