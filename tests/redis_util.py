@@ -198,7 +198,9 @@ class RedisServer:
         for attempt in range(5):
             if not self._fixed_port and (attempt or not self.port):
                 self.port = free_port()
-                self.bus_port = free_port() if self.cluster else 0
+                self.bus_port = 0
+                while self.cluster and self.bus_port in (0, self.port):
+                    self.bus_port = free_port()
             self._spawn(binary)
             try:
                 self.wait_ready()
@@ -325,9 +327,11 @@ class RedisCluster3:
     ready once every node reports cluster_state:ok with all 16384 slots assigned and 3 known nodes."""
 
     def __init__(self, *, maxmemory: str | None = None, node_timeout_ms: int = 5000,
-                 ready_timeout_s: float = CLUSTER_TIMEOUT_S) -> None:
-        self.nodes = [RedisServer(cluster=True, maxmemory=maxmemory, cluster_node_timeout_ms=node_timeout_ms)
-                      for _ in range(3)]
+                 extra: dict[str, str] | None = None, ready_timeout_s: float = CLUSTER_TIMEOUT_S) -> None:
+        """extra: config lines for every node, e.g. {"cluster-require-full-coverage": "no"} to keep the
+        live nodes serving their slots once a killed node is marked failed (after node_timeout_ms)."""
+        self.nodes = [RedisServer(cluster=True, maxmemory=maxmemory, cluster_node_timeout_ms=node_timeout_ms,
+                                  extra=extra) for _ in range(3)]
         self.ready_timeout_s = ready_timeout_s
         self.startup_s: float | None = None  # how long start() took
 
