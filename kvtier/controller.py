@@ -450,7 +450,9 @@ class TierController(Counting):
                         lower, src = st.exclusive_from
                         ok_keys = {k for s, k, ok in zip(st.slots, st.keys, oks) if ok}
                         exclusive.append((lower, [(s, k) for s, k in src if k in ok_keys]))
-            if bad:
+            if bad and st.promotion:  # its read failed (a miss, counted with the read): nothing to promote
+                tier.abort(bad)
+            elif bad:
                 tier.abort(bad)
                 self._count(f"store_failed_blocks.{tier.name}", len(bad))
                 self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")

@@ -169,11 +169,15 @@ def test_dead_server_gives_misses_one_warning_and_recovers(redis_factory, caplog
         assert tot.get("store_failed_blocks.shared", 0) + tot.get("put_skipped_blocks.shared", 0) >= 4
         warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in warnings]
-        srv.restart()
-        deadline = time.monotonic() + 60  # the breaker retries with backoff (<= 30 s)
-        while st.lookup(keys) == 0 or st.tiers[1].conn.breaker.down:
+        srv.restart()  # empty (no persistence)
+        deadline = time.monotonic() + 90  # the breaker retries with backoff (<= 30 s)
+        while st.tiers[1].conn.breaker.down:
+            st.lookup(other)  # asks the server at most once per backoff period
             assert time.monotonic() < deadline, "no reconnection"
             time.sleep(0.1)
+        before = st.ctrl.totals.get("stored_blocks.shared", 0)
+        assert st.put(other[:4], _blocks(4, 5)) == 4
+        assert st.ctrl.totals["stored_blocks.shared"] == before + 4
     assert any("answers again" in r.getMessage() for r in caplog.records)
 
 
@@ -181,8 +185,8 @@ def test_password_and_acl_user(redis_factory, caplog):
     caplog.set_level(logging.DEBUG, logger="kvtier")
     srv = redis_factory(password="s3cret-pw")
     keys, data = _keys("auth"), _blocks()
-    good = _cfg(srv.url.replace("s3cret-pw@", "").replace(":@", "@") if "@" in srv.url else srv.url,
-                password="s3cret-pw")
+    bare = f"redis://{srv.host}:{srv.port}/0"  # credentials from the config, not the url
+    good = _cfg(bare, password="s3cret-pw")
     with TierStack.from_config(good) as st:
         assert st.put(keys, data) == N and st.lookup(keys) == N
     bad = _cfg(good.tiers[1].url, password="wrong-pw")
@@ -191,9 +195,11 @@ def test_password_and_acl_user(redis_factory, caplog):
         assert st.ctrl.totals["unreachable.shared"] >= 1
     assert not any("s3cret-pw" in r.getMessage() or "wrong-pw" in r.getMessage() for r in caplog.records)
     acl = redis_factory(acl_user=("alice", "alice-pw"))
-    cfg = _cfg(acl.url.split("//")[0] + "//" + acl.url.split("@")[-1], username="alice", password="alice-pw")
+    cfg = _cfg(f"redis://{acl.host}:{acl.port}/0", username="alice", password="alice-pw")
     with TierStack.from_config(cfg) as st:
         assert st.put(keys, data) == N and st.lookup(keys) == N
+    with TierStack.from_config(_cfg(acl.url)) as st:  # the same, credentials in the url
+        assert st.lookup(_keys("acl-url")) == 0 and not st.tiers[1].conn.breaker.down
 
 
 def test_tls(redis_factory):

@@ -85,8 +85,7 @@ def connect(s: RedisSettings) -> Any:
         kw["ssl_ca_certs"] = s.tls_ca
     if s.cluster:
         from redis.cluster import RedisCluster
-        return RedisCluster.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0),
-                                     cluster_error_retry_attempts=1, **kw)
+        return RedisCluster.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
     return redis.Redis.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
 
 
