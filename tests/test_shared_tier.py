@@ -223,3 +223,45 @@ def test_second_hit_admission_spares_the_network(redis_server):
         st.clear()
         st.put(keys, data)  # seen again: now worth sharing
         assert st.ctrl.totals["stored_blocks.shared"] == 4
+
+
+def test_cli_spill_here_restore_elsewhere(redis_server, tmp_path, capsys):
+    """`kvtier spill` with one data dir, `kvtier restore --verify` with another, empty one: every
+    block comes from the shared tier; `kvtier inspect` counts this fingerprint's entries."""
+    import json
+
+    from kvtier import cli
+    yaml = tmp_path / "fleet.yaml"
+    yaml.write_text(f"""
+block_bytes: 128KiB
+model: cli-fleet
+tiers:
+  - {{name: cpu, kind: cpu, capacity_blocks: 16}}
+  - {{name: nvme, kind: nvme, path: "${{KVTIER_DATA}}", capacity_blocks: 64}}
+  - {{name: shared, kind: redis, url: "{redis_server.url}"}}
+policy: {{demotion: write_back}}
+""")
+    import os
+    os.environ["KVTIER_DATA"] = str(tmp_path / "a")
+    try:
+        assert cli.main(["spill", "--config", str(yaml), "--blocks", "100", "--seed", "7", "--json", "-q"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["on_shared"] == 100 and d["nvme_resident"] == 64
+        os.environ["KVTIER_DATA"] = str(tmp_path / "b")  # another machine: nothing on its disk
+        assert cli.main(["restore", "--config", str(yaml), "--verify", "--json", "-q"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert (d["tier"], d["restored"], d["verified_blocks"], d["bad_served"]) == ("shared", 100, 100, 0)
+        assert cli.main(["inspect", "--config", str(yaml), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        sh = next(t for t in d["tiers"] if t["kind"] == "redis")
+        assert sh["resident_blocks"] == 100 and sh["server_memory"]["maxmemory_policy"] == "allkeys-lru"
+        # a block the server lost: restore --verify fails and says so
+        from kvtier.blockgen import block_key
+        from kvtier.config import load_config
+        ns = Namespace(load_config(str(yaml), check_env=False).fingerprint())
+        redis_server.client().delete(ns.name(block_key(7, 3)))
+        assert cli.main(["restore", "--config", str(yaml), "--verify", "--json", "-q"]) == 1
+        d = json.loads(capsys.readouterr().out)["result"]
+        assert d["restored"] == 99 and d["missing"] == 1 and "absent from the shared tier" in d["problem"]
+    finally:
+        os.environ.pop("KVTIER_DATA", None)
