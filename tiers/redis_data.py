@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
-from .redis_conn import Breaker, Namespace, RedisSettings, connect
+from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect
 
 log = logging.getLogger("kvtier.redis")
 
@@ -176,11 +176,22 @@ class RedisData:
         self.ns.codec.seal(mv[:h], key, mv[h:])
         return v
 
+    def seal_parts(self, key: bytes, src: torch.Tensor) -> Parts:
+        """The same value as `seal`, as (header, payload view): no copy of the payload. The
+        tensor must stay unchanged until the write is done (as for every tier's `write`)."""
+        payload = _bytes_of(src)
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"shared tier: block of {len(payload)} bytes, block_bytes is {self.block_bytes}")
+        hdr = bytearray(self.ns.codec.header_size(key))
+        self.ns.codec.seal(memoryview(hdr), key, payload)
+        return Parts((bytes(hdr), payload))
+
     def _put(self, keys: list[bytes], srcs: list[torch.Tensor]) -> IOResult:
+        seal = self.seal_parts if getattr(self.client, "kvtier_zero_copy", False) else self.seal
         try:
             pipe = self.client.pipeline(transaction=False)
             for k, src in zip(keys, srcs):
-                pipe.set(self.ns.name(k), self.seal(k, src))
+                pipe.set(self.ns.name(k), seal(k, src))
             res = pipe.execute(raise_on_error=False)
         except Exception as e:
             self.breaker.fail(e)
