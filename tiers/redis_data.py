@@ -11,6 +11,7 @@ warning, a counter, retries with backoff.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,15 @@ EXISTS_BATCH = 2048   # keys per pipelined EXISTS round trip
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes, without a copy."""
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _copy_out(dst: torch.Tensor, v: bytes, off: int, n: int) -> None:
+    """`v[off:off + n]` into the CPU tensor `dst`: one memmove through ctypes, which lets go of
+    the GIL meanwhile (so the pool's other pipelines read their sockets as it copies)."""
+    if type(v) is bytes and dst.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), ctypes.cast(ctypes.c_char_p(v), ctypes.c_void_p).value + off, n)
+    else:
+        _bytes_of(dst)[:] = memoryview(v)[off:off + n]
 
 
 class RedisData:
@@ -141,7 +151,7 @@ class RedisData:
                 ok.append(False)
                 errors.append(f"{k.hex()[:16]}: {why}")
                 continue
-            _bytes_of(dst)[:] = memoryview(v)[h:]
+            _copy_out(dst, v, h, bb)
             nbytes += bb
             ok.append(True)
         if missing:
