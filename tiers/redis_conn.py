@@ -139,13 +139,14 @@ def _connection_class(ssl: bool):
     return _CONN_CLASSES[ssl]
 
 
-def connect(s: RedisSettings) -> Any:
+def connect(s: RedisSettings, plain: bool = False) -> Any:
     """A redis-py client for `s` (not yet connected: the first command connects).
 
     Its connections pack commands with `ZeroCopyPacker` (`client.kvtier_zero_copy` is True): a
     `Parts` value goes out with no copy of its payload. Not for a TLS cluster (`rediss://` with
     `cluster: true`): redis-py then picks its own SSLConnection class for the nodes, so
-    `kvtier_zero_copy` is False and the data plane sends one joined buffer instead."""
+    `kvtier_zero_copy` is False and the data plane sends one joined buffer instead. `plain`:
+    redis-py's own connection class and packer (what `kvtier bench` compares with)."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -161,13 +162,14 @@ def connect(s: RedisSettings) -> Any:
         kw["ssl_ca_certs"] = s.tls_ca
     if s.cluster:
         from redis.cluster import RedisCluster
-        if not tls:  # a rediss:// URL makes RedisCluster override connection_class with its own
+        if not tls and not plain:  # a rediss:// URL makes RedisCluster override connection_class with its own
             kw["connection_class"] = _connection_class(False)
         client = RedisCluster.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
     else:
-        kw["connection_class"] = _connection_class(tls)  # from_url keeps an explicit connection_class
+        if not plain:
+            kw["connection_class"] = _connection_class(tls)  # from_url keeps an explicit connection_class
         client = redis.Redis.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
-    client.kvtier_zero_copy = not (s.cluster and tls)
+    client.kvtier_zero_copy = not plain and not (s.cluster and tls)
     return client
 
 
