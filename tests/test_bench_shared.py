@@ -78,3 +78,52 @@ def test_zero_copy_values_identical_standalone(redis_server):
 
 def test_zero_copy_values_identical_cluster(redis_cluster):
     _same_bytes(redis_cluster.url, True)
+
+
+def _direct_only(d: RedisData) -> None:
+    def no_pipeline(*a):
+        raise AssertionError("read through redis-py's pipeline, not directly")
+    d._get_pipeline = no_pipeline
+
+
+def test_direct_reads_standalone_and_cluster(redis_server, redis_cluster):
+    for url, cluster in ((redis_server.url, False), (redis_cluster.url, True)):
+        s = RedisSettings(url=url, cluster=cluster, timeout_s=10)
+        d = RedisData(s, Namespace({"t": "direct", "cluster": cluster}), 32 << 10, threads=2)
+        keys = [b"direct-%02d" % i for i in range(24)]
+        src = torch.randint(0, 256, (24, 32 << 10), dtype=torch.uint8)
+        assert d.put(keys, list(src.unbind(0))).wait().all_ok
+        _direct_only(d)
+        dst = torch.zeros_like(src)
+        r = d.get(keys + [b"absent"], list(dst.unbind(0)) + [torch.zeros(32 << 10, dtype=torch.uint8)]).wait()
+        assert r.ok == [True] * 24 + [False] and torch.equal(src, dst)
+        assert d.counters["missing_blocks"] == 1 and d.counters["bytes_read"] == 24 * (32 << 10)
+        raw = connect(s, plain=True)
+        for k in keys:
+            raw.delete(d.ns.name(k))
+        raw.close()
+        d.close()
+
+
+def test_cluster_redirect_falls_back_to_the_pipeline(redis_cluster):
+    """A stale slot table (the key's slot pointed at another node): that node answers MOVED, the
+    batch is read through redis-py's pipeline (which follows it); no breaker trip."""
+    s = RedisSettings(url=redis_cluster.url, cluster=True, timeout_s=10)
+    d = RedisData(s, Namespace({"t": "moved"}), 16 << 10, threads=1)
+    key = b"moved-key"
+    src = torch.randint(0, 256, (16 << 10,), dtype=torch.uint8)
+    assert d.put([key], [src]).wait().all_ok
+    c = d.client
+    slot = c.keyslot(d.ns.name(key))
+    owner = c.nodes_manager.get_node_from_slot(slot)
+    other = next(n for n in c.nodes_manager.nodes_cache.values() if n.name != owner.name and n.server_type == "primary")
+    c.nodes_manager.slots_cache[slot] = [other]
+    used = []
+    real = d._get_pipeline
+    d._get_pipeline = lambda ks, ds: used.append(len(ks)) or real(ks, ds)
+    dst = torch.zeros_like(src)
+    r = d.get([key], [dst]).wait()
+    assert r.ok == [True] and torch.equal(src, dst) and used == [1]
+    assert not d.breaker.down and "unreachable" not in d.counters
+    connect(s, plain=True).delete(d.ns.name(key))
+    d.close()

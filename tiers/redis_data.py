@@ -41,6 +41,10 @@ def _copy_out(dst: torch.Tensor, v: bytes, off: int, n: int) -> None:
         _bytes_of(dst)[:] = memoryview(v)[off:off + n]
 
 
+class _Redirected(Exception):
+    """A cluster node answered MOVED / ASK."""
+
+
 class _Reader:
     """RESP replies off a socket: lines through a small buffer, bulk payloads `recv_into` the
     caller's memory (what is already buffered first)."""
@@ -105,8 +109,8 @@ class RedisData:
         self._ext_count = count
         self.breaker = Breaker(settings.where, self._count)
         self.client = connect(settings)
-        # standalone: replies read straight into the destination (`_get_direct`); a cluster
-        # (keys over several nodes, redirections) reads through redis-py's pipeline
+        # replies read straight off the socket (`_get_direct`; a cluster: per node); False:
+        # redis-py's pipeline and hiredis (bytes per value, then copied out)
         self.direct_reads = True
         self._scratch = threading.local()   # per pool thread: one block to receive and verify in
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-{name}")
@@ -179,8 +183,42 @@ class RedisData:
                 pass
 
     def _get(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
-        if self.direct_reads and not self.s.cluster and all(d.is_contiguous() for d in dsts):
-            return self._get_direct(keys, dsts)
+        if self.direct_reads and all(d.is_contiguous() for d in dsts):
+            if not self.s.cluster:
+                r = self._get_direct(keys, dsts, self.client.connection_pool)
+                if r is not None:
+                    return r
+            else:
+                return self._get_cluster(keys, dsts)
+        return self._get_pipeline(keys, dsts)
+
+    def _get_cluster(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
+        """Direct reads per node (each key's slot owner, as the client's slot table says); a
+        node that answers MOVED / ASK (slots moving) is read through redis-py's pipeline, which
+        follows the redirection and refreshes the table."""
+        c = self.client
+        groups: dict[str, tuple[object, list[int]]] = {}
+        try:
+            for i, k in enumerate(keys):
+                node = c.nodes_manager.get_node_from_slot(c.keyslot(self.ns.name(k)))
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        except Exception:  # no slot table yet (never connected): redis-py's own path
+            return self._get_pipeline(keys, dsts)
+        ok = [False] * len(keys)
+        nbytes, errors = 0, []
+        for node, idx in groups.values():
+            ks, ds = [keys[i] for i in idx], [dsts[i] for i in idx]
+            rc = getattr(node, "redis_connection", None)
+            r = self._get_direct(ks, ds, rc.connection_pool) if rc is not None else None
+            if r is None:
+                r = self._get_pipeline(ks, ds)
+            for i, o in zip(idx, r.ok):
+                ok[i] = o
+            nbytes += r.nbytes
+            errors += r.errors
+        return IOResult(ok=ok, nbytes=nbytes, errors=errors)
+
+    def _get_pipeline(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
         try:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
@@ -212,11 +250,12 @@ class RedisData:
             ok.append(True)
         return self._tally(ok, errors, nbytes, missing, bad)
 
-    def _get_direct(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
+    def _get_direct(self, keys: list[bytes], dsts: list[torch.Tensor], pool) -> IOResult | None:
         """`_get` reading each reply straight off the socket: a value's header into a small
         buffer, its payload `recv_into` this thread's scratch block, verified there, then one
         GIL-free memmove into the destination (no hiredis reader buffer, no bytes object per
-        value). A block that fails is a miss and its destination is left untouched."""
+        value). A block that fails is a miss and its destination is left untouched. None: a
+        cluster node redirected (MOVED / ASK): nothing counted, the caller reads another way."""
         codec, bb = self.ns.codec, self.block_bytes
         scratch = getattr(self._scratch, "t", None)
         if scratch is None:
@@ -226,7 +265,6 @@ class RedisData:
         errors: list[str] = []
         nbytes = missing = bad = 0
         conn = None
-        pool = self.client.connection_pool
         try:
             conn = pool.get_connection()
             conn.send_packed_command(conn.pack_commands([("GET", self.ns.name(k)) for k in keys]))
@@ -237,6 +275,8 @@ class RedisData:
                     missing += 1
                     ok.append(False)
                     continue
+                if line.startswith((b"-MOVED", b"-ASK")):
+                    raise _Redirected()
                 if line[:1] == b"-":
                     raise ConnectionError(f"server error: {line[1:].decode(errors='replace')[:80]}")
                 if line[:1] != b"$":
@@ -266,6 +306,9 @@ class RedisData:
                 ctypes.memmove(dst.data_ptr(), scratch.data_ptr(), bb)  # verified: into the block
                 nbytes += bb
                 ok.append(True)
+        except _Redirected:
+            conn.disconnect()  # the rest of the replies are unread
+            return None
         except Exception as e:
             if conn is not None:
                 conn.disconnect()  # a reply half read: this connection's stream is lost
