@@ -5,6 +5,10 @@ naming key, fingerprint namespace, rank, length and payload hash) then the paylo
 is absent (the server evicted it), truncated, foreign or corrupt is a miss for that block,
 counted, never bytes handed on. Transfers run on a small thread pool, each thread one pipeline
 of at most `batch_bytes` of values per round trip; the caller polls or waits on the handle.
+Puts copy no payload: the header is sealed on its own and the client's `ZeroCopyPacker` sends
+it, then a view of the tensor (`redis_conn.Parts`). Gets read the replies off the socket
+themselves (`_get_direct`; on a cluster per slot owner, a redirection falls back to redis-py's
+pipeline): each payload lands in a per-thread scratch block, is verified, then copied once.
 A server that fails or times out trips the breaker (`redis_conn.Breaker`): misses, one
 warning, a counter, retries with backoff.
 """
