@@ -81,8 +81,9 @@ def run_bench(args: argparse.Namespace) -> dict:
     total = parse_size(args.total)
     rows: list[dict] = []
     notes = [f"torch threads: {torch.get_num_threads()}"]
-    for bb in sizes:
-        rows += bench_cpu(bb, total, args.repeat)
+    if not getattr(args, "skip_cpu", False):
+        for bb in sizes:
+            rows += bench_cpu(bb, total, args.repeat)
     if not args.skip_nvme:
         directory = args.dir
         if directory is None:
@@ -94,6 +95,14 @@ def run_bench(args: argparse.Namespace) -> dict:
             for bb in sizes:
                 rows += bench_nvme(d, bb, total, args.repeat)
         notes.append(f"nvme files under {directory or tempfile.gettempdir()}")
+    from .bench_shared import bench_shared, shared_settings
+    rs = shared_settings(args)
+    if rs is not None:
+        threads = getattr(args, "redis_threads", 4)
+        for bb in sizes:
+            rows += bench_shared(rs, bb, total, args.repeat, threads)
+        notes.append(f"shared tier: {rs.where}, {threads} pipelines of <= {rs.batch_bytes >> 20} MiB in flight; "
+                     f"its keys deleted after ({sum(r['keys_left'] for r in rows if 'keys_left' in r)} left)")
     return {"repeat": args.repeat, "total_bytes": total, "rows": rows, "notes": notes}
 
 

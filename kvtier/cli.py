@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=5, help="runs per figure (median reported)")
     p.add_argument("--dir", default=None, help="directory for the NVMe files (default: the config's nvme path)")
     p.add_argument("--skip-nvme", action="store_true")
+    p.add_argument("--redis", default=None, metavar="URL",
+                   help="bench the shared tier on this server (default: the config's redis tier, if any)")
+    p.add_argument("--redis-cluster", action="store_true", help="--redis URL names a Redis Cluster node")
+    p.add_argument("--redis-threads", type=int, default=4, help="the data plane's pipelines in flight (io_threads)")
+    p.add_argument("--skip-redis", action="store_true")
+    p.add_argument("--skip-cpu", action="store_true")
 
     p = sub.add_parser("workload", help="write a generated Mooncake-format trace (kvtier.workloads)")
     p.add_argument("shape", choices=["agent", "chat", "rag", "api", "mix"])

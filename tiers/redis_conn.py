@@ -69,8 +69,84 @@ def redact(url: str) -> str:
     return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
 
 
-def connect(s: RedisSettings) -> Any:
-    """A redis-py client for `s` (not yet connected: the first command connects)."""
+class Parts(tuple):
+    """A value sent as the concatenation of its parts (e.g. a block's header, then a memoryview
+    of its payload): `ZeroCopyPacker` writes each part straight to the socket, so the payload is
+    never copied on its way out. Only a client from `connect` with `zero_copy` set can send one."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self)
+
+    def tobytes(self) -> bytes:
+        return b"".join(bytes(p) for p in self)
+
+
+def _packer_class():
+    from redis.connection import PythonRespSerializer
+
+    class ZeroCopyPacker(PythonRespSerializer):
+        """redis-py's pure-Python RESP packer, plus `Parts` values. Values over the cutoff and
+        memoryviews go to `sendall` as they are (zero copies); hiredis' packer (redis-py's default
+        when hiredis is installed) copies every value into one buffer, and a bytearray or
+        memoryview twice (bytes() first). Replies are still parsed by hiredis."""
+
+        def pack(self, *args):
+            if not any(type(a) is Parts for a in args):
+                return super().pack(*args)
+            if isinstance(args[0], str):
+                args = tuple(args[0].encode().split()) + args[1:]
+            out: list = []
+            buff = b"*%d\r\n" % len(args)
+            for a in args:
+                if type(a) is Parts:
+                    buff += b"$%d\r\n" % a.nbytes
+                    for part in a:
+                        if len(part) > self._buffer_cutoff or isinstance(part, memoryview):
+                            out.append(buff)
+                            out.append(part)
+                            buff = b""
+                        else:
+                            buff += part
+                    buff += b"\r\n"
+                else:
+                    a = self.encode(a)
+                    buff += b"$%d\r\n" % len(a) + bytes(a) + b"\r\n"
+            out.append(buff)
+            return out
+    return ZeroCopyPacker
+
+
+_CONN_CLASSES: dict = {}
+
+
+def _connection_class(ssl: bool):
+    """A redis-py Connection (SSLConnection) class whose packer is `ZeroCopyPacker`: the way to
+    give RedisCluster's node connections our packer (it drops a `command_packer` argument)."""
+    if ssl not in _CONN_CLASSES:
+        from redis.connection import Connection, SSLConnection
+        packer = _packer_class()
+        base = SSLConnection if ssl else Connection
+
+        class ZeroCopyConnection(base):  # type: ignore[valid-type, misc]
+            def __init__(self, *a, **kw):
+                kw.pop("command_packer", None)
+                super().__init__(*a, **kw)
+                self._command_packer = packer(self._buffer_cutoff, self.encoder.encode)
+
+        ZeroCopyConnection.__name__ = "ZeroCopy" + base.__name__
+        _CONN_CLASSES[ssl] = ZeroCopyConnection
+    return _CONN_CLASSES[ssl]
+
+
+def connect(s: RedisSettings, plain: bool = False) -> Any:
+    """A redis-py client for `s` (not yet connected: the first command connects).
+
+    Its connections pack commands with `ZeroCopyPacker` (`client.kvtier_zero_copy` is True): a
+    `Parts` value goes out with no copy of its payload. Not for a TLS cluster (`rediss://` with
+    `cluster: true`): redis-py then picks its own SSLConnection class for the nodes, so
+    `kvtier_zero_copy` is False and the data plane sends one joined buffer instead. `plain`:
+    redis-py's own connection class and packer (what `kvtier bench` compares with)."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -81,12 +157,20 @@ def connect(s: RedisSettings) -> Any:
         kw["username"] = s.username
     if s.password:
         kw["password"] = s.password
-    if urlsplit(s.url).scheme == "rediss" and s.tls_ca:
+    tls = urlsplit(s.url).scheme == "rediss"
+    if tls and s.tls_ca:
         kw["ssl_ca_certs"] = s.tls_ca
     if s.cluster:
         from redis.cluster import RedisCluster
-        return RedisCluster.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
-    return redis.Redis.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
+        if not tls and not plain:  # a rediss:// URL makes RedisCluster override connection_class with its own
+            kw["connection_class"] = _connection_class(False)
+        client = RedisCluster.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
+    else:
+        if not plain:
+            kw["connection_class"] = _connection_class(tls)  # from_url keeps an explicit connection_class
+        client = redis.Redis.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
+    client.kvtier_zero_copy = not plain and not (s.cluster and tls)
+    return client
 
 
 def namespace_of(fingerprint: dict) -> str:

@@ -5,12 +5,17 @@ naming key, fingerprint namespace, rank, length and payload hash) then the paylo
 is absent (the server evicted it), truncated, foreign or corrupt is a miss for that block,
 counted, never bytes handed on. Transfers run on a small thread pool, each thread one pipeline
 of at most `batch_bytes` of values per round trip; the caller polls or waits on the handle.
+Puts copy no payload: the header is sealed on its own and the client's `ZeroCopyPacker` sends
+it, then a view of the tensor (`redis_conn.Parts`). Gets read the replies off the socket
+themselves (`_get_direct`; on a cluster per slot owner, a redirection falls back to redis-py's
+pipeline): each payload lands in a per-thread scratch block, is verified, then copied once.
 A server that fails or times out trips the breaker (`redis_conn.Breaker`): misses, one
 warning, a counter, retries with backoff.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
-from .redis_conn import Breaker, Namespace, RedisSettings, connect
+from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect
 
 log = logging.getLogger("kvtier.redis")
 
@@ -29,6 +34,69 @@ EXISTS_BATCH = 2048   # keys per pipelined EXISTS round trip
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes, without a copy."""
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _copy_out(dst: torch.Tensor, v: bytes, off: int, n: int) -> None:
+    """`v[off:off + n]` into the CPU tensor `dst`: one memmove through ctypes, which lets go of
+    the GIL meanwhile (so the pool's other pipelines read their sockets as it copies)."""
+    if type(v) is bytes and dst.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), ctypes.cast(ctypes.c_char_p(v), ctypes.c_void_p).value + off, n)
+    else:
+        _bytes_of(dst)[:] = memoryview(v)[off:off + n]
+
+
+class _Redirected(Exception):
+    """A cluster node answered MOVED / ASK."""
+
+
+class _Reader:
+    """RESP replies off a socket: lines through a small buffer, bulk payloads `recv_into` the
+    caller's memory (what is already buffered first)."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.buf = bytearray(1 << 16)
+        self.lo = self.hi = 0
+
+    def _fill(self) -> None:
+        if self.lo == self.hi:
+            self.lo = self.hi = 0
+        elif self.hi == len(self.buf):
+            self.buf[:self.hi - self.lo] = self.buf[self.lo:self.hi]
+            self.lo, self.hi = 0, self.hi - self.lo
+        n = self.sock.recv_into(memoryview(self.buf)[self.hi:])
+        if not n:
+            raise ConnectionError("connection closed by the server")
+        self.hi += n
+
+    def line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n", self.lo, self.hi)
+            if i >= 0:
+                out = bytes(self.buf[self.lo:i])
+                self.lo = i + 2
+                return out
+            if self.hi - self.lo > 4096:
+                raise ConnectionError("reply line too long")
+            self._fill()
+
+    def into(self, mv: memoryview) -> None:
+        n = min(len(mv), self.hi - self.lo)
+        mv[:n] = self.buf[self.lo:self.lo + n]
+        self.lo += n
+        while n < len(mv):
+            got = self.sock.recv_into(mv[n:])
+            if not got:
+                raise ConnectionError("connection closed by the server")
+            n += got
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            if self.lo == self.hi:
+                self._fill()
+            k = min(n, self.hi - self.lo)
+            self.lo += k
+            n -= k
 
 
 class RedisData:
@@ -45,6 +113,10 @@ class RedisData:
         self._ext_count = count
         self.breaker = Breaker(settings.where, self._count)
         self.client = connect(settings)
+        # replies read straight off the socket (`_get_direct`; a cluster: per node); False:
+        # redis-py's pipeline and hiredis (bytes per value, then copied out)
+        self.direct_reads = True
+        self._scratch = threading.local()   # per pool thread: one block to receive and verify in
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=f"kvtier-{name}")
         self._warned: set[str] = set()
         self._inflight: set = set()
@@ -115,6 +187,42 @@ class RedisData:
                 pass
 
     def _get(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
+        if self.direct_reads and all(d.is_contiguous() for d in dsts):
+            if not self.s.cluster:
+                r = self._get_direct(keys, dsts, self.client.connection_pool)
+                if r is not None:
+                    return r
+            else:
+                return self._get_cluster(keys, dsts)
+        return self._get_pipeline(keys, dsts)
+
+    def _get_cluster(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
+        """Direct reads per node (each key's slot owner, as the client's slot table says); a
+        node that answers MOVED / ASK (slots moving) is read through redis-py's pipeline, which
+        follows the redirection and refreshes the table."""
+        c = self.client
+        groups: dict[str, tuple[object, list[int]]] = {}
+        try:
+            for i, k in enumerate(keys):
+                node = c.nodes_manager.get_node_from_slot(c.keyslot(self.ns.name(k)))
+                groups.setdefault(node.name, (node, []))[1].append(i)
+        except Exception:  # no slot table yet (never connected): redis-py's own path
+            return self._get_pipeline(keys, dsts)
+        ok = [False] * len(keys)
+        nbytes, errors = 0, []
+        for node, idx in groups.values():
+            ks, ds = [keys[i] for i in idx], [dsts[i] for i in idx]
+            rc = getattr(node, "redis_connection", None)
+            r = self._get_direct(ks, ds, rc.connection_pool) if rc is not None else None
+            if r is None:
+                r = self._get_pipeline(ks, ds)
+            for i, o in zip(idx, r.ok):
+                ok[i] = o
+            nbytes += r.nbytes
+            errors += r.errors
+        return IOResult(ok=ok, nbytes=nbytes, errors=errors)
+
+    def _get_pipeline(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
         try:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
@@ -141,9 +249,82 @@ class RedisData:
                 ok.append(False)
                 errors.append(f"{k.hex()[:16]}: {why}")
                 continue
-            _bytes_of(dst)[:] = memoryview(v)[h:]
+            _copy_out(dst, v, h, bb)
             nbytes += bb
             ok.append(True)
+        return self._tally(ok, errors, nbytes, missing, bad)
+
+    def _get_direct(self, keys: list[bytes], dsts: list[torch.Tensor], pool) -> IOResult | None:
+        """`_get` reading each reply straight off the socket: a value's header into a small
+        buffer, its payload `recv_into` this thread's scratch block, verified there, then one
+        GIL-free memmove into the destination (no hiredis reader buffer, no bytes object per
+        value). A block that fails is a miss and its destination is left untouched. None: a
+        cluster node redirected (MOVED / ASK): nothing counted, the caller reads another way."""
+        codec, bb = self.ns.codec, self.block_bytes
+        scratch = getattr(self._scratch, "t", None)
+        if scratch is None:
+            scratch = self._scratch.t = torch.empty(bb, dtype=torch.uint8)
+        scratch_mv = _bytes_of(scratch)
+        ok: list[bool] = []
+        errors: list[str] = []
+        nbytes = missing = bad = 0
+        conn = None
+        try:
+            conn = pool.get_connection()
+            conn.send_packed_command(conn.pack_commands([("GET", self.ns.name(k)) for k in keys]))
+            rd = _Reader(conn._sock)
+            for k, dst in zip(keys, dsts):
+                line = rd.line()
+                if line == b"_":  # RESP3's null
+                    missing += 1
+                    ok.append(False)
+                    continue
+                if line.startswith((b"-MOVED", b"-ASK")):
+                    raise _Redirected()
+                if line[:1] == b"-":
+                    raise ConnectionError(f"server error: {line[1:].decode(errors='replace')[:80]}")
+                if line[:1] != b"$":
+                    raise ConnectionError(f"unexpected reply {line[:16]!r}")
+                n = int(line[1:])
+                if n < 0:
+                    missing += 1
+                    ok.append(False)
+                    continue
+                h = codec.header_size(k)
+                if n != h + bb:
+                    rd.skip(n + 2)
+                    bad += 1
+                    ok.append(False)
+                    errors.append(f"{k.hex()[:16]}: truncated value")
+                    continue
+                hdr = bytearray(h)
+                rd.into(memoryview(hdr))
+                rd.into(scratch_mv)
+                rd.skip(2)
+                why = codec.verify(memoryview(hdr), k, scratch_mv)
+                if why is not None:
+                    bad += 1
+                    ok.append(False)
+                    errors.append(f"{k.hex()[:16]}: {why}")
+                    continue
+                ctypes.memmove(dst.data_ptr(), scratch.data_ptr(), bb)  # verified: into the block
+                nbytes += bb
+                ok.append(True)
+        except _Redirected:
+            conn.disconnect()  # the rest of the replies are unread
+            return None
+        except Exception as e:
+            if conn is not None:
+                conn.disconnect()  # a reply half read: this connection's stream is lost
+            self.breaker.fail(e)
+            return IOResult(ok=[False] * len(keys), errors=[f"{self.s.where}: {type(e).__name__}"])
+        finally:
+            if conn is not None:
+                pool.release(conn)
+        self.breaker.ok()
+        return self._tally(ok, errors, nbytes, missing, bad)
+
+    def _tally(self, ok: list[bool], errors: list[str], nbytes: int, missing: int, bad: int) -> IOResult:
         if missing:
             self._count("missing_blocks", missing)
         if bad:
@@ -176,11 +357,22 @@ class RedisData:
         self.ns.codec.seal(mv[:h], key, mv[h:])
         return v
 
+    def seal_parts(self, key: bytes, src: torch.Tensor) -> Parts:
+        """The same value as `seal`, as (header, payload view): no copy of the payload. The
+        tensor must stay unchanged until the write is done (as for every tier's `write`)."""
+        payload = _bytes_of(src)
+        if len(payload) != self.block_bytes:
+            raise ValueError(f"shared tier: block of {len(payload)} bytes, block_bytes is {self.block_bytes}")
+        hdr = bytearray(self.ns.codec.header_size(key))
+        self.ns.codec.seal(memoryview(hdr), key, payload)
+        return Parts((bytes(hdr), payload))
+
     def _put(self, keys: list[bytes], srcs: list[torch.Tensor]) -> IOResult:
+        seal = self.seal_parts if getattr(self.client, "kvtier_zero_copy", False) else self.seal
         try:
             pipe = self.client.pipeline(transaction=False)
             for k, src in zip(keys, srcs):
-                pipe.set(self.ns.name(k), self.seal(k, src))
+                pipe.set(self.ns.name(k), seal(k, src))
             res = pipe.execute(raise_on_error=False)
         except Exception as e:
             self.breaker.fail(e)

@@ -22,6 +22,17 @@ Hit settings (the same prompt every repeat, after one warm-up pass that computes
                    runs the data file gets posix_fadvise(DONTNEED) (drops its clean cached pages,
                    for the buffered case). Its warm-up pass only opens files and threads: with
                    promotion off the CPU tier never gets the prefix.
+- kvtier-shared    kvtier hit from the shared tier (Redis / Valkey): an LLM whose stack is a CPU
+                   tier and a redis tier (no NVMe), opened after another kvtier LLM (the writer,
+                   a "fleet member") computed the prompt and wrote its blocks to the server, then
+                   was shut down. Promotion is off, so every repeat reads the server again (pipelined
+                   GET, header + payload hash verified, copied through the step's staging rows).
+                   The server: `--redis URL`, else a private redis-server started for the run
+                   (tests/redis_util.py; `--no-shared` leaves this setting out).
+- redis-raw-get    not a TTFT: right after each kvtier-shared run, plain redis-py reads the same
+                   values (pipelined GET, 16 MiB per pipeline, hiredis): the server's and the
+                   client's own cost. The run prints kvtier-shared's paired difference from the
+                   floor minus this, per repeat: kvtier's own cost of a shared-tier load.
 - nvme-disk-read   not a TTFT: right after each kvtier-nvme-cold run, the disk alone reads the
                    same number of bytes from the same data file (O_DIRECT, 4 threads, 8 MiB
                    preadv: kvtier's engine settings). The run prints kvtier-nvme-cold's paired
@@ -49,6 +60,7 @@ sets it to that LLM's connector before each of its calls. Peak RSS is printed.
     python benchmarks/ttft/bench_ttft.py            # ~200M model, 4096 tokens, bf16 if supported
     python benchmarks/ttft/bench_ttft.py --small    # the tiny test Llama, quick plumbing check
     python benchmarks/ttft/bench_ttft.py --reps 15 --recompute-reps 5
+    python benchmarks/ttft/bench_ttft.py --redis redis://host:6379/0   # an existing server
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ import glob
 import json
 import os
 import random
+import re
 import resource
 import statistics
 import sys
@@ -68,6 +81,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import vllm_util as U  # noqa: E402
 
 BLOCK = 32
+BLOCK_KEY = re.compile(rb"^kvt:[0-9a-f]+:[0-9]+:")   # a shared-tier block value (not a manifest)
 
 
 def build_llama(path: str, small: bool, dtype: str) -> str:
@@ -191,6 +205,9 @@ def main() -> None:
                     help="how many of the repeats also run the miss pair (recompute, kvtier-miss+store)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "kvtier-ttft"))
+    ap.add_argument("--redis", default=None, metavar="URL",
+                    help="shared-tier server (default: a private redis-server for the run)")
+    ap.add_argument("--no-shared", action="store_true", help="leave the kvtier-shared setting out")
     a = ap.parse_args()
     U.set_env()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -203,9 +220,21 @@ def main() -> None:
     nblocks = a.tokens // BLOCK + 2
     common = dict(dtype=dtype, max_model_len=a.tokens + 64, max_num_seqs=1,
                   max_num_batched_tokens=a.tokens + 64)
-    from vllm.config import KVTransferConfig
+    server = None
+    url = a.redis
+    if url is None and not a.no_shared:
+        import redis_util
+        server = redis_util.RedisServer(maxmemory="2gb").start()
+        url = server.url
+    try:
+        run(a, Engines(model, common), model, prompt, nblocks, vocab, dtype, url)
+    finally:
+        if server is not None:
+            server.close()
 
-    E = Engines(model, common)
+
+def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
+    from vllm.config import KVTransferConfig
     stamp = time.time_ns()
     nvme_cpu = os.path.join(a.workdir, f"nvme-{stamp}")          # kvtier-cpu's write-through target
     nvme_cold = os.path.join(a.workdir, f"nvme-cold-{stamp}")    # written by a writer LLM, then reopened
@@ -223,7 +252,28 @@ def main() -> None:
         print("warning: the writer's NVMe writes are still unreported; kvtier-nvme-cold may miss", flush=True)
     E.close("nvme-writer")
 
-    hits = ["vllm-prefix", "example-conn", "kvtier-cpu", "kvtier-nvme-cold"]
+    shared_names: list[bytes] = []
+    if url:  # the shared tier's values: written by a fleet member that is then shut down
+        import redis as _redis
+        raw = _redis.Redis.from_url(url, socket_timeout=30)
+        before = set(raw.scan_iter(match=b"kvt:*", count=1000))
+        E.build("shared-writer", U.kvtier_config(cpu_capacity_blocks=nblocks, redis_url=url, redis_timeout_s=10.0),
+                False)
+        E.generate("shared-writer", prompt)
+        want = a.tokens // BLOCK - 1
+        for _ in range(20):  # the puts run behind the step (write-behind): step until they landed
+            shared_names = [k for k in raw.scan_iter(match=b"kvt:*", count=1000)
+                            if k not in before and BLOCK_KEY.match(k)]
+            if len(shared_names) >= want:
+                break
+            time.sleep(0.2)
+            E.generate("shared-writer", prompt)
+        E.close("shared-writer")
+        shared_names = sorted(k for k in raw.scan_iter(match=b"kvt:*", count=1000)
+                              if k not in before and BLOCK_KEY.match(k))
+        print(f"shared tier: {len(shared_names)} values on {url.split('@')[-1]} (want >= {want} blocks)", flush=True)
+
+    hits = ["vllm-prefix", "example-conn", "kvtier-cpu", "kvtier-nvme-cold"] + (["kvtier-shared"] if url else [])
     E.build("recompute", None, False)
     E.build("vllm-prefix", None, True)
     E.build("example-conn", KVTransferConfig(
@@ -233,6 +283,21 @@ def main() -> None:
                                           nvme_capacity_blocks=3 * nblocks), False)
     E.build("kvtier-nvme-cold", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, nvme_path=nvme_cold,
                                                 nvme_capacity_blocks=nblocks), False)
+    if url:
+        E.build("kvtier-shared", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, redis_url=url,
+                                                 redis_timeout_s=10.0), False)
+
+    def raw_get_s() -> float:
+        """The same values read by plain redis-py: pipelined GET, 16 MiB per pipeline."""
+        sizes = [raw.strlen(shared_names[0])] if shared_names else [1]
+        per = max(1, (16 << 20) // max(1, sizes[0]))
+        t0 = time.perf_counter()
+        for lo in range(0, len(shared_names), per):
+            p = raw.pipeline(transaction=False)
+            for k in shared_names[lo:lo + per]:
+                p.get(k)
+            p.execute()
+        return time.perf_counter() - t0
 
     def drop_cache():
         for p in glob.glob(os.path.join(nvme_cold, "**", "data.0"), recursive=True):
@@ -243,7 +308,7 @@ def main() -> None:
                 os.close(fd)
 
     res: dict[str, dict] = {k: {"reps_ms": [], "tokens": set()}
-                            for k in hits + ["recompute", "kvtier-miss+store", "nvme-disk-read"]}
+                            for k in hits + ["recompute", "kvtier-miss+store", "nvme-disk-read", "redis-raw-get"]}
     cold_bytes = 0  # bytes one cold pass loads from NVMe: its full blocks but the last (vLLM recomputes that)
     for k in hits:  # warm-up: computes and stores the prompt (nvme-cold: opens its files)
         if k == "kvtier-nvme-cold":
@@ -281,9 +346,15 @@ def main() -> None:
                     dr = disk_read_s(data[0], cold_bytes)
                     res["nvme-disk-read"]["reps_ms"].append(round(dr * 1e3, 1))
                     line.append(f"nvme-disk-read {dr * 1e3:.1f}")
+            if k == "kvtier-shared" and shared_names:  # the same values read by redis-py alone, right after
+                rg = raw_get_s()
+                res["redis-raw-get"]["reps_ms"].append(round(rg * 1e3, 1))
+                line.append(f"redis-raw-get {rg * 1e3:.1f}")
         print(f"rep {rep}: " + ", ".join(line), flush=True)
 
     stats = kv_stats(E, a, nvme_cpu, nvme_cold)
+    if url:
+        stats.update(shared_stats(E, a))
     for k, d in stats.items():
         res[k].update(d)
     res["_peak_rss_gib"] = peak_rss_gib()  # type: ignore[assignment]
@@ -295,7 +366,7 @@ def main() -> None:
     print(f"\nTTFT, median ms (prompt {a.tokens} tokens, {dtype}, block {BLOCK}; hits {a.reps} interleaved repeats, "
           f"misses {min(a.reps, a.recompute_reps)}); 'paired' = median of per-repeat differences from the base")
     print(f"{'setting':<19}{'ttft_ms':>9}{'base':>13}{'paired':>9}{'p25..p75 of paired':>22}  token")
-    rows = [(k, "vllm-prefix") for k in hits] + [("nvme-disk-read", None), ("recompute", None),
+    rows = [(k, "vllm-prefix") for k in hits] + [("nvme-disk-read", None), ("redis-raw-get", None), ("recompute", None),
                                                   ("kvtier-miss+store", "recompute")]
     for k, base in rows:
         r = res[k]
@@ -318,6 +389,14 @@ def main() -> None:
         res["kvtier-nvme-cold"]["paired_minus_disk_ms"] = round(statistics.median(own), 1)
         print(f"kvtier-nvme-cold minus floor minus the disk's own read of the same {cold_bytes / 2**20:.0f} MiB "
               f"(O_DIRECT, same repeat): median {statistics.median(own):+.1f} ms")
+    rg = res["redis-raw-get"]["reps_ms"]
+    if rg and len(rg) == len(res["kvtier-shared"]["reps_ms"]):
+        own = [c - f - g for c, f, g in zip(res["kvtier-shared"]["reps_ms"], res["vllm-prefix"]["reps_ms"], rg)]
+        res["kvtier-shared"]["paired_minus_raw_get_ms"] = round(statistics.median(own), 1)
+        print(f"kvtier-shared minus floor minus redis-py's own GET of the same {len(shared_names)} values "
+              f"(same repeat): median {statistics.median(own):+.1f} ms")
+    if url and shared_names:
+        raw.delete(*shared_names)
     for r in res.values():
         if isinstance(r, dict):
             r["tokens"] = sorted(r["tokens"])
@@ -332,6 +411,28 @@ def _sched_for(nvme_dir: str) -> list:
 
 def pending_nvme_writes(nvme_dir: str) -> int:
     return sum(int(c.sched.stats().get("pending_nvme_writes", 0)) for c in _sched_for(nvme_dir))
+
+
+def shared_stats(E: Engines, a) -> dict[str, dict]:
+    """kvtier-shared's worker: bytes, load ms per pass and GB/s from the shared tier, misses."""
+    w = getattr(E.agents.get("kvtier-shared"), "worker", None)
+    if w is None or not w.layout:
+        return {}
+    wt = w.totals
+    d = {"block_bytes": w.layout.block_bytes,
+         "blocks_loaded.shared": wt.get("blocks_loaded.shared", 0)}
+    b, sec = wt.get("bytes_loaded.shared", 0), wt.get("seconds_loaded.shared", 0)
+    if sec:
+        d["load_ms_per_pass.shared"] = round(sec / max(1, wt.get("blocks_loaded.shared", 0))
+                                             * (a.tokens // BLOCK - 1) * 1e3, 2)
+        d["load_gbps.shared"] = round(b / sec / 1e9, 2)
+    for k, v in wt.items():
+        if k.endswith(".shared") and k.split(".")[0] in ("missing_blocks", "corrupt_blocks", "gone_blocks",
+                                                         "unreachable", "load_failed_blocks"):
+            d[k] = v
+    if w.remote is not None:
+        d["shared"] = w.remote.description
+    return {"kvtier-shared": d}
 
 
 def kv_stats(E: Engines, a, nvme_cpu: str, nvme_cold: str) -> dict[str, dict]:
