@@ -29,7 +29,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "max_blocks_per_step": (None, "serving.max_blocks_per_step"),
     "nvme_write_lag_steps": (None, "serving.nvme_write_lag_steps"),
     "redis_url": ("redis", "url"), "redis_cluster": ("redis", "cluster"), "redis_admission": ("redis", "admission"),
-    "redis_timeout_s": ("redis", "timeout_s"),
+    "redis_timeout_s": ("redis", "timeout_s"), "async_shared_loads": (None, "serving.async_shared_loads"),
 }
 _KNOWN = {"config", "promote"} | set(_OVERRIDES)
 

@@ -122,7 +122,8 @@ class KVTierConnector(KVConnectorBase_V1):
             ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
             self.sched = KVTierScheduler(block_tokens=self.block_tokens, group_id=0,
                                          store=cfg.serving.store and self.enabled, offload="eager",
-                                         max_blocks_per_step=cfg.serving.max_blocks_per_step, controller=ctrl)
+                                         max_blocks_per_step=cfg.serving.max_blocks_per_step, controller=ctrl,
+                                         async_shared_loads=cfg.serving.async_shared_loads)
         else:
             rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
             self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=cpu.pin if cpu is not None else "auto",
@@ -191,9 +192,12 @@ class KVTierConnector(KVConnectorBase_V1):
             self.worker.save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Loads finish before the forward and GPU->CPU copies within the step (NVMe writes run
-        # behind from the CPU copy), so no GPU block is ever held past its request: nothing delayed.
-        return None, None
+        # Local loads finish before the forward and GPU->CPU copies within the step (NVMe writes
+        # run behind from the CPU copy): nothing is delayed but asynchronous (shared-tier) loads,
+        # reported as received once their blocks are in the KV.
+        if self.worker is None:
+            return None, None
+        return None, self.worker.poll_async() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:
@@ -344,7 +348,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.sched is None or not self.enabled:
             return 0, False
         n = self.sched.lookup(request, num_computed_tokens)
-        return n, False
+        return n, bool(n) and self.sched.loads_async(request.request_id)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.sched is None or not self.enabled:

@@ -41,6 +41,7 @@ class KVTierMetadata(KVConnectorMetadata):
     nvme_dir: str | None = None          # where the worker opens the NVMe data file
     nvme_capacity: int = 0
     remote_tier: int | None = None       # index of the shared tier (its ops name blocks by key)
+    async_loads: list[str] = field(default_factory=list)  # requests vLLM loads asynchronously
     tier_names: list[str] | None = None
 
     def is_empty(self) -> bool:

@@ -36,6 +36,7 @@ class _Req:
     hit_blocks: int = 0             # leading blocks found (vLLM's own cache + kvtier), at lookup
     asked: int = 0                  # blocks looked up in the tiers, at the last lookup
     load_tier_blocks: dict[int, int] = field(default_factory=dict)
+    load_async: bool = False        # the lease reaches the shared tier: vLLM loads it asynchronously
 
 
 class KVTierScheduler:
@@ -43,7 +44,8 @@ class KVTierScheduler:
                  store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
                  max_blocks_per_step: int | None = 64, promote: bool | PromotionPolicy | None = True,
                  admission: Sequence[AdmissionPolicy | None] | None = None, ranks: int = 1,
-                 demotion: str = "write_through", controller: TierController | None = None) -> None:
+                 demotion: str = "write_through", controller: TierController | None = None,
+                 async_shared_loads: bool = True) -> None:
         """Either a built `controller` (`kvtier.builder`) or `tiers` (top first; an NVMe tier is
         an `NvmeControl`) and policies to build one. `promote`: a PromotionPolicy, True
         (inclusive) or False/None (serve in place).
@@ -73,6 +75,9 @@ class KVTierScheduler:
         self._gpu_pinned: dict[int, list[int]] = {}   # store op -> GPU blocks protected for its copy
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self._reqs: dict[str, _Req] = {}
+        self.async_shared_loads = async_shared_loads and self.ctrl.remote is not None
+        self._async_step: list[str] = []       # requests whose asynchronous load this step plans
+        self._async_inflight: set[str] = set()  # ... until the workers report it done
 
     @property
     def leases(self):
@@ -132,7 +137,14 @@ class KVTierScheduler:
             return None
         n = lease.num_blocks if lease is not None else 0
         r.hit_blocks = start + n
+        r.load_async = self.async_shared_loads and n > 0 and any(t == self.ctrl.remote for t, _ in lease.blocks)
         return n * bt
+
+    def loads_async(self, request_id: str) -> bool:
+        """Whether the request's matched prefix reaches the shared tier: vLLM then loads it
+        asynchronously (the request waits, other requests run, no step waits on the network)."""
+        r = self._reqs.get(request_id)
+        return r is not None and r.load_async
 
     def on_alloc(self, request: Any, block_ids: Sequence[int] | None, num_external_tokens: int) -> None:
         """vLLM allocated the request's blocks and accepted `num_external_tokens` from us."""
@@ -157,6 +169,9 @@ class KVTierScheduler:
             self.ctrl.release(r.req_id)
             return
         ops = self.ctrl.load(r.req_id, nb, gpu, self._info(r, lease.start))
+        if r.load_async and ops:
+            self._async_step.append(r.req_id)
+            self._async_inflight.add(r.req_id)
         n = sum(len(op.slots) for op in ops)
         self.ctrl.count_request(r.asked, n)
         r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
@@ -184,7 +199,9 @@ class KVTierScheduler:
                 self._plan_stores(scheduled)
         plan = self.ctrl.take_plan()
         meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, nvme_writes=plan.copies,
-                              remote_tier=self.ctrl.remote, tier_names=self.ctrl.names)
+                              remote_tier=self.ctrl.remote, tier_names=self.ctrl.names,
+                              async_loads=self._async_step)
+        self._async_step = []
         if self.nvme_dir is not None:  # the worker opens the data plane from it (loads and stores)
             meta.nvme_dir = self.nvme_dir
             meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
@@ -258,12 +275,17 @@ class KVTierScheduler:
             pinned = self._gpu_pinned.pop(op_id, None)
             if pinned is not None and self.gpu is not None:
                 self.gpu.free_blocks(pinned)
+        self._async_inflight.difference_update(wm.loaded)
         self.ctrl.complete(wm)
 
     # ---- end of a request --------------------------------------------------------------
     def on_finished(self, req_id: str) -> tuple[bool, dict | None]:
-        self.ctrl.release(req_id)
+        """(delay freeing its GPU blocks, params): delayed while an asynchronous load still writes
+        them (vLLM frees them when the workers report the load received)."""
         self._reqs.pop(req_id, None)
+        if req_id in self._async_inflight:  # its lease pins what the load still reads; the report releases it
+            return True, None
+        self.ctrl.release(req_id)
         return False, None
 
     def on_preempted(self, req_id: str) -> None:

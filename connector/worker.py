@@ -24,6 +24,8 @@ import torch
 
 from kvtier.tiers.cpu_pool import CpuPool
 
+from kvtier.tiers.handles import DoneHandle, IOResult
+
 from .kv_layout import KVCopier, KVLayout, RowCopy, ViewCopy
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
 from .flusher import WriteBehind
@@ -61,6 +63,9 @@ class KVTierWorker(Counting):
         self.corrupt_blocks = 0
         # write-behind: batches of NVMe writes in flight, oldest first: (step, future of results)
         self.writes = WriteBehind(nvme_write_lag_steps)
+        self._async: dict[str, list] = {}     # request -> its load ops, loading asynchronously
+        self._fetched: dict[int, tuple] = {}  # id(op) -> (buffers, handle): shared-tier reads ahead
+        self._remote_tier: int | None = None
         self.puts = WriteBehind(nvme_write_lag_steps)   # shared-tier writes, reported the same way
         self._step = 0
         # layer-pipelined loads: copies run layer by layer on a loader thread while the forward
@@ -121,20 +126,26 @@ class KVTierWorker(Counting):
         block verified; the copies into the KV go to `jobs`, or with `copy_now` run chunk by chunk
         as each chunk's reads land (the next chunks are still reading meanwhile)."""
         n = len(op.slots)
-        if remote:
+        pre = self._fetched.pop(id(op), None) if remote else None
+        if remote and pre is None:
             if self.remote is None:
                 raise RuntimeError("no shared-tier data plane on this worker")
             if not op.keys or len(op.keys) != n:
                 raise RuntimeError("shared-tier load without keys")
-        else:
+        elif not remote:
             if self.nvme is None:
                 raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
             if op.checksums is None or len(op.checksums) != n:
                 raise RuntimeError("NVMe load without expected checksums")
-        bufs = [self.pools[0].views[s] for s in op.via] if op.via else stage[row0:row0 + n]
+        if pre is not None:  # read ahead (an asynchronous load): its own rows, or CPU slots
+            bufs, h = pre
+            reads = [(0, [False] * n, h)]
+        else:
+            bufs = [self.pools[0].views[s] for s in op.via] if op.via else stage[row0:row0 + n]
         step = max(1, self.nvme_load_chunk_bytes // self.layout.block_bytes) if copy_now else n
-        reads = []  # all chunks in flight at once: the engine's pool keeps the disk / server busy
-        for lo in range(0, n, step):
+        if pre is None:
+            reads = []  # all chunks in flight at once: the engine's pool keeps the disk / server busy
+        for lo in (range(0, n, step) if pre is None else ()):
             hi = min(n, lo + step)
             bad = [False] * (hi - lo)
             if remote:
@@ -146,7 +157,7 @@ class KVTierWorker(Counting):
         lay, kv = self.layout, self.kv
         rows = op.via or range(row0, row0 + n)
         src3 = kv.pool3 if op.via else (self.staging.rows3(len(lay.layer_bytes), lay.layer_bytes[0])
-                                        if kv.runs_ok else None)
+                                        if kv.runs_ok and pre is None else None)
         oks: list[bool] = []
         corrupt: list[int] = []
         errors: list[str] = []
@@ -185,23 +196,74 @@ class KVTierWorker(Counting):
     def start_load(self) -> None:
         """Read what this step loads (NVMe reads and checksums now), then copy into vLLM's KV:
         on a GPU layer by layer on the loader thread (the forward waits per layer, wait_layer);
-        on the CPU backend now, NVMe chunks as their reads land."""
+        on the CPU backend now, NVMe chunks as their reads land. Requests vLLM loads
+        asynchronously (`meta.async_loads`: a shared-tier hit) only start their shared-tier
+        reads here; `poll_async` finishes them in a later step."""
         meta = self._meta
         if meta is None or not meta.loads or self.layout is None:
             return
         self.finish_loads()
+        self._remote_tier = meta.remote_tier
+        if meta.async_loads:
+            later = set(meta.async_loads)
+            for op in meta.loads:
+                if op.req_id in later:
+                    self._async.setdefault(op.req_id, []).append(op)
+                    if op.tier == meta.remote_tier:
+                        self._prefetch(op)
+            meta.loads = [op for op in meta.loads if op.req_id not in later]
         if any(op.tier != meta.remote_tier for op in meta.loads):
             self._open_nvme(meta)
+        self._run_loads(meta.loads, layered=True)
+        meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
+
+    def _prefetch(self, op) -> None:
+        """Start an asynchronous load's shared-tier reads into its CPU slots (promotion) or rows
+        of its own, kept until `poll_async` copies them into the KV."""
+        n = len(op.keys or [])
+        if op.via:
+            bufs = [self.pools[0].views[s] for s in op.via]
+        else:
+            bufs = list(torch.empty((n, self.layout.block_bytes), dtype=torch.uint8).unbind(0))
+        try:
+            if self.remote is None:
+                raise RuntimeError("no shared-tier data plane on this worker")
+            h = self.remote.get(op.keys, bufs)
+        except Exception as e:
+            log.warning("kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
+            h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
+        self._fetched[id(op)] = (bufs, h)
+
+    def poll_async(self) -> set[str]:
+        """Requests whose asynchronous loads arrived: their blocks go into the KV now (after the
+        step's forward, on this thread), and vLLM schedules them from the next step."""
+        done: set[str] = set()
+        for rid, ops in list(self._async.items()):
+            if any(not self._fetched[id(op)][1].done() for op in ops if id(op) in self._fetched):
+                continue
+            del self._async[rid]
+            if any(op.tier != self._remote_tier for op in ops) and self._meta is not None:
+                self._open_nvme(self._meta)
+            self._run_loads(ops, layered=False)
+            done.add(rid)
+        if done:
+            self.finish_loads()
+        return done
+
+    def _run_loads(self, ops: list, layered: bool) -> None:
+        if not ops:
+            return
         t0 = time.perf_counter()
         self._copy_s = 0.0
-        copy_now = self.layout.device.type == "cpu"
+        copy_now = self.layout.device.type == "cpu" or not layered
         jobs: list[RowCopy | ViewCopy] = []
-        # NVMe loads without CPU slots each get their own staging rows for this step
-        staged = sum(len(op.slots) for op in meta.loads if op.tier != 0 and not op.via)
+        # lower-tier loads without CPU slots each get their own staging rows for this step
+        staged = sum(len(op.slots) for op in ops if op.tier != 0 and not op.via and id(op) not in self._fetched)
         stage = self.staging.views(staged) if staged else []
         row0 = 0
-        for op in meta.loads:
+        for op in ops:
             name = self._tier_name(op.tier)
+            own = id(op) in self._fetched
             oks = [False] * len(op.slots)
             try:
                 if self.fail_loads:
@@ -210,15 +272,14 @@ class KVTierWorker(Counting):
                     jobs.append(self.kv.pool_job(op.block_ids, op.slots))
                     oks = [True] * len(op.slots)
                 else:
-                    oks = self._load_lower(op, jobs, stage, row0, copy_now, op.tier == meta.remote_tier)
+                    oks = self._load_lower(op, jobs, stage, row0, copy_now, op.tier == self._remote_tier)
             except Exception as e:
                 log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
                 if op.via:
                     self._result.stored[op.op_id] = [False] * len(op.slots)
-            if op.tier != 0 and not op.via:
+            if op.tier != 0 and not op.via and not own:  # read ahead into rows of its own instead
                 row0 += len(op.slots)
             self._load_done.append((op, name, oks))
-        meta.loads = []  # a second start_load_kv call in the same step loads nothing twice
         if jobs and not copy_now:
             # a GPU: copies on the loader thread's stream overlap the forward, layer by layer
             self._sync_s = time.perf_counter() - t0  # NVMe reads + checksums, before the forward
@@ -376,6 +437,11 @@ class KVTierWorker(Counting):
             self._count(f"blocks_stored.{name}", n)
 
     @property
+    def loads_in_flight(self) -> int:
+        """Requests whose asynchronous load has not arrived yet."""
+        return len(self._async)
+
+    @property
     def writes_in_flight(self) -> int:
         return len(self.writes) + len(self.puts)
 
@@ -406,6 +472,13 @@ class KVTierWorker(Counting):
         the pending NVMe write-back, free the memory. Returns the report no step carried yet (NVMe
         writes made durable since the last step, for the scheduler to commit), or None."""
         self.finish_loads()
+        for _, h in list(self._fetched.values()):  # reads ahead into the CPU pool: let them land
+            try:
+                h.wait()
+            except Exception:  # pragma: no cover - reported through the handle
+                pass
+        self._fetched.clear()
+        self._async.clear()
         final = None
         late = late_puts = 0
         if len(self.puts):  # shared-tier writes: wait as long as the NVMe ones may, then leave them

@@ -174,6 +174,7 @@ class ServingConfig(_Model):
     lease_timeout_s: float = Field(default=300.0, gt=0)
     nvme_write_lag_steps: int = Field(default=4, ge=0)  # NVMe writes reported within N steps (0: in the step)
     max_blocks_per_step: int = 64      # lazy offload bound per scheduler step (<= 0: unbounded)
+    async_shared_loads: bool = True    # a shared-tier hit loads while the request waits (no step waits)
 
 
 class StackConfig(_Model):
