@@ -1,6 +1,7 @@
 """One vLLM instance (CPU, one process) driven over JSON lines: a fleet member for test_e2e_fleet.
 
-    python fleet_driver.py '{"model": DIR, "kv": {"config": YAML} | null, "max_num_seqs": 8}'
+    python fleet_driver.py '{"model": DIR, "kv": {"config": YAML} | null, "max_num_seqs": 8,
+                             "prefix_caching": false}'
 
 Protocol on stdout (vLLM's own output goes to stderr): one JSON object a line.
 - started: {"ready": true}
@@ -85,7 +86,8 @@ def drain() -> None:
 def main() -> None:
     import vllm_util as U
 
-    kw = {"max_num_seqs": int(ARGS.get("max_num_seqs", 8))}
+    kw = {"max_num_seqs": int(ARGS.get("max_num_seqs", 8)),
+          "enable_prefix_caching": bool(ARGS.get("prefix_caching", False))}
     kv = U.kvtier_config(**ARGS["kv"]) if ARGS.get("kv") is not None else None
     llm = U.make_llm(ARGS["model"], kv, **kw)
     say({"ready": True})

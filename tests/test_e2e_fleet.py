@@ -64,12 +64,13 @@ def _stored(p: list[int]) -> int:
 class Instance:
     """One vLLM process (fleet_driver.py); `ask` sends a command and returns its answer."""
 
-    def __init__(self, name: str, log_dir: Path, model: str, kv: dict | None, max_num_seqs: int = 8):
+    def __init__(self, name: str, log_dir: Path, model: str, kv: dict | None, max_num_seqs: int = 8,
+                 prefix_caching: bool = False):
         self.name = name
         self.log = log_dir / f"{name}.log"
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                    VLLM_LOGGING_LEVEL="WARNING", PYTHONUNBUFFERED="1")
-        args = {"model": model, "kv": kv, "max_num_seqs": max_num_seqs}
+        args = {"model": model, "kv": kv, "max_num_seqs": max_num_seqs, "prefix_caching": prefix_caching}
         self._logf = open(self.log, "w")
         self.proc = subprocess.Popen([sys.executable, str(DRIVER), json.dumps(args)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._logf, text=True, env=env)
@@ -206,8 +207,9 @@ def baseline(models, tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_two_instances_share(models, baseline, instances, redis_factory, tmp_path):
     server = redis_factory(maxmemory="64mb")
-    a = instances("A", models[0], _kv(tmp_path, "a", server.url))
-    b = instances("B", models[0], _kv(tmp_path, "b", server.url))
+    # vLLM's own prefix cache on, as served by default (its block hashes are the keys)
+    a = instances("A", models[0], _kv(tmp_path, "a", server.url), prefix_caching=True)
+    b = instances("B", models[0], _kv(tmp_path, "b", server.url), prefix_caching=True)
     a.ready()
     b.ready()
 
@@ -227,8 +229,15 @@ def test_two_instances_share(models, baseline, instances, redis_factory, tmp_pat
     assert st["worker"]["blocks_loaded.shared"] == want
     assert sched.get("gone_blocks.shared", 0) == 0 and sched.get("lookup_failures.shared", 0) == 0
     assert toks_b == toks_a == baseline["SHARE"]
+    print(f"\nshare: {stored} blocks on the server from A; B: hit_blocks.shared {sched['hit_blocks.shared']} "
+          f"of {want} asked")
     a.quit()
     b.quit()
+    # what `kvtier inspect` shows: the totals B's scheduler left in its NVMe directory at shutdown
+    from kvtier.serving_stats import hit_ratios, read_stats
+    saved = read_stats(str(tmp_path / "b"))
+    assert saved is not None and saved["totals"]["hit_blocks.shared"] == want
+    assert hit_ratios(saved)["hit_ratio_by_tier"]["shared"] == 1.0
 
 
 @pytest.mark.timeout(900)
