@@ -5,8 +5,9 @@ Each instance is `tests/fleet_driver.py` in its own process (its own NVMe direct
 over JSON lines; the test reads its tokens and the connector's counters from it. Acceptance:
 1. B gets, from the shared tier, every block of A's prompts that vLLM would load (exact count),
    and its greedy tokens equal A's and a run without any connector;
-2. the server SIGKILLed part-way through B's requests (at a point of progress B reports):
-   every request finishes with the no-connector tokens, the failures are counted;
+2. the server SIGKILLed (or SIGSTOPped: hung, connections open) part-way through B's requests,
+   at a point of progress B reports: every request of B, and A's next ones, finish with the
+   no-connector tokens, nothing hangs, the failures are counted;
 3. a server holding another model's blocks gives no hits.
 """
 
@@ -16,6 +17,7 @@ import json
 import os
 import queue
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -241,7 +243,8 @@ def test_two_instances_share(models, baseline, instances, redis_factory, tmp_pat
 
 
 @pytest.mark.timeout(900)
-def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_path):
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_path, how):
     server = redis_factory(maxmemory="64mb")
     a = instances("A", models[0], _kv(tmp_path, "a", server.url, timeout_s=0.5))
     # two running at a time: B's requests finish in waves, the server dies between waves
@@ -254,7 +257,10 @@ def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_p
 
     b.send({"op": "generate", "prompts": KILL, "max_tokens": MT, "pause_after": 2})
     assert b.recv() == {"paused": 2}
-    server.kill()                           # SIGKILL, B paused between its waves
+    if how == "kill":
+        server.kill()                       # SIGKILL, B paused between its waves
+    else:
+        os.kill(server.pid, signal.SIGSTOP)   # hung: connections open, nothing answers
     b.send("go")
     r = b.recv()
     toks_b, st = r["tokens"], r["stats"]
@@ -270,7 +276,7 @@ def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_p
     # at most the requests running when B paused had loaded (two, or four if vLLM scheduled the
     # next wave in the step that finished the first): the last ones cannot have been served
     assert worker.get("blocks_loaded.shared", 0) <= 4 * _asked(KILL[0])
-    print("\nkill, B:", {k: v for k, v in sched.items() if "shared" in k or "fail" in k},
+    print(f"\n{how}, B:", {k: v for k, v in sched.items() if "shared" in k or "fail" in k},
           {k: v for k, v in worker.items() if "shared" in k})
 
     # new prompts on B with the server dead: lookups fail fast (counted), nothing is served
@@ -288,10 +294,11 @@ def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_p
     assert st["sched"].get("store_failed_blocks.shared", 0) == sum(_stored(p) for p in SHARE), st["sched"]
     assert st["worker"].get("put_failed_blocks.shared", 0) + st["worker"].get("put_skipped_blocks.shared", 0) \
         == sum(_stored(p) for p in SHARE), st["worker"]
-    print("kill, B after:", {k: v for k, v in sched.items() if "shared" in k or "fail" in k},
+    print(f"{how}, B after:", {k: v for k, v in sched.items() if "shared" in k or "fail" in k},
           "A after:", {k: v for k, v in st["sched"].items() if "shared" in k or "fail" in k})
-    a.quit()
+    a.quit()                                # shutdown with the server dead or hung: bounded
     b.quit()
+    server.kill()                           # a stopped server ignores SIGTERM
 
 
 @pytest.mark.timeout(900)
