@@ -47,7 +47,20 @@ def stats() -> dict:
     return out
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int, pause_after: int | None) -> list[list[int]]:
+def _pause(done: int) -> None:
+    """Tell the test, once the shared tier's lookups in flight are answered; wait for its go."""
+    import kvtier.connector as C
+    for c in C.live_connectors("scheduler"):
+        if c.sched is not None and c.sched.ctrl.remote is not None:
+            for fut, _, _ in list(c.sched.tiers[c.sched.ctrl.remote]._probes.values()):
+                fut.result(timeout=60)
+    say({"paused": done})
+    if not sys.stdin.readline():
+        raise SystemExit("stdin closed")
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int, pause_after: int | None,
+             pause_tokens: int | None = None) -> list[list[int]]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -59,20 +72,26 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, pause_after: int | 
         SEQ += 1
         rid = f"r{SEQ}"
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+                            output_kind=RequestOutputKind.CUMULATIVE)
         eng.add_request(rid, TokensPrompt(prompt_token_ids=p), sp)
         ids.append(rid)
     done: dict[str, list[int]] = {}
-    paused = pause_after is None
+    first = 0   # tokens of the first request so far
+    paused = pause_after is None and pause_tokens is None
     while eng.has_unfinished_requests():
         for o in eng.step():
+            if o.request_id == ids[0]:
+                first = len(o.outputs[0].token_ids)
             if o.finished:
                 done[o.request_id] = list(o.outputs[0].token_ids)
-        if not paused and len(done) >= pause_after:
+        if paused:
+            continue
+        if pause_after is not None and len(done) >= pause_after:
             paused = True
-            say({"paused": len(done)})
-            if not sys.stdin.readline():
-                raise SystemExit("stdin closed")
+            _pause(len(done))
+        elif pause_tokens is not None and first >= pause_tokens and ids[0] not in done:
+            paused = True   # the first request is still running: nothing after it has started
+            _pause(len(done))
     return [done[r] for r in ids]
 
 
@@ -95,7 +114,8 @@ def main() -> None:
         cmd = json.loads(line)
         op = cmd["op"]
         if op == "generate":
-            toks = generate(llm, cmd["prompts"], int(cmd.get("max_tokens", 8)), cmd.get("pause_after"))
+            toks = generate(llm, cmd["prompts"], int(cmd.get("max_tokens", 8)), cmd.get("pause_after"),
+                            cmd.get("pause_tokens"))
             say({"tokens": toks, "stats": stats()})
         elif op == "drain":
             drain()

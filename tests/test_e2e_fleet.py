@@ -49,6 +49,8 @@ B = U.BLOCK
 SHARE = _prompts([3 * B + 5, 2 * B, 4 * B + 17, 3 * B + 1], seed=11)
 KILL = _prompts([3 * B + 7] * 6, seed=12)            # equal lengths: requests finish in waves
 OTHER = _prompts([3 * B + 9, 2 * B + 3], seed=13)
+_Q = _prompts([4 * B + 5, 2 * B + 5], seed=14)
+PART = [_Q[0], _Q[0][:2 * B] + _Q[1]]   # the second shares the first's 2 leading blocks
 
 
 def _asked(p: list[int]) -> int:
@@ -194,7 +196,7 @@ def baseline(models, tmp_path_factory):
     try:
         for inst in insts:
             inst.ready()
-        for i, sets in ((0, ("SHARE", "KILL")), (1, ("OTHER",))):
+        for i, sets in ((0, ("SHARE", "KILL", "PART")), (1, ("OTHER",))):
             for name in sets:
                 out[name] = insts[i].generate(globals()[name])[0]
             insts[i].quit()
@@ -319,5 +321,35 @@ def test_other_models_entries_give_no_hits(models, baseline, instances, redis_fa
     assert toks_b == baseline["OTHER"]
     st = b.ask({"op": "drain"})["stats"]
     assert _keys(server) == 2 * n            # B wrote its own blocks under its own namespace
+    a.quit()
+    b.quit()
+
+
+@pytest.mark.timeout(900)
+def test_failed_shared_load_stores_nothing_computed_over_it(models, baseline, instances, redis_factory, tmp_path):
+    """A load from the shared tier fails (server killed between B's lookup and its load): vLLM
+    recomputes, but the blocks computed in that very step attended over the unloaded blocks.
+    They must not be stored: a later hit on them would serve wrong KV (and the fleet with it)."""
+    server = redis_factory(maxmemory="64mb")
+    a = instances("A", models[0], _kv(tmp_path, "a", server.url, timeout_s=0.5))
+    b = instances("B", models[0], _kv(tmp_path, "b", server.url, timeout_s=0.5), max_num_seqs=1)
+    a.ready()
+    b.ready()
+    a.generate(PART[:1])
+    a.ask({"op": "drain"})
+    q = PART[1]                             # its 2 leading blocks are on the server, not the next 2
+    # one request at a time: q waits (its lookup answered: 2 blocks) while another runs
+    b.send({"op": "generate", "prompts": [OTHER[1], q], "max_tokens": MT, "pause_tokens": 2})
+    assert b.recv() == {"paused": 0}
+    server.kill()
+    b.send("go")
+    r = b.recv()
+    assert r["tokens"][1] == baseline["PART"][1]
+    assert r["stats"]["sched"]["gone_blocks.shared"] == 2, r["stats"]["sched"]
+    toks, st = b.generate([q])              # blocks 0-1 recomputed (server dead) and stored
+    assert toks == [baseline["PART"][1]]
+    toks, st = b.generate([q])              # all 4 asked blocks from B's DRAM
+    assert st["sched"]["hit_blocks.cpu"] >= 4, st["sched"]
+    assert toks == [baseline["PART"][1]]
     a.quit()
     b.quit()
