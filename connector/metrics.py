@@ -48,6 +48,7 @@ counter vllm:kvtier_gone_blocks_total{tier}            gone_blocks.<tier> (share
 counter vllm:kvtier_missing_blocks_total{tier}         missing_blocks.<tier> (shared: a read found no value)
 counter vllm:kvtier_unreachable_total{tier}            unreachable.<tier> (shared: failed / timed-out commands)
 counter vllm:kvtier_lookup_timeouts_total{tier}        lookup_timeouts.<tier> (shared: lookup answered late)
+counter vllm:kvtier_lookup_failures_total{tier}        lookup_failures.<tier> (shared: server unreachable)
 counter vllm:kvtier_put_failed_blocks_total{tier}      put_failed_blocks.<tier> (shared: writes refused)
 histogram vllm:kvtier_load_seconds{tier}               obs:seconds_loaded.<tier> (one per step and rank)
 histogram vllm:kvtier_store_seconds{tier}              obs:seconds_stored.<tier> (one per step / NVMe batch)
@@ -107,6 +108,8 @@ COUNTERS: dict[str, tuple[str, bool, str]] = {
     "missing_blocks": ("missing_blocks", True, "Shared tier: reads that found no value (server evicted it)."),
     "unreachable": ("unreachable", True, "Shared tier: commands that failed or timed out (server unreachable)."),
     "lookup_timeouts": ("lookup_timeouts", True, "Shared tier: lookups answered as misses after the timeout."),
+    "lookup_failures": ("lookup_failures", True,
+                        "Shared tier: lookups answered as misses because the server was unreachable."),
     "put_failed_blocks": ("put_failed_blocks", True, "Shared tier: block writes the server refused or lost."),
 }
 HISTOGRAMS: dict[str, tuple[str, str]] = {

@@ -350,16 +350,26 @@ class KVTierWorker(Counting):
         if meta is None or self.layout is None or not (meta.stores or meta.nvme_writes):
             return
         failed_cpu: set[int] = set()
+        # A load of this step failed: vLLM recomputes those blocks, but this step's forward
+        # already computed the blocks after them over their stale contents. Which stored blocks
+        # belong to that request is not known here, so nothing of this step is stored.
+        tainted = bool(self._load_errors)
+        if tainted and meta.stores:
+            log.warning("kvtier: a load failed this step: its %d stores are dropped (computed over "
+                        "blocks vLLM recomputes)", len(meta.stores))
         for op in meta.stores:
             name = self._tier_name(op.tier)
             t0 = time.perf_counter()
             try:
+                if tainted:
+                    raise RuntimeError("a load failed this step")
                 if op.tier != 0 or self.kv is None:
                     raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
                 self.kv.run([self.kv.pool_job(op.block_ids, op.slots)], to_kv=False)
                 oks = [True] * len(op.slots)
             except Exception as e:
-                log.warning("kvtier: store of %d blocks failed: %s", len(op.slots), e)
+                if not tainted:
+                    log.warning("kvtier: store of %d blocks failed: %s", len(op.slots), e)
                 oks = [False] * len(op.slots)
                 failed_cpu.update(op.slots)
             dt = time.perf_counter() - t0
@@ -402,6 +412,14 @@ class KVTierWorker(Counting):
             self._reap_writes(wait=True)
 
     def _put_remote(self, ops: list, failed_cpu: set[int]) -> None:
+        # a CPU slot whose store failed this step holds stale bytes: never sent to the server
+        # (an NVMe write of one is only left unindexed; on the server, others would read it)
+        bad = [op for op in ops if failed_cpu.intersection(op.src_slots)]
+        for op in bad:
+            self._result.nvme_written[op.op_id] = [-1] * len(op.src_slots)
+        ops = [op for op in ops if not failed_cpu.intersection(op.src_slots)]
+        if not ops:
+            return
         try:
             if self.remote is None:
                 raise RuntimeError("no shared-tier data plane on this worker")

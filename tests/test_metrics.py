@@ -33,6 +33,16 @@ def test_to_series_maps_known_keys_only():
                  ("gauge", "leased_blocks", None): 3, ("histogram", "store_seconds", "nvme"): [0.5]}
 
 
+def test_to_series_shared_tier_failures():
+    """Every failure the shared tier counts is a series: a lookup while the server is down (the
+    breaker open: no command sent, so no `unreachable`) is only a lookup failure."""
+    keys = ["gone_blocks", "missing_blocks", "unreachable", "lookup_timeouts", "lookup_failures",
+            "put_failed_blocks"]
+    s = to_series({f"{k}.shared": 1 for k in keys})
+    assert {name for _, name, _ in s} == set(keys)
+    assert all(tier == "shared" for _, _, tier in s)
+
+
 def _types(registry):
     C, G, H = prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram
 
