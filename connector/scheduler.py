@@ -155,6 +155,7 @@ class KVTierScheduler:
             if self.ctrl.release(r.req_id):   # not chosen (MultiConnector) or nothing to load
                 self._count("n_leases_not_chosen")
             self.ctrl.count_request(r.asked, 0)
+            r.asked = 0  # counted once: vLLM calls again (0 tokens) when it schedules a loaded request
             return
         lease = self.ctrl.leases.leases.get(r.req_id)
         nb = num_external_tokens // self.block_tokens
@@ -174,6 +175,7 @@ class KVTierScheduler:
             self._async_inflight.add(r.req_id)
         n = sum(len(op.slots) for op in ops)
         self.ctrl.count_request(r.asked, n)
+        r.asked = 0
         r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
         r.stored_upto = max(r.stored_upto, lease.start + n)
 
