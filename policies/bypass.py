@@ -39,7 +39,7 @@ class ShadowBypass(AdmissionPolicy):
     name = "bypass"
     wants_capacity = True   # the builder passes the tier's capacity_blocks as `capacity`
 
-    def __init__(self, capacity: int | None = None, fractions: str = "1,0.25,0.125", shadow_blocks: int = 1024,
+    def __init__(self, capacity: int | None = None, fractions: str = "1,0.25,0.125,0.0625", shadow_blocks: int = 1024,
                  window: float = 4.0, margin: float = 0.02, **params) -> None:
         super().__init__(**params)
         fs = [float(x) for x in str(fractions).split(",") if x.strip()]
