@@ -39,12 +39,16 @@ class ShadowBypass(AdmissionPolicy):
     name = "bypass"
     wants_capacity = True   # the builder passes the tier's capacity_blocks as `capacity`
 
-    def __init__(self, capacity: int | None = None, fractions: str = "1,0.25,0.125,0.0625", shadow_blocks: int = 1024,
+    def __init__(self, capacity: int | None = None, fractions: str = "1,0.25,0.125,0.0625,16b,4b", shadow_blocks: int = 256,
                  window: float = 4.0, margin: float = 0.02, **params) -> None:
         super().__init__(**params)
-        fs = [float(x) for x in str(fractions).split(",") if x.strip()]
-        if not fs or any(f <= 0 for f in fs):
-            raise ValueError(f"bypass: fractions must be positive numbers, got {fractions!r}")
+        fs = [x.strip() for x in str(fractions).split(",") if x.strip()]
+        try:   # "0.25": a share of the capacity; "16b": 16 blocks
+            vals = [(float(x[:-1]), True) if x.endswith("b") else (float(x), False) for x in fs]
+        except ValueError:
+            vals = []
+        if not vals or any(v <= 0 for v, _ in vals):
+            raise ValueError(f"bypass: fractions must be positive numbers or block counts ('16b'), got {fractions!r}")
         self.fractions = fs
         self.capacity = capacity
         self.cur = 0
@@ -56,7 +60,7 @@ class ShadowBypass(AdmissionPolicy):
             rate = min(1.0, shadow_blocks / capacity)
             self.thr = int(rate * 0xFFFFFFFF)
             self.scap = max(1, int(rate * capacity))
-            self.limits = [max(1, int(f * capacity)) for f in fs]
+            self.limits = [max(1, int(v if blocks else v * capacity)) for v, blocks in vals]
             self.shadows = [OrderedDict() for _ in fs]
             self.score = [0.0] * len(fs)
             self._refs = 0
@@ -111,5 +115,5 @@ class ShadowBypass(AdmissionPolicy):
         return [True] * lim + [False] * (n - lim)
 
     @property
-    def fraction(self) -> float:
+    def fraction(self) -> str:
         return self.fractions[self.cur]

@@ -33,7 +33,7 @@ def test_admits_a_prefix_and_shadows_are_bounded(cap, seq, shadow):
         k = sum(ok)
         assert ok == [True] * k + [False] * (len(run) - k)          # a prefix of the run
         assert k == len(run) or k == pol.limits[pol.cur]             # all, or the cap
-        assert min(len(run), max(1, int(min(pol.fractions) * cap))) <= k
+        assert min(len(run), min(pol.limits)) <= k and min(pol.limits) >= 1
         assert 0 <= pol.cur < len(pol.fractions)
         assert all(len(od) <= pol.scap for od in pol.shadows)
         assert pol.scap <= max(1, shadow)
