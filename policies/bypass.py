@@ -17,7 +17,8 @@ ATC'17; SHARDS spatial sampling):
   capacity) are admitted.
 - Scores are the shadows' hits, halved every ``window`` x shadow size sampled references; the
   real tier admits with the ``f`` of the best shadow (hysteresis ``margin``), starting at the
-  first candidate (1.0: everything, like vLLM).
+  first candidate (1.0: everything, like vLLM), and goes back to it while the best does not
+  beat it by ``min_gain`` (a small shadow gain is sampling noise, and each switch costs).
 
 Memory: each shadow holds R x capacity keys (an OrderedDict entry, about 100 bytes, so at most
 ``len(fractions)`` x ``shadow_blocks`` entries: bounded, not per tracked block). The tier's
@@ -40,7 +41,7 @@ class ShadowBypass(AdmissionPolicy):
     wants_capacity = True   # the builder passes the tier's capacity_blocks as `capacity`
 
     def __init__(self, capacity: int | None = None, fractions: str = "1,0.25,0.125,0.0625,16b,4b", shadow_blocks: int = 256,
-                 window: float = 4.0, margin: float = 0.02, **params) -> None:
+                 window: float = 4.0, margin: float = 0.02, min_gain: float = 0.05, **params) -> None:
         super().__init__(**params)
         fs = [x.strip() for x in str(fractions).split(",") if x.strip()]
         try:   # "0.25": a share of the capacity; "16b": 16 blocks
@@ -54,6 +55,7 @@ class ShadowBypass(AdmissionPolicy):
         self.cur = 0
         self.window = window
         self.margin = margin
+        self.min_gain = min_gain
         self._req = None
         self._done = 0                       # chain positions of the current request already replayed
         if capacity:
@@ -93,7 +95,9 @@ class ShadowBypass(AdmissionPolicy):
             for i in range(len(score)):
                 score[i] *= 0.5
         best = max(range(len(score)), key=score.__getitem__)
-        if score[best] > score[self.cur] * (1.0 + self.margin) + 1.0:
+        if score[best] < score[0] * (1.0 + self.min_gain):
+            self.cur = 0      # not clearly better than the first candidate (admit all): keep it
+        elif score[best] > score[self.cur] * (1.0 + self.margin) + 1.0:
             self.cur = best
 
     # ---- admission ----------------------------------------------------------------------------
@@ -117,3 +121,4 @@ class ShadowBypass(AdmissionPolicy):
     @property
     def fraction(self) -> str:
         return self.fractions[self.cur]
+
