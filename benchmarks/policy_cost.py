@@ -9,7 +9,12 @@ the trace's block refs), and memory per tracked block = tracemalloc's traced byt
 replay (policy built and driven with tracing on; the keys themselves are allocated before
 and shared with the tier, so they are not counted) divided by the capacity in blocks.
 
+Admission policies (``--admissions``, e.g. ``bypass``) are measured the same way: their
+``admit`` / ``on_evict`` calls under ``vllm_lru`` eviction are recorded and replayed against a
+fresh instance built with the tier's capacity; their memory is divided by the capacity too.
+
     python benchmarks/policy_cost.py [--trace PATH] [--fraction 0.05] [--limit N] [--repeat 5] [--json]
+                                     [--admissions bypass]
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import sys
 import time
 import tracemalloc
 
-from kvtier.policies import EVICTION
+from kvtier.policies import ADMISSION, EVICTION, AdmissionPolicy
 from kvtier.sim import make_keys, simulate
 from kvtier.trace import default_trace, load_trace, unique_blocks
 
@@ -110,6 +115,57 @@ def measure(reqs, keys, name: str, cap: int, repeat: int) -> dict:
             "seconds_median": t, "ns_per_block": 1e9 * t / refs, "bytes": mem, "bytes_per_block": mem / cap}
 
 
+def measure_admission(reqs, keys, name: str, cap: int, repeat: int) -> dict:
+    """Time and memory of admission policy `name`'s own calls (under vllm_lru eviction)."""
+    real = ADMISSION.get(name)
+    log: list = []
+    holder = {}
+
+    class Rec(real):  # logs its calls (a subclass, so the controller sees the real hooks)
+        def __init__(self, **params):
+            super().__init__(**params)
+            holder["params"] = params
+
+        def admit(self, keys, info=None):
+            log.append(("admit", (list(keys), info)))
+            return super().admit(keys, info)
+
+        if real.on_evict is not AdmissionPolicy.on_evict:
+            def on_evict(self, key):
+                log.append(("on_evict", (key,)))
+                return super().on_evict(key)
+    Rec.name = "__rec__"
+    ADMISSION.classes["__rec__"] = Rec
+    try:
+        simulate(reqs, cap, "vllm_lru", "__rec__", keys=keys)
+    finally:
+        del ADMISSION.classes["__rec__"]
+    params = holder["params"]
+    refs = sum(len(k) for k in keys)
+    times = []
+    for _ in range(repeat):
+        pol = real(**params)
+        gc.collect()
+        gc.disable()
+        t0 = time.process_time()
+        for m, args in log:
+            getattr(pol, m)(*args)
+        times.append(time.process_time() - t0)
+        gc.enable()
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    pol = real(**params)
+    for m, args in log:
+        getattr(pol, m)(*args)
+    gc.collect()
+    mem = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    t = statistics.median(times)
+    return {"policy": f"{name} (admission)", "capacity_blocks": cap, "block_refs": refs, "calls": len(log),
+            "seconds_median": t, "ns_per_block": 1e9 * t / refs, "bytes": mem, "bytes_per_block": mem / cap}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(default_trace()))
@@ -117,19 +173,21 @@ def main(argv=None) -> int:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--admissions", default="", help="admission policies to measure too (comma-separated)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     reqs = load_trace(a.trace, limit=a.limit)
     keys = make_keys(reqs)
     cap = max(1, int(a.fraction * unique_blocks(reqs)))
-    rows = [measure(reqs, keys, n, cap, a.repeat) for n in a.policies.split(",")]
+    rows = [measure(reqs, keys, n, cap, a.repeat) for n in a.policies.split(",") if n]
+    rows += [measure_admission(reqs, keys, n, cap, a.repeat) for n in a.admissions.split(",") if n]
     if a.json:
         print(json.dumps({"trace": a.trace, "limits": LIMITS, "rows": rows}))
         return 0
     print(f"{a.trace}: {len(reqs)} requests, {rows[0]['block_refs']} block refs, capacity {cap} blocks "
           f"({a.fraction:g} of unique); median of {a.repeat}; limits {LIMITS['ns_per_block']:.0f} ns/block, "
           f"{LIMITS['bytes_per_block']:.0f} B/tracked block\n")
-    print("| eviction | ns per block ref | bytes per tracked block |")
+    print("| policy | ns per block ref | bytes per tracked block |")
     print("|---|---|---|")
     for r in rows:
         print(f"| {r['policy']} | {r['ns_per_block']:.0f} | {r['bytes_per_block']:.0f} |")

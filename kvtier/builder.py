@@ -30,10 +30,16 @@ def make_eviction(cfg: StackConfig, tcfg: TierConfig, capacity: int) -> Eviction
 
 
 def make_admission(cfg: StackConfig) -> list[AdmissionPolicy]:
+    """Per storage tier its admission policy; a class with `wants_capacity` also gets the tier's
+    `capacity` in blocks (e.g. `bypass`, whose shadow caches are a share of it)."""
     out = []
     for t in cfg.storage_tiers():
         name = t.admission or cfg.policy.admission
-        out.append(ADMISSION.get(name)(**policy_params(cfg.policy.params, name)))
+        cls = ADMISSION.get(name)
+        kw = dict(policy_params(cfg.policy.params, name))
+        if getattr(cls, "wants_capacity", False):
+            kw["capacity"] = t.blocks(cfg.block_bytes)
+        out.append(cls(**kw))
     return out
 
 

@@ -25,7 +25,8 @@ def gap_closed(hit: float, base: float, best: float) -> float | None:
 def compare(reqs: Sequence[Request], default: str, fractions: Sequence[float] = FRACTIONS,
             capacity_blocks: int | None = None, block_tokens: int = BLOCK_TOKENS,
             extra: Sequence[str] = ()) -> dict:
-    """Rows per capacity: `default`, the baselines, any `extra` policies, and Belady."""
+    """Rows per capacity: `default`, the baselines, any `extra` policies, and Belady. A policy
+    name may be "EVICTION+ADMISSION" (e.g. "plru+bypass"); a bare name admits every block."""
     from .belady import belady
     from .sim import make_keys, simulate
 
@@ -38,7 +39,8 @@ def compare(reqs: Sequence[Request], default: str, fractions: Sequence[float] = 
         b = belady(reqs, cap, block_tokens=block_tokens, tie="deep")
         rows = {}
         for name in names:
-            s = simulate(reqs, cap, name, keys=keys, block_tokens=block_tokens)
+            ev, _, adm = name.partition("+")     # "eviction+admission", e.g. "plru+bypass"
+            s = simulate(reqs, cap, ev, adm or "all", keys=keys, block_tokens=block_tokens)
             rows[name] = {"hit_ratio": s["hit_ratio"], "token_hit_ratio": s["token_hit_ratio"]}
         base = rows["vllm_lru"]["hit_ratio"]
         for r in rows.values():
@@ -68,6 +70,9 @@ def run_compare(args, reqs: Sequence[Request], trace: str) -> int:
     from .config import load_config
     cfg = load_config(args.config, check_env=False)
     default = args.policy or cfg.policy.eviction
+    adm = args.admission or cfg.policy.admission
+    if adm and adm != "all" and "+" not in default:
+        default = f"{default}+{adm}"
     fr = [args.capacity_fraction] if args.capacity_fraction else list(FRACTIONS)
     d = compare(reqs, default, fr, args.capacity_blocks, cfg.block_tokens)
     d["trace"] = str(trace)
