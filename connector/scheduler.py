@@ -37,6 +37,7 @@ class _Req:
     asked: int = 0                  # blocks looked up in the tiers, at the last lookup
     load_tier_blocks: dict[int, int] = field(default_factory=dict)
     load_async: bool = False        # the lease reaches the shared tier: vLLM loads it asynchronously
+    load_start: int = 0             # chain position where the planned load starts
 
 
 class KVTierScheduler:
@@ -177,6 +178,7 @@ class KVTierScheduler:
         self.ctrl.count_request(r.asked, n)
         r.asked = 0
         r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
+        r.load_start = lease.start
         r.stored_upto = max(r.stored_upto, lease.start + n)
 
     def tier_kind(self, name: str) -> str:
@@ -278,6 +280,10 @@ class KVTierScheduler:
             if pinned is not None and self.gpu is not None:
                 self.gpu.free_blocks(pinned)
         self._async_inflight.difference_update(wm.loaded)
+        for rid, ok in wm.loaded.items():  # a failed load: vLLM recomputes those blocks; offer them again
+            r = self._reqs.get(rid)
+            if not ok and r is not None:
+                r.stored_upto = min(r.stored_upto, r.load_start)
         self.ctrl.complete(wm)
 
     # ---- end of a request --------------------------------------------------------------

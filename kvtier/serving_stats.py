@@ -62,7 +62,10 @@ def hit_ratios(stats: dict) -> dict:
     """Block hit ratio overall and per tier from written totals (hits / blocks looked up)."""
     t = stats.get("totals", {})
     hits = {k.split(".", 1)[1]: int(v) for k, v in t.items() if k.startswith("hit_blocks.")}
-    asked = sum(hits.values()) + int(t.get("miss_blocks", 0))
+    for k in list(hits):  # planned from the shared tier but gone at load: recomputed, not hits
+        hits[k] -= int(t.get(f"gone_blocks.{k}", 0))
+    asked = sum(hits.values()) + int(t.get("miss_blocks", 0)) + sum(
+        int(v) for k, v in t.items() if k.startswith("gone_blocks."))
     out = {"pid": stats.get("pid"), "age_s": round(max(0.0, time.time() - float(stats.get("time", 0))), 1),
            "lookups": int(t.get("n_lookups", 0)), "blocks_looked_up": asked,
            "hit_ratio": sum(hits.values()) / asked if asked else 0.0}

@@ -265,3 +265,11 @@ policy: {{demotion: write_back}}
         assert d["restored"] == 99 and d["missing"] == 1 and "absent from the shared tier" in d["problem"]
     finally:
         os.environ.pop("KVTIER_DATA", None)
+
+
+def test_hit_ratio_leaves_out_blocks_gone_at_load():
+    from kvtier.serving_stats import hit_ratios
+    r = hit_ratios({"totals": {"hit_blocks.shared": 18, "gone_blocks.shared": 9, "hit_blocks.cpu": 2,
+                               "miss_blocks": 1}, "time": 0})
+    assert r["blocks_looked_up"] == 21 and r["hit_ratio_by_tier"]["shared"] == 9 / 21
+    assert r["hit_ratio"] == 11 / 21
