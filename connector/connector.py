@@ -314,12 +314,6 @@ class KVTierConnector(KVConnectorBase_V1):
                 else:
                     log.warning("kvtier: shutdown: %d NVMe blocks written back after the last step and no "
                                 "way to tell the scheduler: not indexed (misses after a restart)", n)
-        if self.sched is not None and shared is not None:
-            algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-            if algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
-                log.warning("kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block "
-                            "hashes per process, so no other instance will ever hit this one's shared-tier "
-                            "blocks; use sha256 or set the same PYTHONHASHSEED on every instance", algo)
         if self.sched is not None:
             for t in self._nvme_tiers():  # the workers exited first: their last reports
                 rep = read_reports(t.dir)

@@ -61,7 +61,7 @@ class Server:
         e = dict(os.environ)
         e.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_cache_gib)
         e.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        e.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        e["VLLM_LOGGING_LEVEL"] = "INFO"  # the startup lines are INFO (a test may have set WARNING here)
         e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         e.update(env or {})
         self.cmd = cmd
