@@ -284,7 +284,7 @@ def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_p
         # at most the requests running when B paused had loaded (two, or four if vLLM scheduled
         # the next wave in the step that finished the first): the last ones cannot have been served
         assert worker.get("blocks_loaded.shared", 0) <= 4 * _asked(KILL[0])
-    assert worker.get("unreachable.shared", 0) + sched.get("unreachable.shared", 0) > 0, (sched, worker)
+        assert worker.get("unreachable.shared", 0) + sched.get("unreachable.shared", 0) > 0, (sched, worker)
     print(f"\n{how}, B:", {k: v for k, v in sched.items() if "shared" in k or "fail" in k},
           {k: v for k, v in worker.items() if "shared" in k})
 
@@ -296,6 +296,7 @@ def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_p
     assert sched["hit_blocks.shared"] == hits
     assert sched.get("lookup_failures.shared", 0) + sched.get("lookup_timeouts.shared", 0) > 0, sched
     assert st["shared"]["server_down"] is True
+    assert st["worker"].get("unreachable.shared", 0) + sched.get("unreachable.shared", 0) > 0, st
 
     # A goes on with the server dead: its writes to the server fail, counted; tokens unchanged
     toks_a2, st = a.generate(SHARE)
