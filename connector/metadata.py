@@ -42,6 +42,7 @@ class KVTierMetadata(KVConnectorMetadata):
     nvme_capacity: int = 0
     remote_tier: int | None = None       # index of the shared tier (its ops name blocks by key)
     async_loads: list[str] = field(default_factory=list)  # requests vLLM loads asynchronously
+    idle: bool = False                   # nothing scheduled but asynchronous loads: the worker may wait
     tier_names: list[str] | None = None
 
     def is_empty(self) -> bool:

@@ -196,6 +196,7 @@ class KVTierScheduler:
         """`scheduled`: (request id, tokens computed once this step runs, its group-0 block ids or
         None to use the ids tracked from on_alloc/update_block_ids)."""
         self.ctrl.expire()
+        scheduled = list(scheduled)
         if self.store_enabled:
             if self.offload == "lazy" and self.gpu is not None:
                 self._plan_lazy()
@@ -204,7 +205,8 @@ class KVTierScheduler:
         plan = self.ctrl.take_plan()
         meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, nvme_writes=plan.copies,
                               remote_tier=self.ctrl.remote, tier_names=self.ctrl.names,
-                              async_loads=self._async_step)
+                              async_loads=self._async_step,
+                              idle=not scheduled and bool(self._async_inflight))
         self._async_step = []
         if self.nvme_dir is not None:  # the worker opens the data plane from it (loads and stores)
             meta.nvme_dir = self.nvme_dir

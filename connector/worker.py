@@ -234,9 +234,26 @@ class KVTierWorker(Counting):
             h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
         self._fetched[id(op)] = (bufs, h)
 
+    IDLE_WAIT_S = 1.0   # a step with nothing but asynchronous loads waits this long for them at most
+
     def poll_async(self) -> set[str]:
         """Requests whose asynchronous loads arrived: their blocks go into the KV now (after the
-        step's forward, on this thread), and vLLM schedules them from the next step."""
+        step's forward, on this thread), and vLLM schedules them from the next step. In a step
+        with nothing else to run (`meta.idle`) it waits for them (bounded) instead of returning
+        at once: the waiting thread lets go of the GIL, which the reads need (an engine loop
+        spinning through empty steps would starve them)."""
+        if self._async and self._meta is not None and self._meta.idle:
+            deadline = time.monotonic() + self.IDLE_WAIT_S
+            for ops in list(self._async.values()):
+                for op in ops:
+                    f = self._fetched.get(id(op))
+                    left = deadline - time.monotonic()
+                    if f is None or left <= 0:
+                        continue
+                    try:
+                        f[1].wait(left)
+                    except Exception:  # still running (timeout) or failed: reported when done
+                        pass
         done: set[str] = set()
         for rid, ops in list(self._async.items()):
             if any(not self._fetched[id(op)][1].done() for op in ops if id(op) in self._fetched):
