@@ -137,22 +137,21 @@ class KVTierWorker(Counting):
                 raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
             if op.checksums is None or len(op.checksums) != n:
                 raise RuntimeError("NVMe load without expected checksums")
-        if pre is not None:  # read ahead (an asynchronous load): its own rows, or CPU slots
+        if pre is not None:  # read ahead (an asynchronous load): rows of its own, or CPU slots
             bufs, h = pre
             reads = [(0, [False] * n, h)]
         else:
             bufs = [self.pools[0].views[s] for s in op.via] if op.via else stage[row0:row0 + n]
-        step = max(1, self.nvme_load_chunk_bytes // self.layout.block_bytes) if copy_now else n
-        if pre is None:
+            step = max(1, self.nvme_load_chunk_bytes // self.layout.block_bytes) if copy_now else n
             reads = []  # all chunks in flight at once: the engine's pool keeps the disk / server busy
-        for lo in (range(0, n, step) if pre is None else ()):
-            hi = min(n, lo + step)
-            bad = [False] * (hi - lo)
-            if remote:
-                reads.append((lo, bad, self.remote.get(op.keys[lo:hi], bufs[lo:hi])))
-            else:
-                reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
-                                                     keys=op.keys[lo:hi] if op.keys else None)))
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                bad = [False] * (hi - lo)
+                if remote:
+                    reads.append((lo, bad, self.remote.get(op.keys[lo:hi], bufs[lo:hi])))
+                else:
+                    reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
+                                                         keys=op.keys[lo:hi] if op.keys else None)))
         # the rows the blocks are copied from: CPU slots, or this op's staging rows
         lay, kv = self.layout, self.kv
         rows = op.via or range(row0, row0 + n)
@@ -453,23 +452,16 @@ class KVTierWorker(Counting):
 
     def _reap_writes(self, wait: bool = False) -> None:
         """Report finished write batches; wait for those `nvme_write_lag_steps` old (all if `wait`)."""
-        for done, dt in self.writes.reap(self._step, wait):
-            n = 0
-            for op, out in done:
-                self._result.nvme_written[op.op_id] = out
-                n += sum(1 for c in out if c >= 0)
-            self._count("bytes_stored.nvme", n * self.layout.block_bytes)
-            self._count("seconds_stored.nvme", dt)
-            self._count("blocks_stored.nvme", n)
-        name = self.remote.name if self.remote is not None else "shared"
-        for done, dt in self.puts.reap(self._step, wait):
-            n = 0
-            for op, out in done:
-                self._result.nvme_written[op.op_id] = out
-                n += sum(1 for c in out if c >= 0)
-            self._count(f"bytes_stored.{name}", n * self.layout.block_bytes)
-            self._count(f"seconds_stored.{name}", dt)
-            self._count(f"blocks_stored.{name}", n)
+        shared = self.remote.name if self.remote is not None else "shared"
+        for behind, name in ((self.writes, "nvme"), (self.puts, shared)):
+            for done, dt in behind.reap(self._step, wait):
+                n = 0
+                for op, out in done:
+                    self._result.nvme_written[op.op_id] = out
+                    n += sum(1 for c in out if c >= 0)
+                self._count(f"bytes_stored.{name}", n * self.layout.block_bytes)
+                self._count(f"seconds_stored.{name}", dt)
+                self._count(f"blocks_stored.{name}", n)
 
     @property
     def loads_in_flight(self) -> int:

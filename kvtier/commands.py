@@ -190,18 +190,14 @@ def _shared_manifest_name(shared: Any, seed: int) -> bytes:
 
 def put_shared_manifest(shared: Any, seed: int, n: int, present: list[int]) -> None:
     """The spill manifest of the shared tier, on the server next to the blocks (no expiry)."""
-    import xxhash
     bb = shared.block_bytes
     body = {"seed": seed, "blocks": n, "block_bytes": bb, "namespace": shared.ns.ns, "on_shared": len(present),
             "digests": {str(j): _digest(seed, j, bb) for j in present}}
-    text = json.dumps(body, sort_keys=True)
-    shared.conn.client.set(_shared_manifest_name(shared, seed),
-                           json.dumps({"manifest": body, "xxh3": xxhash.xxh3_64_hexdigest(text.encode())}))
+    shared.conn.client.set(_shared_manifest_name(shared, seed), _manifest_doc(body))
 
 
 def get_shared_manifest(shared: Any, seed: int | None) -> dict | None:
     """The shared tier's spill manifest of `seed` (None: the newest found), checked; None if none."""
-    import xxhash
     cl = shared.conn.client
     if seed is None:
         names = sorted(cl.scan_iter(match=shared.ns.prefix + b"manifest:*", count=1000))
@@ -212,15 +208,28 @@ def get_shared_manifest(shared: Any, seed: int | None) -> dict | None:
         raw = cl.get(_shared_manifest_name(shared, seed))
     if raw is None:
         return None
-    where = f"shared tier {shared.settings.where} (namespace {shared.ns.ns})"
+    return _manifest_body(raw, f"on shared tier {shared.settings.where} (namespace {shared.ns.ns})")
+
+
+def _manifest_doc(body: dict) -> str:
+    """A manifest as stored: the body and the xxh3 of its canonical JSON."""
+    import xxhash
+    text = json.dumps(body, sort_keys=True)
+    return json.dumps({"manifest": body, "xxh3": xxhash.xxh3_64_hexdigest(text.encode())}, sort_keys=True)
+
+
+def _manifest_body(raw: bytes, where: str) -> dict:
+    """The body of a stored manifest (`_manifest_doc`), checked; damage is an OSError naming `where`."""
+    import xxhash
     try:
         doc = json.loads(raw)
         body = doc["manifest"]
         ok = xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode()) == doc["xxh3"]
     except (ValueError, KeyError, TypeError) as e:
-        raise OSError(errno.EINVAL, f"spill manifest on {where} is damaged: {e!r}") from None
+        raise OSError(errno.EINVAL, f"spill manifest {where} is damaged or of an older format: {e!r}", where) \
+            from None
     if not ok:
-        raise OSError(errno.EINVAL, f"spill manifest on {where} fails its checksum (damaged or edited)")
+        raise OSError(errno.EINVAL, f"spill manifest {where} fails its checksum (damaged or edited)", where)
     return body
 
 
@@ -239,13 +248,11 @@ def _digest(seed: int, j: int, bb: int) -> str:
 def write_manifest(nvme: Any, seed: int, n: int, present: list[int]) -> None:
     """The spill manifest: seed, namespace, fingerprint, and a digest per block on NVMe; written
     0600 without following symlinks, fsynced (file and directory), then renamed into place."""
-    import xxhash
     bb = nvme.block_bytes
     body = {"seed": seed, "blocks": n, "block_bytes": bb, "namespace": nvme.namespace, "dir": nvme.dir,
             "fingerprint": nvme.fingerprint, "on_nvme": len(present),
             "digests": {str(j): _digest(seed, j, bb) for j in present}}
-    text = json.dumps(body, sort_keys=True)
-    doc = json.dumps({"manifest": body, "xxh3": xxhash.xxh3_64_hexdigest(text.encode())}, sort_keys=True)
+    doc = _manifest_doc(body)
     dfd = os.open(nvme.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         tmp = MANIFEST + ".tmp"
@@ -280,7 +287,6 @@ def read_manifest(path: str) -> dict | None:
     oversized file is refused without blocking; a damaged manifest is an error naming the file."""
     import stat as _stat
 
-    import xxhash
     p = os.path.join(path, MANIFEST)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -303,15 +309,7 @@ def read_manifest(path: str) -> dict | None:
             chunks.append(c)
     finally:
         os.close(fd)
-    try:
-        doc = json.loads(b"".join(chunks))
-        body = doc["manifest"]
-        ok = xxhash.xxh3_64_hexdigest(json.dumps(body, sort_keys=True).encode()) == doc["xxh3"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise OSError(errno.EINVAL, f"spill manifest {p} is damaged or of an older format: {e!r}", p) from None
-    if not ok:
-        raise OSError(errno.EINVAL, f"spill manifest {p} fails its checksum (damaged or edited)", p)
-    return body
+    return _manifest_body(b"".join(chunks), p)
 
 
 def _engine(tier: Any) -> str:

@@ -59,7 +59,7 @@ class _Copy:
     src_tier: int
     src: list[tuple[int, bytes]]      # (slot, key) in the source tier
     tier: int
-    slots: list[int]
+    slots: list[int]                  # in the target tier (none for the shared tier)
     reports: dict[int, list] = field(default_factory=dict)  # rank -> checksums (several ranks)
 
 
@@ -287,7 +287,7 @@ class TierController(Counting):
             r = self.remote
             up = [j for j, k in enumerate(ks) if not self.holds(k, r)]
             up = self._admit(r, up, [ks[j] for j in up], info)
-            self._plan_put(0, [(slots[j], ks[j]) for j in up])
+            self._plan_copy(0, [(slots[j], ks[j]) for j in up], r)
         return want, op_id, deferred
 
     def count_dropped(self, t: int, n: int) -> None:
@@ -304,41 +304,30 @@ class TierController(Counting):
             self._count(f"not_admitted_blocks.{self.names[t]}", len(items) - len(out))
         return out
 
-    def _plan_put(self, src_tier: int, src: list[tuple[int, bytes]]) -> int:
-        """Copy (slot, key) blocks of `src_tier` to the shared tier (no room to make: the server
-        evicts); the sources stay pinned until the workers report the writes."""
-        if not src:
-            return 0
-        r = self.remote
-        keys = [k for _, k in src]
-        self._pending[r].update(keys)
-        self.tiers[src_tier].touch([s for s, _ in src])
-        op_id = next(self._op_ids)
-        self._copies[op_id] = _Copy(src_tier, src, r, [-1] * len(src))
-        self._plan.copies.append(NvmeWriteOp(op_id, [s for s, _ in src], [], src_tier=src_tier, tier=r, keys=keys))
-        self._count(f"store_planned_blocks.{self.names[r]}", len(src))
-        return len(src)
-
-    def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]]) -> int:
-        """Copy (slot, key) blocks of `src_tier` into new slots of the next tier; returns how many."""
-        t = src_tier + 1
-        if not src:
-            return 0
-        room = self._room(t, len(src))
-        if room < len(src):
-            self._count(f"store_dropped_blocks.{self.names[t]}", len(src) - room)
-            src = src[:room]
+    def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]], t: int | None = None) -> int:
+        """Copy (slot, key) blocks of `src_tier` into new slots of tier `t` (default: the next), or
+        to the shared tier (no slots, no room to make: the server evicts); the sources stay
+        pinned until the copy is reported durable. Returns how many."""
+        t = src_tier + 1 if t is None else t
         if not src:
             return 0
         keys = [k for _, k in src]
-        slots = self.tiers[t].allocate(keys)
+        slots: list[int] = []
+        if t != self.remote:
+            room = self._room(t, len(src))
+            if room < len(src):
+                self._count(f"store_dropped_blocks.{self.names[t]}", len(src) - room)
+                src, keys = src[:room], keys[:room]
+            if not src:
+                return 0
+            slots = self.tiers[t].allocate(keys)
         self._pending[t].update(keys)
-        self.tiers[src_tier].touch([s for s, _ in src])  # the source stays until the copy is durable
+        self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
         self._copies[op_id] = _Copy(src_tier, src, t, slots)
         self._plan.copies.append(NvmeWriteOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
-        self._count(f"store_planned_blocks.{self.names[t]}", len(slots))
-        return len(slots)
+        self._count(f"store_planned_blocks.{self.names[t]}", len(src))
+        return len(src)
 
     # ---- room: eviction and write-back ---------------------------------------------------
     def _room(self, t: int, n: int) -> int:
@@ -489,7 +478,7 @@ class TierController(Counting):
             by_rank = cp.reports
         del self._copies[op_id]
         tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
-        sums = self._rank_sums(by_rank, len(cp.slots))
+        sums = self._rank_sums(by_rank, len(cp.src))
         if cp.tier == self.remote:
             self._complete_put(cp, sums)
             return
@@ -579,7 +568,7 @@ class TierController(Counting):
                 "pending_stores": len(self._stores), "pending_copies": len(self._copies)}
 
     def close(self) -> None:
-        pending = sum(len(c.slots) for c in self._copies.values())
+        pending = sum(len(c.src) for c in self._copies.values())
         if pending:
             log.warning("kvtier: %d blocks still being copied down at shutdown: not committed (misses after a "
                         "restart, never served)", pending)

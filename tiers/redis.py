@@ -46,6 +46,15 @@ class _Known:
     def __len__(self) -> int:
         return len(self._d)
 
+    def prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` are members."""
+        d, n = self._d, 0
+        for k in keys:
+            if k not in d:
+                break
+            n += 1
+        return n
+
     def add(self, keys) -> list[bytes]:
         """Insert or refresh; returns the keys pushed out (capacity)."""
         d = self._d
@@ -101,7 +110,7 @@ class RedisTier(_RemoteBase):
         self._known = _Known(KNOWN_MAX)
         self._probes: OrderedDict[tuple, tuple[Future, float, int]] = OrderedDict()
         self._prober = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-lookup")
-        self._count = self.conn._count
+        self._count = self.conn.count
         if not self.ns.authenticated:
             log.warning("kvtier: shared tier %s: no secret set (tiers.%s.secret, e.g. ${KVTIER_SHARED_SECRET}): "
                         "blocks are checked for corruption and foreign models, but a client with write access "
@@ -109,7 +118,7 @@ class RedisTier(_RemoteBase):
 
     def bind_counter(self, count: Callable[[str, float], None]) -> None:
         """Count network events (`unreachable.<name>`, ...) into the controller's counters too."""
-        self.conn._ext_count = count
+        self.conn.bind_counter(count)
 
     # ---- membership ----------------------------------------------------------------------
     def known(self, key: bytes) -> bool:
@@ -128,11 +137,7 @@ class RedisTier(_RemoteBase):
     def probe(self, keys: Sequence[bytes], wait: bool = True) -> int | None:
         """Length of the prefix of `keys` on the server (all ranks); None: asked, answer pending
         (only with `wait=False`). Unreachable or too slow: the locally known part only, counted."""
-        n = 0
-        for k in keys:
-            if k not in self._known:
-                break
-            n += 1
+        n = self._known.prefix(keys)
         if n == len(keys):
             return n
         rest = tuple(keys[n:])
@@ -158,11 +163,7 @@ class RedisTier(_RemoteBase):
         if found is None:
             self._count("lookup_failures")
             return 0
-        m = 0
-        for f in found:
-            if not f:
-                break
-            m += 1
+        m = next((i for i, f in enumerate(found) if not f), len(found))
         self._known.add(keys[:m])
         return m
 
@@ -234,12 +235,7 @@ class SimRemoteTier(_RemoteBase):
         self._on.touch(keys)
 
     def probe(self, keys: Sequence[bytes], wait: bool = True) -> int:
-        n = 0
-        for k in keys:
-            if k not in self._on:
-                break
-            n += 1
-        return n
+        return self._on.prefix(keys)
 
     @property
     def io_engine(self) -> str:

@@ -111,7 +111,7 @@ class RedisData:
         self.counters: dict[str, float] = {}
         self._lock = threading.Lock()
         self._ext_count = count
-        self.breaker = Breaker(settings.where, self._count)
+        self.breaker = Breaker(settings.where, self.count)
         self.client = connect(settings)
         # replies read straight off the socket (`_get_direct`; a cluster: per node); False:
         # redis-py's pipeline and hiredis (bytes per value, then copied out)
@@ -121,11 +121,15 @@ class RedisData:
         self._warned: set[str] = set()
         self._inflight: set = set()
 
-    def _count(self, key: str, v: float = 1) -> None:
+    def count(self, key: str, v: float = 1) -> None:
+        """Add to `counters[key]`, and to the bound counter as `<key>.<tier name>`."""
         with self._lock:
             self.counters[key] = self.counters.get(key, 0) + v
         if self._ext_count is not None:
             self._ext_count(f"{key}.{self.name}", v)
+
+    def bind_counter(self, count: Callable[[str, float], None]) -> None:
+        self._ext_count = count
 
     def _warn_once(self, what: str, msg: str, *args) -> None:
         if what not in self._warned:
@@ -161,17 +165,20 @@ class RedisData:
     # ---- blocks --------------------------------------------------------------------------
     def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor]) -> IOHandle:
         """Read and verify blocks into `dsts` (CPU tensors of block_bytes); ok[i] False: a miss."""
-        if len(keys) != len(dsts):
-            raise ValueError(f"shared tier: get of {len(keys)} keys into {len(dsts)} buffers")
+        return self._submit(self._get, keys, dsts, "get", "skipped_blocks")
+
+    def _submit(self, fn, keys: Sequence[bytes], bufs: Sequence[torch.Tensor], what: str,
+                skipped: str) -> IOHandle:
+        """`fn(keys, bufs)` on the pool in batches of `batch_bytes`; none while the breaker is open
+        (all not ok, counted in `skipped`)."""
+        if len(keys) != len(bufs):
+            raise ValueError(f"shared tier: {what} of {len(keys)} keys with {len(bufs)} buffers")
         if not keys:
             return DoneHandle(IOResult(ok=[]))
         if not self.breaker.allow():
-            self._count("skipped_blocks", len(keys))
+            self.count(skipped, len(keys))
             return DoneHandle(IOResult(ok=[False] * len(keys), errors=[f"{self.s.where} unreachable"]))
-        keys, dsts = list(keys), list(dsts)
-        return self._submit(self._get, keys, dsts)
-
-    def _submit(self, fn, keys: list[bytes], bufs: list[torch.Tensor]) -> IOHandle:
+        keys, bufs = list(keys), list(bufs)
         futs = [self._pool.submit(fn, keys[lo:hi], bufs[lo:hi]) for lo, hi in self._batches(len(keys), self.block_bytes)]
         for f in futs:
             self._inflight.add(f)
@@ -326,39 +333,25 @@ class RedisData:
 
     def _tally(self, ok: list[bool], errors: list[str], nbytes: int, missing: int, bad: int) -> IOResult:
         if missing:
-            self._count("missing_blocks", missing)
+            self.count("missing_blocks", missing)
         if bad:
-            self._count("corrupt_blocks", bad)
+            self.count("corrupt_blocks", bad)
             log.error("kvtier: shared tier %s: %d blocks failed verification (not served): %s",
                       self.s.where, bad, errors[:2])
-        self._count("bytes_read", nbytes)
+        self.count("bytes_read", nbytes)
         return IOResult(ok=ok, nbytes=nbytes, errors=errors)
 
     def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor]) -> IOHandle:
         """Seal and write blocks (SET, pipelined); ok[i] False: not written (counted, logged once)."""
-        if len(keys) != len(srcs):
-            raise ValueError(f"shared tier: put of {len(keys)} keys from {len(srcs)} buffers")
-        if not keys:
-            return DoneHandle(IOResult(ok=[]))
-        if not self.breaker.allow():
-            self._count("put_skipped_blocks", len(keys))
-            return DoneHandle(IOResult(ok=[False] * len(keys), errors=[f"{self.s.where} unreachable"]))
-        return self._submit(self._put, list(keys), list(srcs))
+        return self._submit(self._put, keys, srcs, "put", "put_skipped_blocks")
 
     def seal(self, key: bytes, src: torch.Tensor) -> bytearray:
-        """The value stored for `key`: header then payload (one copy of the payload)."""
-        payload = _bytes_of(src)
-        if len(payload) != self.block_bytes:
-            raise ValueError(f"shared tier: block of {len(payload)} bytes, block_bytes is {self.block_bytes}")
-        h = self.ns.codec.header_size(key)
-        v = bytearray(h + len(payload))
-        mv = memoryview(v)
-        mv[h:] = payload
-        self.ns.codec.seal(mv[:h], key, mv[h:])
-        return v
+        """The value stored for `key`, in one buffer: header then payload (one copy)."""
+        hdr, payload = self.seal_parts(key, src)
+        return bytearray(hdr) + payload
 
     def seal_parts(self, key: bytes, src: torch.Tensor) -> Parts:
-        """The same value as `seal`, as (header, payload view): no copy of the payload. The
+        """The value stored for `key` as (header, payload view): no copy of the payload. The
         tensor must stay unchanged until the write is done (as for every tier's `write`)."""
         payload = _bytes_of(src)
         if len(payload) != self.block_bytes:
@@ -376,17 +369,17 @@ class RedisData:
             res = pipe.execute(raise_on_error=False)
         except Exception as e:
             self.breaker.fail(e)
-            self._count("put_failed_blocks", len(keys))
+            self.count("put_failed_blocks", len(keys))
             return IOResult(ok=[False] * len(keys), errors=[f"{self.s.where}: {type(e).__name__}"])
         self.breaker.ok()
         ok = [r is True or r == b"OK" for r in res]
         errs = [f"{type(r).__name__}: {r}" for r in res if isinstance(r, Exception)]
         if errs:  # e.g. OOM with maxmemory and a noeviction policy
-            self._count("put_failed_blocks", len(errs))
+            self.count("put_failed_blocks", len(errs))
             self._warn_once("put:" + errs[0][:40], "kvtier: shared tier %s refused writes: %s (counted in "
                             "put_failed_blocks; set maxmemory-policy allkeys-lru)", self.s.where, errs[0])
         n = sum(ok) * self.block_bytes
-        self._count("bytes_written", n)
+        self.count("bytes_written", n)
         return IOResult(ok=ok, nbytes=n, errors=errs)
 
     def sync(self) -> None:
