@@ -90,6 +90,27 @@ def crash_point(point: str) -> None:
         HOOKS.crash_point(point, HOOKS.tick("crash:" + point))
 
 
+class _Gate:
+    """Holds a batch's tasks until the batch is registered (`open`), or drops them (`cancel`)."""
+
+    def __init__(self) -> None:
+        self._ev = threading.Event()
+        self._cancelled = False
+
+    def open(self) -> None:
+        self._ev.set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._ev.set()
+
+    def run(self, fn, run):
+        self._ev.wait()
+        if self._cancelled:
+            return IOResult(ok=[False] * len(run), errors=["cancelled: interrupted while being submitted"])
+        return fn(run)
+
+
 def round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
@@ -219,12 +240,17 @@ class PosixEngine(IOEngine):
         self.syscalls = 0
         self.bounced_blocks = 0
         self._live: set[cf.Future] = set()  # submitted, not finished: `drain` waits for them
+        self._opening: set[_Gate] = set()   # batches being submitted (their tasks wait at the gate)
 
     def drain(self) -> None:
         """Wait until every submitted transfer finished (before the caller frees its buffers,
-        e.g. when unwinding from an interrupt with transfers still in flight)."""
+        e.g. when unwinding from an interrupt with transfers still in flight). A batch whose
+        submission was interrupted (a signal raised in the submitting thread) never starts."""
         with self._lock:
             live = list(self._live)
+            opening, self._opening = list(self._opening), set()
+        for g in opening:
+            g.cancel()
         cf.wait(live)
 
     def _forget(self, fut: cf.Future) -> None:
@@ -317,9 +343,18 @@ class PosixEngine(IOEngine):
         if not runs:
             return DoneHandle(finish(IOResult(ok=[])) if finish else IOResult(ok=[]))
         order = [i for r in runs for i in r]
-        futs = [self._pool.submit(fn, r) for r in runs]
+        # An exception raised in this thread (SIGINT / SIGTERM) between a submit and its
+        # registration would leave a task drain() does not wait for, writing from buffers the
+        # caller then frees. So tasks wait at a gate opened once all are registered; drain()
+        # cancels a gate still closed, and its tasks return without touching a buffer.
+        gate = _Gate()
+        with self._lock:
+            self._opening.add(gate)
+        futs = [self._pool.submit(gate.run, fn, r) for r in runs]
         with self._lock:
             self._live.update(futs)
+            gate.open()                  # before it leaves `_opening`: drain never waits on a closed gate
+            self._opening.discard(gate)
         for f in futs:
             f.add_done_callback(self._forget)
 
