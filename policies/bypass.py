@@ -106,6 +106,8 @@ class ShadowBypass(AdmissionPolicy):
         if not self.capacity or not n:
             return [True] * n
         chain = info.keys
+        if info.num_tokens and info.block_tokens:   # full blocks only: all that vLLM hashes
+            chain = chain[:info.num_tokens // info.block_tokens]
         if chain:
             rid = request_id(info)
             if rid != self._req:
