@@ -1,0 +1,464 @@
+"""Learning from Belady online ("hawk"): Hawkeye (Jain & Lin, ISCA'16) for chained-prefix KV blocks.
+
+- **OPTgen on a sample.** Keys whose crc32 falls under a threshold (rate R = min(1, S / capacity),
+  SHARDS-style) are replayed through OPTgen: a circular occupancy vector over the sampled
+  reference clock (length L = `window` x sampled capacity) and a history of the last access time
+  of each sampled key (bounded: one entry per clock tick, L in all). On a re-reference at t of a
+  key last accessed at t0 (t - t0 < L), Belady's MIN with capacity R x capacity would have hit iff
+  every occupancy over [t0, t) is below that capacity; then the interval is added. A key not
+  re-referenced within L was an OPT miss. With `prefix_rule`, once a request's sampled block is
+  an OPT miss its deeper sampled blocks count as misses too (they cannot hit without it).
+- **Signatures instead of PCs.** An access's signature combines (per `sig`): d = the request's
+  turn depth (continuation of an earlier request's tip, as in `nextuse`, hashed tip table),
+  h = the block's reference count (hashed count table), p = log2 chain-position bucket,
+  t = whether the block is the request's last full block. The OPT outcome of the *previous*
+  access of a sampled key trains its signature's saturating counter (+1 hit, -1 miss).
+- **Order.** Victims: doomed partial last blocks, then blocks whose signature is cache-averse,
+  then cache-friendly blocks; each list oldest first, a request's blocks deepest first (after an
+  insert at start > 0 the request's resident prefix moves behind its new blocks, as vLLM frees a
+  request tail-first). With `detrain`, evicting a friendly block decrements its signature.
+
+Per tracked slot: three SlotList words and one signature byte; the hashed count/tip tables are
+`table` x capacity bytes each; OPTgen's state is bounded by the sample size, not the capacity.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from typing import Iterator, Sequence
+from zlib import crc32
+
+from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
+from .lru import request_id
+from .slotlist import _NIL, SlotList, walk_lists
+
+_DOOM, _AVERSE, _FRIEND = 0, 1, 2
+_INC = bytes(min(255, i + 1) for i in range(256))   # bytes.translate: every occupancy + 1
+
+
+class OPTgen:
+    """Belady's MIN hit decisions for a stream of references, as intervals on an occupancy vector.
+
+    `access(h, t_sig)` records a reference of key hash `h` at the next clock tick and returns
+    (previous signature or None, OPT would have hit); `expired` collects (signature) of
+    history entries that left the window unreused (OPT misses). `force_miss` skips the check.
+    """
+
+    __slots__ = ("cap", "L", "occ", "hist", "ring", "t", "low", "expired")
+
+    def __init__(self, cap: int, length: int) -> None:
+        if not 1 <= cap <= 254:
+            raise ValueError(f"OPTgen: sampled capacity must be in [1, 254], got {cap}")
+        self.cap = cap
+        self.L = max(2, length)
+        self.occ = bytearray(self.L)
+        self.hist: dict[int, tuple[int, int]] = {}
+        self.ring: list[int | None] = [None] * self.L
+        self.t = 0
+        self.low = bytes(range(cap))        # deleting these leaves the occupancies >= cap
+        self.expired: list[int] = []
+
+    def access(self, h: int, sig: int, force_miss: bool = False) -> tuple[int | None, bool]:
+        t, L, occ, hist, ring = self.t, self.L, self.occ, self.hist, self.ring
+        i = t % L
+        old = ring[i]                       # the key accessed at t - L: its interval is too long
+        if old is not None:
+            e = hist.get(old)
+            if e is not None and e[0] == t - L:
+                del hist[old]
+                self.expired.append(e[1])
+        occ[i] = 0
+        ring[i] = h
+        prev = hist.get(h)
+        hist[h] = (t, sig)
+        self.t = t + 1
+        if prev is None:
+            return None, False
+        t0 = prev[0]
+        if force_miss:
+            return prev[1], False
+        a = t0 % L
+        if a < i:
+            if occ[a:i].translate(None, self.low):
+                return prev[1], False
+            occ[a:i] = occ[a:i].translate(_INC)
+        else:  # wraps (a == i cannot happen: t - t0 < L)
+            if occ[a:].translate(None, self.low) or occ[:i].translate(None, self.low):
+                return prev[1], False
+            occ[a:] = occ[a:].translate(_INC)
+            occ[:i] = occ[:i].translate(_INC)
+        return prev[1], True
+
+
+@EVICTION.register
+class Hawk(EvictionPolicy):
+    name = "hawk"
+
+    def __init__(self, capacity: int, sample: int = 200, window: float = 4.0, sig: str = "dhp",
+                 order: str = "density", theta: float = 0.1, levels: str = "0.05,0.1,0.2,0.35,0.5,0.7,0.85",
+                 prefix_rule: bool = True, detrain: bool = False, doom_partial: bool = True, table: int = 8,
+                 depth_classes: int = 4, hit_classes: int = 4, pos_classes: int = 8, predict: bool = True,
+                 min_outcomes: float = 8.0, monotone: bool = True, alpha: float = 1.0, **params) -> None:
+        super().__init__(capacity)
+        if not 1 <= sample <= 254:
+            raise ValueError(f"hawk: sample must be in [1, 254], got {sample}")
+        if order not in ("binary", "density"):
+            raise ValueError(f"hawk: order must be 'binary' or 'density', got {order!r}")
+        self.density = order == "density"
+        # level edges on the OPT hit probability of a signature; binary: averse below theta
+        self.edges = [float(x) for x in levels.split(",")] if self.density else [theta]
+        self.K = len(self.edges) + 1
+        mids, lo = [], 0.0
+        for e in self.edges + [1.0]:
+            mids.append(0.5 * (lo + e))
+            lo = e
+        self.pv = [m ** alpha for m in mids]  # representative hit probability of each level (^alpha)
+        prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
+        self.lists = [SlotList(capacity, prev, nxt, member, tag=i + 1) for i in range(1 + self.K)]
+        self.member, self.nxt = member, nxt
+        self.tacc = array("I", bytes(4 * capacity))   # access clock mod 2^32 (ages: difference & mask)
+        self.vt = 0
+        rate = min(1.0, sample / max(1, capacity))
+        self.thr = int(rate * (1 << 24))    # sampled iff (crc >> 8) < thr
+        scap = max(1, min(254, round(rate * capacity)))
+        self.opt = OPTgen(scap, int(window * scap))
+        self.sigf = sig
+        self.dc, self.hc, self.pc = depth_classes, hit_classes, pos_classes
+        self._pbt = [min(pos_classes - 1, (p + 1).bit_length() - 1) for p in range(256)]  # log2 position bucket
+        nsig = 256
+        self.hc_ = [0.0] * nsig                    # OPT hits / outcomes per signature (decayed)
+        self.tc_ = [0.0] * nsig
+        self.lvl = bytearray([self.K - 1] * nsig)  # level of each signature (new: the top)
+        self.min_n = min_outcomes
+        self._ntrain = 0
+        self._decay_every = max(256, 16 * scap)
+        self.sig = bytearray(capacity)
+        self.tm = max(1024, table * capacity)
+        # direct-mapped, tagged (12-bit tag << 4 | 4-bit value): reference count of a key, and
+        # turn depth + 1 of a request's last full block ("tip")
+        self.cnt = array("H", bytes(2 * self.tm))
+        self.tt = max(1024, 2 * capacity)
+        self.tipd = array("H", bytes(2 * self.tt))
+        self._hs: list[int] = []                   # crc32 of the current request's keys
+        self.prefix_rule = prefix_rule
+        self.detrain = detrain
+        self.doom = doom_partial
+        self.predict = predict
+        self.monotone = monotone
+        self._cap_lvl = self.K - 1               # a request's deeper blocks rank no higher than its shallower ones
+        self._rid = None
+        self._d = 0
+        self._tip = -1
+        self._broken = False                       # prefix rule: an OPT miss seen in this request
+        self._pref: list[int] = []                 # the current request's hit prefix (slots)
+        self._order = list(range(1 + self.K))
+        self._rank = list(range(1 + self.K))
+
+    # ---- signatures ----------------------------------------------------------------------
+    def _sig(self, d: int, hits: int, pos: int, tip: bool) -> int:
+        f = self.sigf
+        s = 0
+        if "d" in f:
+            s = d if d < self.dc else self.dc - 1
+        if "h" in f:
+            s = s * self.hc + (hits if hits < self.hc else self.hc - 1)
+        if "p" in f:
+            b = (pos + 1).bit_length() - 1
+            s = s * self.pc + (b if b < self.pc else self.pc - 1)
+        if "t" in f:
+            s = s * 2 + tip
+        return s & 0xFF
+
+    def _request(self, info: RequestInfo) -> None:
+        rid = request_id(info)
+        if rid == self._rid:
+            return
+        self._rid = rid
+        self._broken = False
+        self._pref = []
+        self._cap_lvl = self.K - 1
+        ks = info.keys
+        d = 0
+        tipd, tm = self.tipd, self.tt
+        self._hs = hs = list(map(crc32, ks))
+        for j in range(len(ks) - 1, -1, -1):
+            h = hs[j]
+            i = h % tm
+            v = tipd[i]
+            if v and v >> 4 == (h >> 20) & 0xFFF:
+                d = v & 15
+                tipd[i] = 0         # a tip is continued once
+                break
+        self._d = d
+        n = len(ks)
+        self._tip = n - 2 if n and not info.is_full(n - 1) else n - 1
+        if self._tip >= 0:
+            h = hs[self._tip]
+            tipd[h % tm] = ((h >> 20) & 0xFFF) << 4 | min(15, d + 1)
+
+    def _train(self, s: int | None, hit: bool) -> None:
+        if s is None:
+            return
+        hc, tc = self.hc_, self.tc_
+        if hit:
+            hc[s] += 1.0
+        tc[s] += 1.0
+        if self.predict:
+            t = tc[s]
+            if t >= self.min_n:
+                p = hc[s] / t
+                lv = 0
+                for e in self.edges:
+                    if p < e:
+                        break
+                    lv += 1
+                self.lvl[s] = lv
+        self._ntrain += 1
+        if self._ntrain >= self._decay_every:
+            self._ntrain = 0
+            for i in range(len(tc)):
+                hc[i] *= 0.5
+                tc[i] *= 0.5
+
+    def _access(self, keys: Sequence[bytes], start: int) -> tuple[list[int], list[int]]:
+        """Signatures and levels of these accesses (chain positions start..), counting them and
+        feeding OPTgen. With `monotone`, a block's level is at most its parent's."""
+        sigs: list[int] = []
+        lvs: list[int] = []
+        tip, cnt, tm, thr, opt, lvl = self._tip, self.cnt, self.tm, self.thr, self.opt, self.lvl
+        train = self._train
+        f = self.sigf
+        hm = self.hc if "h" in f else 1
+        pm = self.pc if "p" in f else 1
+        tmul = "t" in f
+        dv = (min(self._d, self.dc - 1) if "d" in f else 0) * hm
+        hs = self._hs
+        if len(hs) < start + len(keys) or (keys and hs[start] != crc32(keys[0])):
+            hs = [0] * start + list(map(crc32, keys))     # keys not from info.keys (defensive)
+        prefix_rule = self.prefix_rule
+        pbt = self._pbt
+        mono = self.monotone
+        m = self._cap_lvl if mono else 255
+        for pos in range(start, start + len(keys)):
+            h = hs[pos]
+            i = h % tm
+            tag = ((h >> 20) & 0xFFF) << 4
+            c = cnt[i]
+            c = c & 15 if c & 0xFFF0 == tag else 0
+            cnt[i] = tag | (c + 1 if c < 15 else 15)
+            g = dv + (c if c < hm else hm - 1)
+            if pm > 1:
+                g = g * pm + (pbt[pos] if pos < 256 else pm - 1)
+            if tmul:
+                g = g * 2 + (pos == tip)
+            g &= 0xFF
+            sigs.append(g)
+            v = lvl[g]
+            if not mono:
+                pass
+            elif v < m:
+                m = v
+            else:
+                v = m
+            lvs.append(v)
+            if (h >> 8) < thr:
+                prev, hit = opt.access(h, g, self._broken)
+                if prefix_rule and not hit:
+                    self._broken = True
+                if prev is not None:
+                    train(prev, hit)
+        if self.monotone:
+            self._cap_lvl = m
+        if opt.expired:
+            for g in opt.expired:
+                train(g, False)
+            opt.expired.clear()
+        return sigs, lvs
+
+    def _place(self, slots: Sequence[int], sigs: list[int], lvs: list[int], j0: int, vt: int) -> None:
+        """Push slots[j0], ..., slots[0] (deepest first) to the tails of their levels' lists."""
+        lists, sig, tacc = self.lists, self.sig, self.tacc
+        run: list[int] = []
+        cur = -1
+        for j in range(j0, -1, -1):
+            s = slots[j]
+            sig[s] = sigs[j]
+            tacc[s] = vt
+            v = lvs[j]
+            if v != cur:
+                if run:
+                    lists[1 + cur].extend(run)
+                run = [s]
+                cur = v
+            else:
+                run.append(s)
+        if run:
+            lists[1 + cur].extend(run)
+
+    def _unlink_grouped(self, slots: Sequence[int]) -> None:
+        member, lists = self.member, self.lists
+        groups: dict[int, list[int]] = {}
+        for s in slots:
+            t = member[s]
+            if t:
+                g = groups.get(t)
+                if g is None:
+                    groups[t] = [s]
+                else:
+                    g.append(s)
+        for t, g in groups.items():
+            lists[t - 1].unlink_many(g)
+
+    # ---- interface -----------------------------------------------------------------------
+    def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+        if not slots:
+            return
+        self._request(info)
+        st = info.start
+        sigs, lvs = self._access(info.keys[st:st + len(slots)], st)
+        self.vt += len(slots)
+        self._unlink_grouped(slots)
+        self._place(slots, sigs, lvs, len(slots) - 1, self.vt & 0xFFFFFFFF)
+        self._pref = list(slots)
+
+    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
+        if not slots:
+            return
+        self._request(info)
+        st = info.start
+        sigs, lvs = self._access(keys, st)
+        n = len(slots)
+        self.vt += n
+        vt = self.vt & 0xFFFFFFFF
+        j0 = n - 1
+        if self.doom and info.num_tokens and info.block_tokens and (st + n) * info.block_tokens > info.num_tokens:
+            s = slots[j0]
+            self.sig[s] = sigs[j0]
+            self.tacc[s] = vt
+            self.lists[_DOOM].push(s)
+            j0 -= 1
+        self._place(slots, sigs, lvs, j0, vt)
+        if st and self._pref:
+            # vLLM frees a request tail-first: its prefix leaves after its new blocks
+            member, lists, tacc = self.member, self.lists, self.tacc
+            groups: dict[int, list[int]] = {}
+            for s in reversed(self._pref):
+                t = member[s]
+                if t > 1:
+                    tacc[s] = vt
+                    g = groups.get(t)
+                    if g is None:
+                        groups[t] = [s]
+                    else:
+                        g.append(s)
+            for t, g in groups.items():
+                lists[t - 1].move_run_to_tail(g)
+
+    def on_remove(self, slot: int, key: bytes) -> None:
+        self.on_remove_many((slot,), (key,))
+
+    def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        if self.detrain:
+            top, member, sig = self.K + 1, self.member, self.sig
+            for s in slots:
+                if member[s] == top:
+                    self._train(sig[s], False)
+        self._unlink_grouped(slots)
+
+    def _merge(self, pinned: Sequence[int] | None) -> Iterator[int]:
+        """Doomed first, then the level lists merged: next victim = the head (oldest) with the
+        lowest hit probability per unit of age, pv[level] / age (a level's blocks are in
+        access order, so each list's head is its best candidate)."""
+        lists, nxt, tacc, vt, pv = self.lists, self.nxt, self.tacc, self.vt, self.pv
+        s = lists[0].head
+        while s != _NIL:
+            n = nxt[s]
+            if pinned is None or not pinned[s]:
+                yield s
+            s = n
+        if not self.density:
+            for lst in lists[1:]:
+                s = lst.head
+                while s != _NIL:
+                    n = nxt[s]
+                    if pinned is None or not pinned[s]:
+                        yield s
+                    s = n
+            return
+        heap = []
+        for i in range(1, len(lists)):
+            s = lists[i].head
+            if pinned is not None:
+                while s != _NIL and pinned[s]:
+                    s = nxt[s]
+            if s != _NIL:
+                heap.append((pv[i - 1] / (((vt - tacc[s]) & 0xFFFFFFFF) + 1), i, s))
+        heapq.heapify(heap)
+        while heap:
+            _, i, s = heap[0]
+            n = nxt[s]
+            if pinned is not None:
+                while n != _NIL and pinned[n]:
+                    n = nxt[n]
+            if n == _NIL:
+                heapq.heappop(heap)
+            else:
+                heapq.heapreplace(heap, (pv[i - 1] / (((vt - tacc[n]) & 0xFFFFFFFF) + 1), i, n))
+            yield s
+
+    def victims(self, after: int | None = None) -> Iterator[int]:
+        it = self._merge(None)
+        if after is not None and after >= 0 and self.member[after]:
+            for s in it:
+                if s == after:
+                    break
+        return it
+
+    def take_victims(self, n: int, pinned: Sequence[int]) -> list[int]:
+        """The first `n` unpinned slots of victims(), a run of one list at a time: the best list's
+        blocks are taken while they score below the next-best list's head."""
+        out: list[int] = []
+        if n <= 0:
+            return out
+        lists = self.lists
+        n -= lists[0].take(n, pinned, out)
+        if not self.density:
+            for lst in lists[1:]:
+                if n <= 0:
+                    break
+                n -= lst.take(n, pinned, out)
+            return out
+        nxt, tacc, pv, vt = self.nxt, self.tacc, self.pv, self.vt
+        cur = [lst.head for lst in lists]
+        append = out.append
+        while n > 0:
+            best = -1
+            b1 = b2 = float("inf")
+            for i in range(1, len(lists)):
+                s = cur[i]
+                while s != -1 and pinned[s]:
+                    s = nxt[s]
+                cur[i] = s
+                if s != -1:
+                    sc = pv[i - 1] / (((vt - tacc[s]) & 0xFFFFFFFF) + 1)
+                    if sc < b1:
+                        b2, b1, best = b1, sc, i
+                    elif sc < b2:
+                        b2 = sc
+            if best < 0:
+                break
+            p = pv[best - 1]
+            s = cur[best]
+            while s != -1 and n > 0:
+                if not pinned[s]:
+                    if p / (((vt - tacc[s]) & 0xFFFFFFFF) + 1) > b2:
+                        break
+                    append(s)
+                    n -= 1
+                s = nxt[s]
+            cur[best] = s
+        return out
+
+    def contains(self, slot: int) -> bool:
+        return self.member[slot] != 0
