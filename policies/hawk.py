@@ -30,8 +30,9 @@ counters was -57% mean (a signature with a 30-40% OPT hit ratio went all-averse 
 were evicted before stale ones); binary with theta 0.1: +22.5%. Cost: about 1.45 us per block
 reference (over the 1 us bar) and 63 bytes per tracked block.
 
-Per tracked slot: three SlotList words, a 4-byte access clock, a signature byte, and 2 + 0.5
-hashed-table entries of 2 bytes x `table`/2; OPTgen's state is bounded by the sample size.
+Per tracked slot: three SlotList words (24 B), a 4-byte access clock, a signature byte, the
+count table (`table` = 8 entries of 2 B: 16 B) and the tip table (2 entries of 2 B: 4 B); OPTgen's
+state is bounded by the sample size (S = 200 keys), not the capacity.
 """
 
 from __future__ import annotations
