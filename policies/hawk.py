@@ -1,38 +1,34 @@
 """Learning from Belady online ("hawk"): Hawkeye (Jain & Lin, ISCA'16) for chained-prefix KV blocks.
 
 - **OPTgen on a sample.** Keys whose crc32 falls under a threshold (rate R = min(1, S / capacity),
-  SHARDS-style) are replayed through OPTgen: a circular occupancy vector over the sampled
-  reference clock (length L = `window` x sampled capacity) and a history of the last access time
-  of each sampled key (bounded: one entry per clock tick, L in all). On a re-reference at t of a
-  key last accessed at t0 (t - t0 < L), Belady's MIN with capacity R x capacity would have hit iff
-  every occupancy over [t0, t) is below that capacity; then the interval is added. A key not
-  re-referenced within L was an OPT miss. With `prefix_rule`, once a request's sampled block is
-  an OPT miss its deeper sampled blocks count as misses too (they cannot hit without it).
-- **Signatures instead of PCs.** An access's signature combines (per `sig`, default "dhp"):
-  d = the request's turn depth (it continues an earlier request's last full block, as in
-  `nextuse`; tagged direct-mapped tip table), h = the block's reference count (tagged
-  direct-mapped table of `table` x capacity entries; an untagged table saturated and was
-  useless), p = log2 chain-position bucket, t = the request's last full block. The OPT outcome
-  of the *previous* access of a sampled key counts in its signature (hits / outcomes, halved
-  every 16 x sampled capacity outcomes); a signature's level is its OPT hit ratio bucketed by
-  `levels` (after `min_outcomes`; new signatures start at the top level).
-- **Order** (`order="density"`). Victims: doomed partial last blocks, then one list per level
+  SHARDS-style, S = `sample`) are replayed through OPTgen: a circular occupancy vector over the
+  sampled reference clock (length L = `window` x sampled capacity) and the last access time of
+  each sampled key (at most L entries). A re-reference at t of a key last accessed at t0
+  (t - t0 < L) would have hit under Belady's MIN with capacity R x capacity iff every occupancy
+  over [t0, t) is below it; then the interval is added. A key not re-referenced within L was an
+  OPT miss. Once a request's sampled block is an OPT miss, its deeper sampled blocks count as
+  misses too (they cannot hit without it).
+- **Signatures instead of PCs.** signature = (turn depth class: the request continues an earlier
+  request's last full block, found in a tagged direct-mapped tip table; reference count class of
+  the block: tagged direct-mapped table of `table` x capacity entries; log2 chain-position
+  class), with `depth_classes` x `hit_classes` x `pos_classes` values. The OPT outcome of the
+  previous access of a sampled key counts in its signature (hits / outcomes, halved every
+  16 x sampled capacity outcomes); a signature's level is its OPT hit ratio bucketed by `levels`
+  (after `min_outcomes`; new signatures start at the top level).
+- **Order.** Victims: doomed partial last blocks (`doom_partial`), then one list per level
   (access order), merged by the heads' level hit probability / age (LRU when all levels agree).
-  With `monotone` a block's level is at most its parent's in the request, so a descendant never
-  outlives its prefix; each call's blocks are pushed deepest first, and after an insert at
-  start > 0 the request's hit prefix moves behind its new blocks (vLLM frees tail-first).
-  `order="binary"` is Hawkeye's: averse (OPT hit ratio < `theta`) first, then friendly, each LRU.
-  `detrain` (a friendly eviction counts as a miss) was harmful and is off.
+  A block's level is at most its parent's in the request, so a descendant never outlives its
+  prefix; each call's blocks are pushed deepest first, and after an insert at start > 0 the
+  request's hit prefix moves behind its new blocks (vLLM frees tail-first). Hawkeye's binary
+  averse/friendly split was -57% mean: a signature with a 30-40% OPT hit ratio went all-averse
+  and its blocks were evicted before stale ones.
 
 Measured (tuning set, gap closed vLLM LRU -> Belady): +28.3% mean, worst +1.4%, 3/18 >= 50%,
-0/18 below vllm_lru (nextuse +33.6%, plru +23.1%); Hawkeye's binary split with saturating
-counters was -57% mean (a signature with a 30-40% OPT hit ratio went all-averse and its blocks
-were evicted before stale ones); binary with theta 0.1: +22.5%. Cost: about 1.45 us per block
-reference (over the 1 us bar) and 63 bytes per tracked block.
+0/18 below vllm_lru (nextuse +33.6%, plru +23.1%).
 
-Per tracked slot: three SlotList words (24 B), a 4-byte access clock, a signature byte, the
-count table (`table` = 8 entries of 2 B: 16 B) and the tip table (2 entries of 2 B: 4 B); OPTgen's
-state is bounded by the sample size (S = 200 keys), not the capacity.
+Per tracked slot: three SlotList words (24 B), a 4-byte access clock, the count table
+(`table` = 8 entries of 2 B: 16 B) and the tip table (2 entries of 2 B: 4 B); OPTgen's state is
+bounded by the sample size, not the capacity.
 """
 
 from __future__ import annotations
@@ -44,9 +40,9 @@ from zlib import crc32
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
 from .lru import request_id
-from .slotlist import _NIL, SlotList, walk_lists
+from .slotlist import _NIL, SlotList
 
-_DOOM, _AVERSE, _FRIEND = 0, 1, 2
+_DOOM = 0
 _INC = bytes(min(255, i + 1) for i in range(256))   # bytes.translate: every occupancy + 1
 
 
@@ -108,25 +104,20 @@ class OPTgen:
 class Hawk(EvictionPolicy):
     name = "hawk"
 
-    def __init__(self, capacity: int, sample: int = 200, window: float = 4.0, sig: str = "dhp",
-                 order: str = "density", theta: float = 0.1, levels: str = "0.05,0.1,0.2,0.35,0.5,0.7,0.85",
-                 prefix_rule: bool = True, detrain: bool = False, doom_partial: bool = True, table: int = 8,
-                 depth_classes: int = 4, hit_classes: int = 4, pos_classes: int = 8, predict: bool = True,
-                 min_outcomes: float = 8.0, monotone: bool = True, alpha: float = 1.0, **params) -> None:
+    def __init__(self, capacity: int, sample: int = 200, window: float = 4.0,
+                 levels: str = "0.05,0.1,0.2,0.35,0.5,0.7,0.85", doom_partial: bool = True, table: int = 8,
+                 depth_classes: int = 4, hit_classes: int = 4, pos_classes: int = 8,
+                 min_outcomes: float = 8.0, **params) -> None:
         super().__init__(capacity)
         if not 1 <= sample <= 254:
             raise ValueError(f"hawk: sample must be in [1, 254], got {sample}")
-        if order not in ("binary", "density"):
-            raise ValueError(f"hawk: order must be 'binary' or 'density', got {order!r}")
-        self.density = order == "density"
-        # level edges on the OPT hit probability of a signature; binary: averse below theta
-        self.edges = [float(x) for x in levels.split(",")] if self.density else [theta]
+        self.edges = [float(x) for x in levels.split(",")]   # level edges on a signature's OPT hit probability
         self.K = len(self.edges) + 1
         mids, lo = [], 0.0
         for e in self.edges + [1.0]:
             mids.append(0.5 * (lo + e))
             lo = e
-        self.pv = [m ** alpha for m in mids]  # representative hit probability of each level (^alpha)
+        self.pv = mids                      # representative hit probability of each level
         prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
         self.lists = [SlotList(capacity, prev, nxt, member, tag=i + 1) for i in range(1 + self.K)]
         self.member, self.nxt = member, nxt
@@ -136,7 +127,6 @@ class Hawk(EvictionPolicy):
         self.thr = int(rate * (1 << 24))    # sampled iff (crc >> 8) < thr
         scap = max(1, min(254, round(rate * capacity)))
         self.opt = OPTgen(scap, int(window * scap))
-        self.sigf = sig
         self.dc, self.hc, self.pc = depth_classes, hit_classes, pos_classes
         self._pbt = [min(pos_classes - 1, (p + 1).bit_length() - 1) for p in range(256)]  # log2 position bucket
         nsig = 256
@@ -146,7 +136,6 @@ class Hawk(EvictionPolicy):
         self.min_n = min_outcomes
         self._ntrain = 0
         self._decay_every = max(256, 16 * scap)
-        self.sig = bytearray(capacity)
         self.tm = max(1024, table * capacity)
         # direct-mapped, tagged (12-bit tag << 4 | 4-bit value): reference count of a key, and
         # turn depth + 1 of a request's last full block ("tip")
@@ -154,34 +143,13 @@ class Hawk(EvictionPolicy):
         self.tt = max(1024, 2 * capacity)
         self.tipd = array("H", bytes(2 * self.tt))
         self._hs: list[int] = []                   # crc32 of the current request's keys
-        self.prefix_rule = prefix_rule
-        self.detrain = detrain
         self.doom = doom_partial
-        self.predict = predict
-        self.monotone = monotone
         self._cap_lvl = self.K - 1               # a request's deeper blocks rank no higher than its shallower ones
         self._rid = None
         self._d = 0
         self._tip = -1
         self._broken = False                       # prefix rule: an OPT miss seen in this request
         self._pref: list[int] = []                 # the current request's hit prefix (slots)
-        self._order = list(range(1 + self.K))
-        self._rank = list(range(1 + self.K))
-
-    # ---- signatures ----------------------------------------------------------------------
-    def _sig(self, d: int, hits: int, pos: int, tip: bool) -> int:
-        f = self.sigf
-        s = 0
-        if "d" in f:
-            s = d if d < self.dc else self.dc - 1
-        if "h" in f:
-            s = s * self.hc + (hits if hits < self.hc else self.hc - 1)
-        if "p" in f:
-            b = (pos + 1).bit_length() - 1
-            s = s * self.pc + (b if b < self.pc else self.pc - 1)
-        if "t" in f:
-            s = s * 2 + tip
-        return s & 0xFF
 
     def _request(self, info: RequestInfo) -> None:
         rid = request_id(info)
@@ -217,16 +185,15 @@ class Hawk(EvictionPolicy):
         if hit:
             hc[s] += 1.0
         tc[s] += 1.0
-        if self.predict:
-            t = tc[s]
-            if t >= self.min_n:
-                p = hc[s] / t
-                lv = 0
-                for e in self.edges:
-                    if p < e:
-                        break
-                    lv += 1
-                self.lvl[s] = lv
+        t = tc[s]
+        if t >= self.min_n:
+            p = hc[s] / t
+            lv = 0
+            for e in self.edges:
+                if p < e:
+                    break
+                lv += 1
+            self.lvl[s] = lv
         self._ntrain += 1
         if self._ntrain >= self._decay_every:
             self._ntrain = 0
@@ -234,25 +201,21 @@ class Hawk(EvictionPolicy):
                 hc[i] *= 0.5
                 tc[i] *= 0.5
 
-    def _access(self, keys: Sequence[bytes], start: int) -> tuple[list[int], list[int]]:
-        """Signatures and levels of these accesses (chain positions start..), counting them and
-        feeding OPTgen. With `monotone`, a block's level is at most its parent's."""
-        sigs: list[int] = []
+    def _access(self, keys: Sequence[bytes], start: int) -> list[int]:
+        """Levels of these accesses (chain positions start..), counting them and feeding OPTgen.
+        Signature = (turn depth class, reference count class, log2 position class); a block's
+        level is at most its parent's."""
         lvs: list[int] = []
-        tip, cnt, tm, thr, opt, lvl = self._tip, self.cnt, self.tm, self.thr, self.opt, self.lvl
+        cnt, tm, thr, opt, lvl = self.cnt, self.tm, self.thr, self.opt, self.lvl
         train = self._train
-        f = self.sigf
-        hm = self.hc if "h" in f else 1
-        pm = self.pc if "p" in f else 1
-        tmul = "t" in f
-        dv = (min(self._d, self.dc - 1) if "d" in f else 0) * hm
+        hm = self.hc
+        pm = self.pc
+        dv = min(self._d, self.dc - 1) * hm
         hs = self._hs
         if len(hs) < start + len(keys) or (keys and hs[start] != crc32(keys[0])):
             hs = [0] * start + list(map(crc32, keys))     # keys not from info.keys (defensive)
-        prefix_rule = self.prefix_rule
         pbt = self._pbt
-        mono = self.monotone
-        m = self._cap_lvl if mono else 255
+        m = self._cap_lvl
         for pos in range(start, start + len(keys)):
             h = hs[pos]
             i = h % tm
@@ -263,40 +226,33 @@ class Hawk(EvictionPolicy):
             g = dv + (c if c < hm else hm - 1)
             if pm > 1:
                 g = g * pm + (pbt[pos] if pos < 256 else pm - 1)
-            if tmul:
-                g = g * 2 + (pos == tip)
             g &= 0xFF
-            sigs.append(g)
             v = lvl[g]
-            if not mono:
-                pass
-            elif v < m:
+            if v < m:
                 m = v
             else:
                 v = m
             lvs.append(v)
             if (h >> 8) < thr:
                 prev, hit = opt.access(h, g, self._broken)
-                if prefix_rule and not hit:
+                if not hit:
                     self._broken = True
                 if prev is not None:
                     train(prev, hit)
-        if self.monotone:
-            self._cap_lvl = m
+        self._cap_lvl = m
         if opt.expired:
             for g in opt.expired:
                 train(g, False)
             opt.expired.clear()
-        return sigs, lvs
+        return lvs
 
-    def _place(self, slots: Sequence[int], sigs: list[int], lvs: list[int], j0: int, vt: int) -> None:
+    def _place(self, slots: Sequence[int], lvs: list[int], j0: int, vt: int) -> None:
         """Push slots[j0], ..., slots[0] (deepest first) to the tails of their levels' lists."""
-        lists, sig, tacc = self.lists, self.sig, self.tacc
+        lists, tacc = self.lists, self.tacc
         run: list[int] = []
         cur = -1
         for j in range(j0, -1, -1):
             s = slots[j]
-            sig[s] = sigs[j]
             tacc[s] = vt
             v = lvs[j]
             if v != cur:
@@ -329,10 +285,10 @@ class Hawk(EvictionPolicy):
             return
         self._request(info)
         st = info.start
-        sigs, lvs = self._access(info.keys[st:st + len(slots)], st)
+        lvs = self._access(info.keys[st:st + len(slots)], st)
         self.vt += len(slots)
         self._unlink_grouped(slots)
-        self._place(slots, sigs, lvs, len(slots) - 1, self.vt & 0xFFFFFFFF)
+        self._place(slots, lvs, len(slots) - 1, self.vt & 0xFFFFFFFF)
         self._pref = list(slots)
 
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
@@ -340,18 +296,17 @@ class Hawk(EvictionPolicy):
             return
         self._request(info)
         st = info.start
-        sigs, lvs = self._access(keys, st)
+        lvs = self._access(keys, st)
         n = len(slots)
         self.vt += n
         vt = self.vt & 0xFFFFFFFF
         j0 = n - 1
         if self.doom and info.num_tokens and info.block_tokens and (st + n) * info.block_tokens > info.num_tokens:
             s = slots[j0]
-            self.sig[s] = sigs[j0]
             self.tacc[s] = vt
             self.lists[_DOOM].push(s)
             j0 -= 1
-        self._place(slots, sigs, lvs, j0, vt)
+        self._place(slots, lvs, j0, vt)
         if st and self._pref:
             # vLLM frees a request tail-first: its prefix leaves after its new blocks
             member, lists, tacc = self.member, self.lists, self.tacc
@@ -372,11 +327,6 @@ class Hawk(EvictionPolicy):
         self.on_remove_many((slot,), (key,))
 
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        if self.detrain:
-            top, member, sig = self.K + 1, self.member, self.sig
-            for s in slots:
-                if member[s] == top:
-                    self._train(sig[s], False)
         self._unlink_grouped(slots)
 
     def _merge(self, pinned: Sequence[int] | None) -> Iterator[int]:
@@ -390,15 +340,6 @@ class Hawk(EvictionPolicy):
             if pinned is None or not pinned[s]:
                 yield s
             s = n
-        if not self.density:
-            for lst in lists[1:]:
-                s = lst.head
-                while s != _NIL:
-                    n = nxt[s]
-                    if pinned is None or not pinned[s]:
-                        yield s
-                    s = n
-            return
         heap = []
         for i in range(1, len(lists)):
             s = lists[i].head
@@ -436,12 +377,6 @@ class Hawk(EvictionPolicy):
             return out
         lists = self.lists
         n -= lists[0].take(n, pinned, out)
-        if not self.density:
-            for lst in lists[1:]:
-                if n <= 0:
-                    break
-                n -= lst.take(n, pinned, out)
-            return out
         nxt, tacc, pv, vt = self.nxt, self.tacc, self.pv, self.vt
         cur = [lst.head for lst in lists]
         append = out.append

@@ -65,10 +65,10 @@ def test_doomed_first_then_leaf_first():
 
 
 def test_cache_averse_signature_leaves_before_older_friendly_blocks():
-    pol = EVICTION.get("hawk")(16, sig="p")
+    pol = EVICTION.get("hawk")(16)
     old = [K(100)]
     pol.on_insert([5], old, RequestInfo(old, 0, 0, 64, 64, 0.0))   # position 0: friendly
-    for _ in range(50):                                              # position bucket 2 never OPT-hits
+    for _ in range(50):                     # signature 2 (depth 0, count 0, position class 2): no OPT hits
         pol._train(2, False)
     keys = [K(i) for i in range(6)]
     pol.on_insert([0, 1, 2, 3, 4, 6], keys, RequestInfo(keys, 0, 0, 6 * 64, 64, 1.0))
