@@ -43,6 +43,7 @@ from .lru import request_id
 from .slotlist import _NIL, SlotList
 
 _DOOM = 0
+_INC15 = bytes(min(15, c + 1) for c in range(16))    # a reference count + 1, saturating at 15
 _INC = bytes(min(255, i + 1) for i in range(256))   # bytes.translate: every occupancy + 1
 
 
@@ -120,7 +121,8 @@ class Hawk(EvictionPolicy):
         self.pv = mids                      # representative hit probability of each level
         prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
         self.lists = [SlotList(capacity, prev, nxt, member, tag=i + 1) for i in range(1 + self.K)]
-        self.member, self.nxt = member, nxt
+        self.member, self.nxt, self.prev = member, nxt, prev
+        self._gone = [0] * (2 + self.K)    # _unlink: slots unlinked per list tag
         self.tacc = array("I", bytes(4 * capacity))   # access clock mod 2^32 (ages: difference & mask)
         self.vt = 0
         rate = min(1.0, sample / max(1, capacity))
@@ -128,6 +130,8 @@ class Hawk(EvictionPolicy):
         scap = max(1, min(254, round(rate * capacity)))
         self.opt = OPTgen(scap, int(window * scap))
         self.dc, self.hc, self.pc = depth_classes, hit_classes, pos_classes
+        if depth_classes * hit_classes * pos_classes > 256:
+            raise ValueError("hawk: depth_classes x hit_classes x pos_classes must be at most 256")
         self._pbt = [min(pos_classes - 1, (p + 1).bit_length() - 1) for p in range(256)]  # log2 position bucket
         nsig = 256
         self.hc_ = [0.0] * nsig                    # OPT hits / outcomes per signature (decayed)
@@ -143,6 +147,10 @@ class Hawk(EvictionPolicy):
         self.tt = max(1024, 2 * capacity)
         self.tipd = array("H", bytes(2 * self.tt))
         self._hs: list[int] = []                   # crc32 of the current request's keys
+        # signature = _hps[depth class][reference count] + _pbt[position]
+        self._hps = [[(dv * hit_classes + min(c, hit_classes - 1)) * pos_classes for c in range(16)]
+                     for dv in range(depth_classes)]
+        self._hp = self._hps[0]
         self.doom = doom_partial
         self._cap_lvl = self.K - 1               # a request's deeper blocks rank no higher than its shallower ones
         self._rid = None
@@ -161,22 +169,24 @@ class Hawk(EvictionPolicy):
         self._cap_lvl = self.K - 1
         ks = info.keys
         d = 0
-        tipd, tm = self.tipd, self.tt
+        tipd, tt = self.tipd, self.tt
         self._hs = hs = list(map(crc32, ks))
-        for j in range(len(ks) - 1, -1, -1):
-            h = hs[j]
-            i = h % tm
-            v = tipd[i]
-            if v and v >> 4 == (h >> 20) & 0xFFF:
-                d = v & 15
+        for h in reversed(hs):      # the turn depth: the last key matching a tip
+            i = h % tt
+            x = tipd[i] ^ ((h >> 16) & 0xFFF0)   # a tag match leaves depth + 1 (>= 1) in the low 4 bits
+            if 0 < x < 16:
+                d = x
                 tipd[i] = 0         # a tip is continued once
                 break
         self._d = d
         n = len(ks)
+        if n > len(self._pbt):
+            self._pbt.extend([self.pc - 1] * (n - len(self._pbt)))
+        self._hp = self._hps[d if d < self.dc else self.dc - 1]
         self._tip = n - 2 if n and not info.is_full(n - 1) else n - 1
         if self._tip >= 0:
             h = hs[self._tip]
-            tipd[h % tm] = ((h >> 20) & 0xFFF) << 4 | min(15, d + 1)
+            tipd[h % tt] = ((h >> 16) & 0xFFF0) | min(15, d + 1)
 
     def _train(self, s: int | None, hit: bool) -> None:
         if s is None:
@@ -201,83 +211,101 @@ class Hawk(EvictionPolicy):
                 hc[i] *= 0.5
                 tc[i] *= 0.5
 
-    def _access(self, keys: Sequence[bytes], start: int) -> list[int]:
-        """Levels of these accesses (chain positions start..), counting them and feeding OPTgen.
-        Signature = (turn depth class, reference count class, log2 position class); a block's
-        level is at most its parent's."""
-        lvs: list[int] = []
-        cnt, tm, thr, opt, lvl = self.cnt, self.tm, self.thr, self.opt, self.lvl
-        train = self._train
-        hm = self.hc
-        pm = self.pc
-        dv = min(self._d, self.dc - 1) * hm
+    def _access(self, keys: Sequence[bytes], off: int, start: int, n: int) -> list[int]:
+        """Count the accesses of keys[off:off + n] (chain positions start..) and feed OPTgen; returns the cuts
+        [j0, v0, j1, v1, ...]: the blocks from index j_k on have level v_k (a block's level is at
+        most its parent's, so the levels fall along the run). Signature = (turn depth class,
+        reference count class, log2 position class)."""
+        cnt, tm, lvl, hp, inc = self.cnt, self.tm, self.lvl, self._hp, _INC15
         hs = self._hs
-        if len(hs) < start + len(keys) or (keys and hs[start] != crc32(keys[0])):
-            hs = [0] * start + list(map(crc32, keys))     # keys not from info.keys (defensive)
+        end = start + n
+        if len(hs) < end or (n and hs[start] != crc32(keys[off])):
+            hs = [0] * start + list(map(crc32, keys[off:off + n]))     # keys not from info.keys (defensive)
+            if end > len(self._pbt):
+                self._pbt.extend([self.pc - 1] * (end - len(self._pbt)))
         pbt = self._pbt
+        thr8 = self.thr << 8                    # sampled iff (crc >> 8) < thr
         m = self._cap_lvl
-        for pos in range(start, start + len(keys)):
+        cuts = [0, m]
+        for pos in range(start, end):
             h = hs[pos]
             i = h % tm
-            tag = ((h >> 20) & 0xFFF) << 4
-            c = cnt[i]
-            c = c & 15 if c & 0xFFF0 == tag else 0
-            cnt[i] = tag | (c + 1 if c < 15 else 15)
-            g = dv + (c if c < hm else hm - 1)
-            if pm > 1:
-                g = g * pm + (pbt[pos] if pos < 256 else pm - 1)
-            g &= 0xFF
+            tg = (h >> 16) & 0xFFF0             # 12-bit tag << 4
+            c = cnt[i] ^ tg                     # the count when the tag matches (< 16)
+            if c > 15:
+                c = 0
+            cnt[i] = tg | inc[c]
+            g = hp[c] + pbt[pos]
             v = lvl[g]
             if v < m:
                 m = v
-            else:
-                v = m
-            lvs.append(v)
-            if (h >> 8) < thr:
+                cuts.append(pos - start)
+                cuts.append(v)
+            if h < thr8:
+                opt = self.opt
                 prev, hit = opt.access(h, g, self._broken)
                 if not hit:
                     self._broken = True
                 if prev is not None:
-                    train(prev, hit)
+                    self._train(prev, hit)
         self._cap_lvl = m
+        opt = self.opt
         if opt.expired:
             for g in opt.expired:
-                train(g, False)
+                self._train(g, False)
             opt.expired.clear()
-        return lvs
+        return cuts
 
-    def _place(self, slots: Sequence[int], lvs: list[int], j0: int, vt: int) -> None:
+    def _place(self, slots: Sequence[int], cuts: list[int], j0: int, vt: int) -> None:
         """Push slots[j0], ..., slots[0] (deepest first) to the tails of their levels' lists."""
-        lists, tacc = self.lists, self.tacc
-        run: list[int] = []
-        cur = -1
-        for j in range(j0, -1, -1):
-            s = slots[j]
-            tacc[s] = vt
-            v = lvs[j]
-            if v != cur:
-                if run:
-                    lists[1 + cur].extend(run)
-                run = [s]
-                cur = v
-            else:
-                run.append(s)
-        if run:
-            lists[1 + cur].extend(run)
+        lists, tacc, prev, nxt, member = self.lists, self.tacc, self.prev, self.nxt, self.member
+        hi = j0 + 1
+        for k in range(len(cuts) - 2, -1, -2):
+            lo = cuts[k]
+            if lo >= hi:
+                continue
+            v = cuts[k + 1]
+            lst = lists[1 + v]
+            tag = v + 2
+            t = lst.tail
+            for j in range(hi - 1, lo - 1, -1):
+                s = slots[j]
+                prev[s] = t
+                if t == -1:
+                    lst.head = s
+                else:
+                    nxt[t] = s
+                member[s] = tag
+                tacc[s] = vt
+                t = s
+            nxt[t] = -1
+            lst.tail = t
+            lst.size += hi - lo
+            hi = lo
 
-    def _unlink_grouped(self, slots: Sequence[int]) -> None:
-        member, lists = self.member, self.lists
-        groups: dict[int, list[int]] = {}
+    def _unlink(self, slots: Sequence[int]) -> None:
+        """Unlink the member slots of `slots` from their lists."""
+        prev, nxt, member, lists = self.prev, self.nxt, self.member, self.lists
+        gone = self._gone
         for s in slots:
             t = member[s]
             if t:
-                g = groups.get(t)
-                if g is None:
-                    groups[t] = [s]
+                p = prev[s]
+                n = nxt[s]
+                if p == -1:
+                    lists[t - 1].head = n
                 else:
-                    g.append(s)
-        for t, g in groups.items():
-            lists[t - 1].unlink_many(g)
+                    nxt[p] = n
+                if n == -1:
+                    lists[t - 1].tail = p
+                else:
+                    prev[n] = p
+                member[s] = 0
+                gone[t] += 1
+        for t in range(1, len(gone)):
+            if gone[t]:
+                lists[t - 1].size -= gone[t]
+                gone[t] = 0
 
     # ---- interface -----------------------------------------------------------------------
     def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
@@ -285,10 +313,11 @@ class Hawk(EvictionPolicy):
             return
         self._request(info)
         st = info.start
-        lvs = self._access(info.keys[st:st + len(slots)], st)
+        ks = info.keys
+        cuts = self._access(ks, st, st, max(0, min(len(slots), len(ks) - st)))
         self.vt += len(slots)
-        self._unlink_grouped(slots)
-        self._place(slots, lvs, len(slots) - 1, self.vt & 0xFFFFFFFF)
+        self._unlink(slots)
+        self._place(slots, cuts, len(slots) - 1, self.vt & 0xFFFFFFFF)
         self._pref = list(slots)
 
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
@@ -296,7 +325,7 @@ class Hawk(EvictionPolicy):
             return
         self._request(info)
         st = info.start
-        lvs = self._access(keys, st)
+        cuts = self._access(keys, 0, st, len(keys))
         n = len(slots)
         self.vt += n
         vt = self.vt & 0xFFFFFFFF
@@ -306,7 +335,7 @@ class Hawk(EvictionPolicy):
             self.tacc[s] = vt
             self.lists[_DOOM].push(s)
             j0 -= 1
-        self._place(slots, lvs, j0, vt)
+        self._place(slots, cuts, j0, vt)
         if st and self._pref:
             # vLLM frees a request tail-first: its prefix leaves after its new blocks
             member, lists, tacc = self.member, self.lists, self.tacc
@@ -327,7 +356,7 @@ class Hawk(EvictionPolicy):
         self.on_remove_many((slot,), (key,))
 
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        self._unlink_grouped(slots)
+        self._unlink(slots)
 
     def _merge(self, pinned: Sequence[int] | None) -> Iterator[int]:
         """Doomed first, then the level lists merged: next victim = the head (oldest) with the
