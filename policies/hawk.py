@@ -171,13 +171,14 @@ class Hawk(EvictionPolicy):
         d = 0
         tipd, tt = self.tipd, self.tt
         self._hs = hs = list(map(crc32, ks))
-        for h in reversed(hs):      # the turn depth: the last key matching a tip
-            i = h % tt
-            x = tipd[i] ^ ((h >> 16) & 0xFFF0)   # a tag match leaves depth + 1 (>= 1) in the low 4 bits
-            if 0 < x < 16:
-                d = x
-                tipd[i] = 0         # a tip is continued once
-                break
+        for h in reversed(hs):      # the turn depth: the last key matching a (non-empty) tip
+            if tipd[h % tt] ^ (h >> 16) < 16:     # the 12-bit tags match
+                i = h % tt
+                v = tipd[i]
+                if v:
+                    d = v & 15
+                    tipd[i] = 0     # a tip is continued once
+                    break
         self._d = d
         n = len(ks)
         if n > len(self._pbt):
@@ -302,9 +303,9 @@ class Hawk(EvictionPolicy):
                     prev[n] = p
                 member[s] = 0
                 gone[t] += 1
-        for t in range(1, len(gone)):
-            if gone[t]:
-                lists[t - 1].size -= gone[t]
+        for t, k in enumerate(gone):
+            if k:
+                lists[t - 1].size -= k
                 gone[t] = 0
 
     # ---- interface -----------------------------------------------------------------------
@@ -338,19 +339,24 @@ class Hawk(EvictionPolicy):
         self._place(slots, cuts, j0, vt)
         if st and self._pref:
             # vLLM frees a request tail-first: its prefix leaves after its new blocks
-            member, lists, tacc = self.member, self.lists, self.tacc
-            groups: dict[int, list[int]] = {}
-            for s in reversed(self._pref):
+            member, lists, tacc, prev, nxt = self.member, self.lists, self.tacc, self.prev, self.nxt
+            for s in reversed(self._pref):      # each to the tail of its level's list
                 t = member[s]
                 if t > 1:
                     tacc[s] = vt
-                    g = groups.get(t)
-                    if g is None:
-                        groups[t] = [s]
-                    else:
-                        g.append(s)
-            for t, g in groups.items():
-                lists[t - 1].move_run_to_tail(g)
+                    lst = lists[t - 1]
+                    tl = lst.tail
+                    if s != tl:
+                        p, nx = prev[s], nxt[s]  # s is not the tail: nx != -1
+                        if p == -1:
+                            lst.head = nx
+                        else:
+                            nxt[p] = nx
+                        prev[nx] = p
+                        prev[s] = tl
+                        nxt[s] = -1
+                        nxt[tl] = s
+                        lst.tail = s
 
     def on_remove(self, slot: int, key: bytes) -> None:
         self.on_remove_many((slot,), (key,))
