@@ -158,6 +158,10 @@ class Hawk(EvictionPolicy):
         self._tip = -1
         self._broken = False                       # prefix rule: an OPT miss seen in this request
         self._pref: list[int] = []                 # the current request's hit prefix (slots)
+        self._mut = 0                              # list changes (on_hit / on_insert / on_remove_many)
+        self._lastv: list[int] | None = None       # the last take_victims() when its runs are list prefixes
+        self._runs: list[tuple[int, int, int]] = []
+        self._lastmut = -1
 
     def _request(self, info: RequestInfo) -> None:
         rid = request_id(info)
@@ -312,6 +316,7 @@ class Hawk(EvictionPolicy):
     def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
         if not slots:
             return
+        self._mut += 1
         self._request(info)
         st = info.start
         ks = info.keys
@@ -324,6 +329,7 @@ class Hawk(EvictionPolicy):
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
         if not slots:
             return
+        self._mut += 1
         self._request(info)
         st = info.start
         cuts = self._access(keys, 0, st, len(keys))
@@ -362,6 +368,25 @@ class Hawk(EvictionPolicy):
         self.on_remove_many((slot,), (key,))
 
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
+        lv = self._lastv
+        if lv is not None and self._lastmut == self._mut and slots == lv:
+            # exactly the last take_victims(), nothing changed since: cut the prefixes off
+            self._lastv = None
+            self._mut += 1
+            member, nxt, prev, lists = self.member, self.nxt, self.prev, self.lists
+            for s in slots:
+                member[s] = 0
+            for i, last, k in self._runs:
+                lst = lists[i]
+                h = nxt[last]
+                lst.head = h
+                if h == -1:
+                    lst.tail = -1
+                else:
+                    prev[h] = -1
+                lst.size -= k
+            return
+        self._mut += 1
         self._unlink(slots)
 
     def _merge(self, pinned: Sequence[int] | None) -> Iterator[int]:
@@ -406,15 +431,31 @@ class Hawk(EvictionPolicy):
 
     def take_victims(self, n: int, pinned: Sequence[int]) -> list[int]:
         """The first `n` unpinned slots of victims(), a run of one list at a time: the best list's
-        blocks are taken while they score below the next-best list's head."""
+        blocks are taken while they score below the next-best list's head. When no pinned slot
+        was passed, each list's victims are a prefix of it: on_remove_many of exactly these
+        slots (nothing changed since) then cuts the prefixes off instead of unlinking each."""
         out: list[int] = []
+        self._lastv = None
         if n <= 0:
             return out
         lists = self.lists
-        n -= lists[0].take(n, pinned, out)
         nxt, tacc, pv, vt = self.nxt, self.tacc, self.pv, self.vt
-        cur = [lst.head for lst in lists]
         append = out.append
+        clean = True
+        runs = []                           # (list index, last victim, victims) per run
+        s = lists[0].head                   # doomed first
+        while s != -1:
+            if pinned[s]:
+                clean = False
+            else:
+                append(s)
+                n -= 1
+                if not n:
+                    break
+            s = nxt[s]
+        if out:
+            runs.append((0, out[-1], len(out)))
+        cur = [lst.head for lst in lists]
         while n > 0:
             best = -1
             b1 = b2 = float("inf")
@@ -422,6 +463,7 @@ class Hawk(EvictionPolicy):
                 s = cur[i]
                 while s != -1 and pinned[s]:
                     s = nxt[s]
+                    clean = False
                 cur[i] = s
                 if s != -1:
                     sc = pv[i - 1] / (((vt - tacc[s]) & 0xFFFFFFFF) + 1)
@@ -433,14 +475,23 @@ class Hawk(EvictionPolicy):
                 break
             p = pv[best - 1]
             s = cur[best]
+            k = n
             while s != -1 and n > 0:
-                if not pinned[s]:
+                if pinned[s]:
+                    clean = False
+                else:
                     if p / (((vt - tacc[s]) & 0xFFFFFFFF) + 1) > b2:
                         break
                     append(s)
                     n -= 1
                 s = nxt[s]
             cur[best] = s
+            if k > n:
+                runs.append((best, out[-1], k - n))
+        if clean:
+            self._lastv = out[:]
+            self._runs = runs
+            self._lastmut = self._mut
         return out
 
     def contains(self, slot: int) -> bool:
