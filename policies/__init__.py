@@ -3,7 +3,7 @@
 from .base import (ADMISSION, EVICTION, OFFLOAD, PROMOTION, AdmissionPolicy, EvictionPolicy,
                    OffloadPolicy, PromotionPolicy, RequestInfo)
 from . import lru  # noqa: F401  (registers)
-from . import arc, s3fifo, prefix, nextuse, plru, duel, admission, bypass, promotion, offload  # noqa: F401,E402  (register)
+from . import arc, s3fifo, prefix, nextuse, plru, duel, hawk, admission, bypass, promotion, offload  # noqa: F401,E402  (register)
 
 __all__ = ["ADMISSION", "EVICTION", "OFFLOAD", "PROMOTION", "AdmissionPolicy", "EvictionPolicy",
            "OffloadPolicy", "PromotionPolicy", "RequestInfo"]
