@@ -31,7 +31,7 @@ from kvtier.policies import ADMISSION, EVICTION, AdmissionPolicy
 from kvtier.sim import make_keys, simulate
 from kvtier.trace import default_trace, load_trace, unique_blocks
 
-POLICIES = ["vllm_lru", "lru", "arc", "s3fifo", "pslru", "nextuse", "plru", "duel"]
+POLICIES = ["vllm_lru", "lru", "arc", "s3fifo", "pslru", "nextuse", "plru", "hawk", "duel"]
 LIMITS = {"ns_per_block": 1000.0, "bytes_per_block": 64.0}
 
 

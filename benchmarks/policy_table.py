@@ -23,7 +23,7 @@ from kvtier.compare import FRACTIONS, compare
 from kvtier.trace import default_trace, load_trace, split_by_time
 from kvtier.workloads import EVAL_SEEDS, SHAPES, TUNING_SEEDS, generate
 
-POLICIES = ["nextuse", "plru", "vllm_lru", "lru", "arc", "s3fifo", "pslru", "duel"]
+POLICIES = ["nextuse", "plru", "hawk", "vllm_lru", "lru", "arc", "s3fifo", "pslru", "duel"]
 
 
 def traces(which: str, paths: list[str]):
