@@ -25,7 +25,7 @@
 
 Measured (tuning set, gap closed vLLM LRU -> Belady): +28.3% mean, worst +1.4%, 3/18 >= 50%,
 0/18 below vllm_lru (nextuse +33.6%, plru +23.1%). Cost (benchmarks/policy_cost.py, bundled trace at
-5%): about 1.13 us per block reference (vllm_lru 0.19 us in the same runs; over the 1 us bar) and
+5%): about 1.2 us per block reference (vllm_lru 0.19 us in the same runs; over the 1 us bar) and
 62 bytes per tracked block.
 
 Per tracked slot: three SlotList words (24 B), a 4-byte access clock, the count table
@@ -42,7 +42,7 @@ from zlib import crc32
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
 from .lru import request_id
-from .slotlist import _NIL, SlotList
+from .slotlist import _NIL, SlotList, unlink_members
 
 _DOOM = 0
 _INC15 = bytes(min(15, c + 1) for c in range(16))    # a reference count + 1, saturating at 15
@@ -123,8 +123,7 @@ class Hawk(EvictionPolicy):
         self.pv = mids                      # representative hit probability of each level
         prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
         self.lists = [SlotList(capacity, prev, nxt, member, tag=i + 1) for i in range(1 + self.K)]
-        self.member, self.nxt, self.prev = member, nxt, prev
-        self._gone = [0] * (2 + self.K)    # _unlink: slots unlinked per list tag
+        self.member, self.nxt = member, nxt
         self.tacc = array("I", bytes(4 * capacity))   # access clock mod 2^32 (ages: difference & mask)
         self.vt = 0
         rate = min(1.0, sample / max(1, capacity))
@@ -159,10 +158,6 @@ class Hawk(EvictionPolicy):
         self._tip = -1
         self._broken = False                       # prefix rule: an OPT miss seen in this request
         self._pref: list[int] = []                 # the current request's hit prefix (slots)
-        self._mut = 0                              # list changes (on_hit / on_insert / on_remove_many)
-        self._lastv: list[int] | None = None       # the last take_victims() when its runs are list prefixes
-        self._runs: list[tuple[int, int, int]] = []
-        self._lastmut = -1
 
     def _request(self, info: RequestInfo) -> None:
         rid = request_id(info)
@@ -230,6 +225,7 @@ class Hawk(EvictionPolicy):
                 self._pbt.extend([self.pc - 1] * (end - len(self._pbt)))
         pbt = self._pbt
         thr8 = self.thr << 8                    # sampled iff (crc >> 8) < thr
+        opt = self.opt
         m = self._cap_lvl
         cuts = [0, m]
         for pos in range(start, end):
@@ -247,14 +243,12 @@ class Hawk(EvictionPolicy):
                 cuts.append(pos - start)
                 cuts.append(v)
             if h < thr8:
-                opt = self.opt
                 prev, hit = opt.access(h, g, self._broken)
                 if not hit:
                     self._broken = True
                 if prev is not None:
                     self._train(prev, hit)
         self._cap_lvl = m
-        opt = self.opt
         if opt.expired:
             for g in opt.expired:
                 self._train(g, False)
@@ -263,73 +257,34 @@ class Hawk(EvictionPolicy):
 
     def _place(self, slots: Sequence[int], cuts: list[int], j0: int, vt: int) -> None:
         """Push slots[j0], ..., slots[0] (deepest first) to the tails of their levels' lists."""
-        lists, tacc, prev, nxt, member = self.lists, self.tacc, self.prev, self.nxt, self.member
+        lists, tacc = self.lists, self.tacc
         hi = j0 + 1
         for k in range(len(cuts) - 2, -1, -2):
             lo = cuts[k]
             if lo >= hi:
                 continue
-            v = cuts[k + 1]
-            lst = lists[1 + v]
-            tag = v + 2
-            t = lst.tail
-            for j in range(hi - 1, lo - 1, -1):
-                s = slots[j]
-                prev[s] = t
-                if t == -1:
-                    lst.head = s
-                else:
-                    nxt[t] = s
-                member[s] = tag
+            run = slots[lo:hi][::-1]
+            lists[1 + cuts[k + 1]].extend(run)
+            for s in run:
                 tacc[s] = vt
-                t = s
-            nxt[t] = -1
-            lst.tail = t
-            lst.size += hi - lo
             hi = lo
-
-    def _unlink(self, slots: Sequence[int]) -> None:
-        """Unlink the member slots of `slots` from their lists."""
-        prev, nxt, member, lists = self.prev, self.nxt, self.member, self.lists
-        gone = self._gone
-        for s in slots:
-            t = member[s]
-            if t:
-                p = prev[s]
-                n = nxt[s]
-                if p == -1:
-                    lists[t - 1].head = n
-                else:
-                    nxt[p] = n
-                if n == -1:
-                    lists[t - 1].tail = p
-                else:
-                    prev[n] = p
-                member[s] = 0
-                gone[t] += 1
-        for t, k in enumerate(gone):
-            if k:
-                lists[t - 1].size -= k
-                gone[t] = 0
 
     # ---- interface -----------------------------------------------------------------------
     def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
         if not slots:
             return
-        self._mut += 1
         self._request(info)
         st = info.start
         ks = info.keys
         cuts = self._access(ks, st, st, max(0, min(len(slots), len(ks) - st)))
         self.vt += len(slots)
-        self._unlink(slots)
+        unlink_members(self.lists, self.member, slots)
         self._place(slots, cuts, len(slots) - 1, self.vt & 0xFFFFFFFF)
         self._pref = list(slots)
 
     def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
         if not slots:
             return
-        self._mut += 1
         self._request(info)
         st = info.start
         cuts = self._access(keys, 0, st, len(keys))
@@ -344,50 +299,28 @@ class Hawk(EvictionPolicy):
             j0 -= 1
         self._place(slots, cuts, j0, vt)
         if st and self._pref:
-            # vLLM frees a request tail-first: its prefix leaves after its new blocks
-            member, lists, tacc, prev, nxt = self.member, self.lists, self.tacc, self.prev, self.nxt
-            for s in reversed(self._pref):      # each to the tail of its level's list
+            # vLLM frees a request tail-first: its prefix leaves after its new blocks, each to the
+            # tail of its level's list (levels fall along a chain: one run per level)
+            member, lists, tacc = self.member, self.lists, self.tacc
+            run: list[int] = []
+            cur = 0
+            for s in reversed(self._pref):
                 t = member[s]
                 if t > 1:
                     tacc[s] = vt
-                    lst = lists[t - 1]
-                    tl = lst.tail
-                    if s != tl:
-                        p, nx = prev[s], nxt[s]  # s is not the tail: nx != -1
-                        if p == -1:
-                            lst.head = nx
-                        else:
-                            nxt[p] = nx
-                        prev[nx] = p
-                        prev[s] = tl
-                        nxt[s] = -1
-                        nxt[tl] = s
-                        lst.tail = s
+                if t != cur:
+                    if cur > 1:
+                        lists[cur - 1].move_run_to_tail(run)
+                    run, cur = [], t
+                run.append(s)
+            if cur > 1:
+                lists[cur - 1].move_run_to_tail(run)
 
     def on_remove(self, slot: int, key: bytes) -> None:
         self.on_remove_many((slot,), (key,))
 
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
-        lv = self._lastv
-        if lv is not None and self._lastmut == self._mut and slots == lv:
-            # exactly the last take_victims(), nothing changed since: cut the prefixes off
-            self._lastv = None
-            self._mut += 1
-            member, nxt, prev, lists = self.member, self.nxt, self.prev, self.lists
-            for s in slots:
-                member[s] = 0
-            for i, last, k in self._runs:
-                lst = lists[i]
-                h = nxt[last]
-                lst.head = h
-                if h == -1:
-                    lst.tail = -1
-                else:
-                    prev[h] = -1
-                lst.size -= k
-            return
-        self._mut += 1
-        self._unlink(slots)
+        unlink_members(self.lists, self.member, slots)
 
     def _merge(self, pinned: Sequence[int] | None) -> Iterator[int]:
         """Doomed first, then the level lists merged: next victim = the head (oldest) with the
@@ -431,30 +364,14 @@ class Hawk(EvictionPolicy):
 
     def take_victims(self, n: int, pinned: Sequence[int]) -> list[int]:
         """The first `n` unpinned slots of victims(), a run of one list at a time: the best list's
-        blocks are taken while they score below the next-best list's head. When no pinned slot
-        was passed, each list's victims are a prefix of it: on_remove_many of exactly these
-        slots (nothing changed since) then cuts the prefixes off instead of unlinking each."""
+        blocks are taken while they score below the next-best list's head."""
         out: list[int] = []
-        self._lastv = None
         if n <= 0:
             return out
         lists = self.lists
+        n -= lists[0].take(n, pinned, out)     # doomed first
         nxt, tacc, pv, vt = self.nxt, self.tacc, self.pv, self.vt
         append = out.append
-        clean = True
-        runs = []                           # (list index, last victim, victims) per run
-        s = lists[0].head                   # doomed first
-        while s != -1:
-            if pinned[s]:
-                clean = False
-            else:
-                append(s)
-                n -= 1
-                if not n:
-                    break
-            s = nxt[s]
-        if out:
-            runs.append((0, out[-1], len(out)))
         cur = [lst.head for lst in lists]
         while n > 0:
             best = -1
@@ -463,7 +380,6 @@ class Hawk(EvictionPolicy):
                 s = cur[i]
                 while s != -1 and pinned[s]:
                     s = nxt[s]
-                    clean = False
                 cur[i] = s
                 if s != -1:
                     sc = pv[i - 1] / (((vt - tacc[s]) & 0xFFFFFFFF) + 1)
@@ -475,23 +391,14 @@ class Hawk(EvictionPolicy):
                 break
             p = pv[best - 1]
             s = cur[best]
-            k = n
             while s != -1 and n > 0:
-                if pinned[s]:
-                    clean = False
-                else:
+                if not pinned[s]:
                     if p / (((vt - tacc[s]) & 0xFFFFFFFF) + 1) > b2:
                         break
                     append(s)
                     n -= 1
                 s = nxt[s]
             cur[best] = s
-            if k > n:
-                runs.append((best, out[-1], k - n))
-        if clean:
-            self._lastv = out[:]
-            self._runs = runs
-            self._lastmut = self._mut
         return out
 
     def contains(self, slot: int) -> bool:

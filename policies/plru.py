@@ -20,7 +20,7 @@ from zlib import crc32
 
 from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
 from .lru import request_id
-from .slotlist import _NIL, SlotList, walk_lists
+from .slotlist import _NIL, SlotList, unlink_members, walk_lists
 
 _DOOM, _PROB, _PROT = 0, 1, 2
 
@@ -150,11 +150,8 @@ class PrefixLRU(EvictionPolicy):
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         if self.adapt:
             self._ghost_add(slots, keys)
-        lists, member = self.lists, self.member
-        for s in slots:
-            t = member[s]
-            if t:
-                lists[t - 1].unlink(s)
+        member = self.member
+        unlink_members(self.lists, member, slots)
         a, nxt = self._anchor, self.nxt
         while a != _NIL and not member[a]:
             a = nxt[a]

@@ -193,6 +193,24 @@ class SlotList:
             s = n
 
 
+def unlink_members(lists: Sequence[SlotList], member: list[int], slots: Sequence[int]) -> None:
+    """Unlink each slot of `slots` from the list it is in (lists[i] has tag i + 1, sharing
+    `member`); non-members are skipped. Consecutive slots of one list go in one unlink_many."""
+    run: list[int] = []
+    cur = 0
+    for s in slots:
+        t = member[s]
+        if t != cur:
+            if run:
+                lists[cur - 1].unlink_many(run)
+                run = []
+            cur = t
+        if t:
+            run.append(s)
+    if run:
+        lists[cur - 1].unlink_many(run)
+
+
 def walk_lists(lists: Sequence[SlotList], order: Sequence[int], rank: Sequence[int], nxt: list[int],
                member: list[int], after: int | None = None) -> Iterator[int]:
     """Slots of `lists` (sharing `nxt`/`member`, tag i + 1 for lists[i]), the lists taken in
