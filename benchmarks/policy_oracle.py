@@ -21,13 +21,10 @@ import time
 from typing import Sequence
 
 from kvtier.belady import belady
-from kvtier.compare import FRACTIONS, gap_closed
+from kvtier.compare import FRACTIONS, gap_closed, trace_set
 from kvtier.policies import ADMISSION, AdmissionPolicy, RequestInfo
 from kvtier.sim import make_keys, simulate
 from kvtier.trace import unique_blocks
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from policy_table import traces  # noqa: E402
 
 _FUTURE: dict = {}
 
@@ -66,7 +63,7 @@ def main(argv=None) -> int:
     print("| trace | cap | vllm_lru | belady | " + " | ".join(f"{p} + oracle {h:g} s" for p, h in cols) + " |")
     print("|---" * (4 + len(cols)) + "|")
     t0 = time.time()
-    for name, reqs in traces(a.set, a.trace):
+    for name, reqs in trace_set(a.set, a.trace):
         keys = make_keys(reqs)
         occ: dict[bytes, list[int]] = {}
         for i, ks in enumerate(keys):

@@ -19,27 +19,9 @@ import json
 import sys
 import time
 
-from kvtier.compare import FRACTIONS, compare
-from kvtier.trace import default_trace, load_trace, split_by_time
-from kvtier.workloads import EVAL_SEEDS, SHAPES, TUNING_SEEDS, generate
+from kvtier.compare import FRACTIONS, compare, trace_set
 
 POLICIES = ["nextuse", "plru", "hawk", "vllm_lru", "lru", "arc", "s3fifo", "pslru", "duel"]
-
-
-def traces(which: str, paths: list[str]):
-    if paths:
-        for p in paths:
-            yield p, load_trace(p)
-        return
-    seeds = EVAL_SEEDS if which == "eval" else TUNING_SEEDS
-    for seed in seeds:
-        for shape in SHAPES:
-            yield f"{shape} seed {seed}", generate(shape, seed)
-    reqs = load_trace(default_trace())
-    if which == "eval":
-        yield "mooncake (bundled)", reqs
-    else:
-        yield "mooncake first half", split_by_time(reqs)[0]
 
 
 def main(argv=None) -> int:
@@ -52,7 +34,7 @@ def main(argv=None) -> int:
     pols = a.policies.split(",")
     t0 = time.time()
     results = []
-    for name, reqs in traces(a.set, a.trace):
+    for name, reqs in trace_set(a.set, a.trace):
         d = compare(reqs, pols[0], FRACTIONS, extra=pols[1:])
         d["trace"] = name
         results.append(d)

@@ -9,12 +9,31 @@ ratios and the share of the vLLM-ordered-LRU -> Belady gap it closes,
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from .trace import BLOCK_TOKENS, Request, unique_blocks
+from .trace import BLOCK_TOKENS, Request, default_trace, load_trace, split_by_time, unique_blocks
 
 FRACTIONS = (0.01, 0.05, 0.1)
 BASELINES = ("vllm_lru", "lru", "arc", "s3fifo")
+
+
+def trace_set(which: str, paths: Sequence[str] = ()) -> Iterator[tuple[str, list[Request]]]:
+    """(name, requests) of the issue-12 trace sets: `paths` when given; else "eval" = the
+    evaluation seeds of every generated shape + the bundled trace, "tune" = the tuning seeds + the
+    bundled trace's first half by time."""
+    from .workloads import EVAL_SEEDS, SHAPES, TUNING_SEEDS, generate
+    if paths:
+        for p in paths:
+            yield p, load_trace(p)
+        return
+    for seed in EVAL_SEEDS if which == "eval" else TUNING_SEEDS:
+        for shape in SHAPES:
+            yield f"{shape} seed {seed}", generate(shape, seed)
+    reqs = load_trace(default_trace())
+    if which == "eval":
+        yield "mooncake (bundled)", reqs
+    else:
+        yield "mooncake first half", split_by_time(reqs)[0]
 
 
 def gap_closed(hit: float, base: float, best: float) -> float | None:
