@@ -86,3 +86,17 @@ def test_never_below_lru_on_a_small_workload():
     h = simulate(reqs, cap, "hawk")["hit_ratio"]
     base = simulate(reqs, cap, "vllm_lru")["hit_ratio"]
     assert h >= base - 0.01
+
+
+def test_a_continued_request_keeps_its_prefix_behind_its_new_blocks():
+    """vLLM frees a request tail-first: after hit + insert, the new blocks leave before the prefix."""
+    pol = EVICTION.get("hawk")(16)
+    keys = [K(i) for i in range(5)]
+    pol.on_insert([0, 1, 2], keys[:3], RequestInfo(keys[:3], 0, 0, 3 * 64, 64, 0.0))
+    info = RequestInfo(keys, 0, 3, 5 * 64, 64, 1.0)
+    pol.on_hit([0, 1, 2], info)
+    pol.on_insert([3, 4], keys[3:], RequestInfo(keys, 3, 3, 5 * 64, 64, 1.0))
+    assert list(pol.victims()) == [4, 3, 2, 1, 0]
+    assert pol.take_victims(5, [0] * 16) == [4, 3, 2, 1, 0]
+    pol.on_remove_many([4, 3], keys[3:][::-1])
+    assert list(pol.victims()) == [2, 1, 0]
