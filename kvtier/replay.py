@@ -178,13 +178,13 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
                 if counted:
                     for t, _ in lease.blocks:
                         tier_hits[t] += 1
-                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now), checksums=False)
+                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now, str(i)), checksums=False)
             count_request(n, k)
             if k < full:
                 if data:
                     for j in range(k, full):
                         _fill(src.views[j], ks[j])
-                store(ks[k:full], rng[k:full], RequestInfo(ks, k, k, r.input_length, bt, now))
+                store(ks[k:full], rng[k:full], RequestInfo(ks, k, k, r.input_length, bt, now, str(i)))
             rep, loaded = execute(take_plan(), scratch.views if data else None, src.views if data else None)
             complete(rep)
             served = k

@@ -26,7 +26,8 @@ _ORDERS = ("vllm", "call", "chain")
 
 def request_id(info: RequestInfo):
     """Identity of the request a call belongs to: its request_id when the caller sets one (the
-    connector), else its keys list (the stack and the simulator pass one list per request)."""
+    connector, replay), else its keys list, which is only sound while every request's list stays
+    alive (a freed list's id() is reused by the next request)."""
     if info.request_id is not None:
         return info.request_id
     ks = info.keys

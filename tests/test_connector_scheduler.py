@@ -255,3 +255,20 @@ class LeaseMachine(RuleBasedStateMachine):
 
 TestLeaseMachine = LeaseMachine.TestCase
 TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_policies_see_vllm_request_ids():
+    """A policy's per-request state is keyed by vLLM's request id: key lists are freed when a
+    request finishes, so an identity built on them can be reused by the next request."""
+    seen = []
+
+    class Recording(EVICTION.get("lru")):
+        def on_insert(self, slots, keys, info):
+            seen.append(info.request_id)
+            super().on_insert(slots, keys, info)
+
+    tier = SlotTier("cpu", 8, 64, Recording(8))
+    s = KVTierScheduler([tier], BT)
+    store_request(s, Req("a", list(range(9))))
+    store_request(s, Req("b", list(range(100, 109))))
+    assert seen == ["a", "b"]
