@@ -36,6 +36,7 @@ from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 from kvtier.serving_stats import write_stats
 
 from .handoff import clear_reports, read_reports, write_report
+from .identity import model_identity
 from .metrics import KVTierPromMetrics
 from .startup import attach_vllm_log_handler, scheduler_line, worker_line
 from .scheduler import KVTierScheduler
@@ -149,8 +150,11 @@ class KVTierConnector(KVConnectorBase_V1):
         """What must match for a stored block to be served (`StackConfig.fingerprint` with vLLM's
         model, KV dtype, layout and parallelism)."""
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
+        path = str(getattr(mc, "model", "?"))
+        rev = getattr(mc, "revision", None)
+        model, self.model_identity_how = model_identity(path, rev)
         return self.config.fingerprint(
-            model=str(getattr(mc, "model", "?")), revision=str(getattr(mc, "revision", None)),
+            model=model, revision=str(rev),
             dtype=str(getattr(mc, "dtype", "?")),
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
             layout="vllm-kv-blocks/v1", tp=int(getattr(pc, "tensor_parallel_size", 1)),

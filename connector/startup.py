@@ -65,8 +65,8 @@ def scheduler_line(conn: Any) -> str:
     return (f"kvtier connector (scheduler) started: tiers {'; '.join(parts) or 'none (disabled)'}; "
             f"block {conn.block_tokens} tokens x {_size(bb)}; {policies}, offload {pol.offload}, "
             f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
-            f"fingerprint {fingerprint_hash(fp)} "
-            f"(model {fp['model']}, {fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); config {st.source}")
+            f"fingerprint {fingerprint_hash(fp)} (model {fp['model']}: {getattr(conn, 'model_identity_how', '?')}, "
+            f"{fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); config {st.source}")
 
 
 def shared_part(t: Any) -> str:

@@ -210,6 +210,50 @@ def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_p
         U.shutdown(llm)
 
 
+def test_weights_identify_the_model(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
+    """The fingerprint names the weights, not the path: the same weights copied to another path are
+    served from the NVMe tier written by the first; other weights written in place under that path
+    are a new fingerprint (its blocks namespaced away, none served) and the tokens are the new
+    model's own."""
+    import shutil
+
+    src, _ = nvme_written
+    d = _copy_tier(src, tmp_path / "tier")
+    m = tmp_path / "served-model"
+    shutil.copytree(model_dir, m)
+    want = sum(_full_blocks(p) for p in prompts)
+    kv = U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d), nvme_capacity_blocks=NVME_BLOCKS,
+                         nvme_on_mismatch="namespace")
+    llm = U.make_llm(str(m), kv)
+    try:
+        s, _w = _parts()
+        t0 = dict(s.sched.totals)
+        same = U.generate(llm, prompts, MAX_TOKENS)
+        moved = U.tier_hits(t0, dict(s.sched.totals))
+    finally:
+        U.shutdown(llm)
+    other = U.build_tiny_llama(tmp_path / "other", seed=1)
+    for f in ("model.safetensors", "config.json"):
+        shutil.copyfile(os.path.join(other, f), m / f)      # a new checkpoint, in place
+    llm = U.make_llm(str(m), kv)
+    try:
+        s, w = _parts()
+        assert s.sched.tiers[1].restored_blocks == 0
+        t0 = dict(s.sched.totals)
+        first = U.generate(llm, prompts, MAX_TOKENS)
+        t1 = dict(s.sched.totals)
+        again = U.generate(llm, prompts, MAX_TOKENS)
+        swapped, p2 = U.tier_hits(t0, t1), U.tier_hits(t1, dict(s.sched.totals))
+    finally:
+        U.shutdown(llm)
+    _report(capsys, "model identity", [("same weights, new path", moved), ("new weights, same path", swapped),
+                                       ("new weights, pass 2", p2)])
+    assert same == baseline and moved == {"cpu": 0, "nvme": want * U.BLOCK}
+    assert swapped == {"cpu": 0, "nvme": 0}
+    assert first == again and first != baseline         # the new model's tokens, computed
+    assert p2["cpu"] + p2["nvme"] == want * U.BLOCK     # and then served from what it stored
+
+
 def test_nvme_corruption_recomputes(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
     """Flip bytes of some blocks in the NVMe data file between the passes: they fail their checksum,
     are reported through get_block_ids_with_load_errors, vLLM recomputes them; tokens identical."""
