@@ -6,7 +6,8 @@ from being served to another. A local model directory is named by a digest of it
 `SAMPLE_BYTES` spread evenly over it (the first and last included). Weights replaced in place
 under the same path get another identity (their old blocks are misses, never served), and
 instances that load the same weights from different paths share the shared tier. A model
-named by a hub id (not a local directory) is `id@revision`.
+named by a hub id is `id@<commit>` of the snapshot in the local hub cache (the commit names the
+repository's content; vLLM fetches config.json before the connector starts), else `id@revision`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def weights_digest(path: str) -> tuple[str, int]:
     return h.hexdigest(), len(names)
 
 
-def model_identity(model: str, revision: str | None = None) -> tuple[str, str]:
+def model_identity(model: str, revision: str | None = None, cache_dir: str | None = None) -> tuple[str, str]:
     """(identity for the fingerprint, how it was made, for the startup line)."""
     if os.path.isdir(model):
         try:
@@ -53,4 +54,21 @@ def model_identity(model: str, revision: str | None = None) -> tuple[str, str]:
                         model, e.filename or model, e.strerror or e)
             return model, "path (weights unreadable)"
         return f"weights:{digest}", f"digest of {model} ({n} weight files)"
-    return f"{model}@{revision or 'default'}", "hub id"
+    commit = _hub_commit(model, revision, cache_dir)
+    if commit:
+        return f"{model}@{commit}", "hub snapshot"
+    return f"{model}@{revision or 'default'}", "hub id (no cached snapshot)"
+
+
+def _hub_commit(repo_id: str, revision: str | None, cache_dir: str | None) -> str | None:
+    """The commit of the cached snapshot holding the repo's config.json (None when not cached)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+        p = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
+    except (ImportError, ValueError):   # no hub client, or not a repo id it accepts (a missing path, a URL)
+        return None
+    if isinstance(p, str):
+        snap = os.path.dirname(p)
+        if os.path.basename(os.path.dirname(snap)) == "snapshots":
+            return os.path.basename(snap)
+    return None

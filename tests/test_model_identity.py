@@ -54,8 +54,25 @@ def test_first_and_last_bytes_are_sampled(tmp_path):
 def test_small_files_and_hub_ids(tmp_path):
     a = _model(tmp_path / "a", size=SAMPLE_BYTES // 2)
     assert model_identity(str(a))[0].startswith("weights:")
-    assert model_identity("org/model", "abc123") == ("org/model@abc123", "hub id")
-    assert model_identity("org/model") == ("org/model@default", "hub id")
+    empty = str(tmp_path / "no-cache")
+    assert model_identity("org/model", "abc123", cache_dir=empty) == ("org/model@abc123", "hub id (no cached snapshot)")
+    assert model_identity("org/model", cache_dir=empty) == ("org/model@default", "hub id (no cached snapshot)")
+
+
+def test_hub_ids_are_named_by_the_cached_snapshot(tmp_path):
+    """A hub id resolves, through the local hub cache, to the commit of the snapshot vLLM loads:
+    a new upstream commit is a new identity even though the name did not change."""
+    repo = tmp_path / "hub" / "models--org--model"
+    for commit in ("1111111111111111111111111111111111111111", "2222222222222222222222222222222222222222"):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("1" * 40)
+    cache = str(tmp_path / "hub")
+    assert model_identity("org/model", cache_dir=cache) == ("org/model@" + "1" * 40, "hub snapshot")
+    (repo / "refs" / "main").write_text("2" * 40)      # the branch moved upstream
+    assert model_identity("org/model", cache_dir=cache)[0] == "org/model@" + "2" * 40
+    assert model_identity("org/model", "1" * 40, cache_dir=cache)[0] == "org/model@" + "1" * 40
 
 
 def test_unreadable_weights_fall_back_to_the_path(tmp_path, caplog):
