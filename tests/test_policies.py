@@ -9,7 +9,7 @@ from kvtier.keys import make_key
 from kvtier.policies import ADMISSION, EVICTION, OFFLOAD, PROMOTION, RequestInfo
 from kvtier.tiers.base import SlotTier
 
-POLICIES = ["lru", "vllm_lru", "arc", "s3fifo", "pslru", "plru", "duel"]
+POLICIES = ["lru", "vllm_lru", "arc", "s3fifo", "pslru", "plru", "duel", "hawk", "nextuse"]
 CAP = 12
 
 def op_lists(max_size: int):
