@@ -239,7 +239,7 @@ def _format_validation(err: ValidationError, source: str) -> str:
             msg = "unknown key"
         got = e.get("input")
         scalar = e["type"] not in ("extra_forbidden", "missing") and isinstance(got, (str, int, float, bool))
-        lines.append(f"{loc}: {msg}" + (f" (got {got!r})" if scalar else ""))
+        lines.append(f"{loc}: {msg}" + (f" (got {got!r})" if scalar and ", got " not in msg else ""))
     return f"{source}: invalid configuration\n  " + "\n  ".join(lines)
 
 

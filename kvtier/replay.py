@@ -57,9 +57,15 @@ def run(args: argparse.Namespace) -> int:
     from .trace import load_trace, unique_blocks
 
     trace = Path(args.trace) if args.trace else default_trace()
+    if trace.is_dir():
+        raise ConfigError(f"--trace: {trace}: is a directory, not a trace file [EISDIR]")
     if not trace.is_file():
         raise ConfigError(f"--trace: {trace}: no such file (set KVTIER_TRACE or pass --trace)")
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"--limit must be > 0, got {args.limit}")
     reqs = load_trace(trace, limit=args.limit)
+    if not reqs:
+        raise ConfigError(f"--trace: {trace}: no requests in the trace (empty, or only blank lines)")
     if args.compare:
         from .compare import run_compare
         return run_compare(args, reqs, trace)

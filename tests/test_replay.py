@@ -90,6 +90,20 @@ def test_bad_trace_line(tmp_path, capsys):
     assert "t.jsonl:2:" in err and "input_length" in err
 
 
+
+@pytest.mark.parametrize("case", ["directory", "empty", "blank", "limit0", "limit-negative"])
+def test_bad_replay_input_is_one_line(tmp_path, capsys, case):
+    t = tmp_path / "t.jsonl"
+    t.write_text({"blank": "\n\n"}.get(case, '{"timestamp": 0, "input_length": 10, "output_length": 1, '
+                                              '"hash_ids": [1]}\n') if case != "empty" else "")
+    args = {"directory": ["--trace", str(tmp_path)], "empty": ["--trace", str(t)], "blank": ["--trace", str(t)],
+            "limit0": ["--trace", str(t), "--limit", "0"], "limit-negative": ["--trace", str(t), "--limit", "-5"]}
+    assert main(["replay", *args[case], "--no-data", "--capacity-blocks", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    want = {"directory": "is a directory", "empty": "no requests", "blank": "no requests",
+            "limit0": "--limit must be > 0, got 0", "limit-negative": "--limit must be > 0, got -5"}[case]
+    assert len(err) == 1 and want in err[0], err
+
 # Exact results of metadata replays (first 3000 requests), recorded before the replay fast paths:
 # hit blocks, hit tokens, then per tier (hit blocks, promoted in, demoted in, evicted). Any change
 # here means a policy, tier or stack change altered decisions, not just speed.
