@@ -152,6 +152,19 @@ def test_case3_garbage_index_is_one_line(tmp_path):
     assert r.returncode == 1 and "damaged" in r.stderr and str(mdb) in r.stderr
 
 
+
+def test_case3_fsck_with_another_fingerprint_names_the_fields(tmp_path):
+    """fsck under a config whose fingerprint differs says which fields differ (as opening does),
+    exit 2, and touches nothing."""
+    c = cfg(tmp_path)
+    assert spill(c, 5).returncode == 0
+    other = cfg(tmp_path, "other.yaml", model="another-model")
+    before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "nvme").rglob("*"))
+    r = kv("fsck", "-c", other)
+    assert r.returncode == 2 and "model: stored='m' ours='another-model'" in r.stderr, r.stderr
+    assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "nvme").rglob("*")) == before
+    assert verify(c).returncode == 0 and js(verify(c))["verified_blocks"] == 5
+
 # ---- 4. write errors -----------------------------------------------------------------------
 @pytest.mark.parametrize("fault,errname", [("write:EIO:3", "EIO"), ("write:ENOSPC:2", "ENOSPC"),
                                            ("write:short:2", "ENOSPC"), ("fsync:EIO:2", "EIO")])

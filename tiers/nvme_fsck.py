@@ -14,9 +14,9 @@ import fcntl
 import os
 import time
 
-from .nvme_block import HEADER_BYTES, BlockCodec, load_secret, open_dir, slot_stride
-from .nvme_control import (INDEX_DIR, DirectoryInUse, data_file, fingerprint_hash, lock_holder,
-                           make_fingerprint)
+from .nvme_block import HEADER_BYTES, BlockCodec, NoSecret, load_secret, open_dir, slot_stride
+from .nvme_control import (INDEX_DIR, DirectoryInUse, FingerprintMismatch, _diff, data_file, fingerprint_hash,
+                           lock_holder, make_fingerprint)
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
 
@@ -33,7 +33,13 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
             who = lock_holder(dfd)
             raise DirectoryInUse(e.errno, f"fsck: {path} is in use by pid {who[0] if who else '?'}; "
                                  f"stop it first", path) from None
-        secret, _ = load_secret(dfd, path, fph, create=False)
+        try:
+            secret, _ = load_secret(dfd, path, fph, create=False)
+        except NoSecret:
+            stored = _stored_fingerprint(path)
+            if stored is not None and stored != fp:     # say which fields differ, as opening does
+                raise FingerprintMismatch(path, _diff(stored, fp)) from None
+            raise
         ranks = 0
         while os.path.exists(os.path.join(path, data_file(ranks))):
             ranks += 1
@@ -88,6 +94,20 @@ def _scan(dfd, path, ranks, bb, stride, secret, fph):
         for fd in fds:
             os.close(fd)
     return found, problems
+
+
+def _stored_fingerprint(path: str) -> dict | None:
+    """The fingerprint the directory's index records (None when there is no readable index)."""
+    try:
+        idx = NvmeIndex(os.path.join(path, INDEX_DIR), 1, read_only=True)
+    except NvmeIndexError:
+        return None
+    try:
+        return idx.fingerprint()
+    except NvmeIndexError:
+        return None
+    finally:
+        idx.close()
 
 
 def _compare(path, found, problems) -> tuple[str, int]:
