@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from kvtier.policies import ADMISSION, EVICTION, PROMOTION, AdmissionPolicy, EvictionPolicy, PromotionPolicy
 
-from .config import StackConfig, TierConfig
+from .config import ConfigError, StackConfig, TierConfig
 from .controller import TierController
 
 DATA_MODES = ("full", "control", "none")
@@ -24,9 +24,21 @@ def policy_params(params: dict[str, Any], name: str) -> dict[str, Any]:
     return p if isinstance(p, dict) else {}
 
 
+def _construct(cfg: StackConfig, name: str, cls: Any, *args: Any, **kw: Any) -> Any:
+    """cls(*args, **kw); a bad parameter value is a ConfigError naming the policy and its params."""
+    try:
+        return cls(*args, **kw)
+    except (ValueError, TypeError) as e:
+        msg = str(e)
+        if not msg.startswith(f"{name}:"):
+            msg = f"{name}: {msg}"
+        raise ConfigError(f"{cfg.source}: policy.params.{name} {policy_params(cfg.policy.params, name)}: {msg}") \
+            from None
+
+
 def make_eviction(cfg: StackConfig, tcfg: TierConfig, capacity: int) -> EvictionPolicy:
     name = tcfg.eviction or cfg.policy.eviction
-    return EVICTION.get(name)(capacity, **policy_params(cfg.policy.params, name))
+    return _construct(cfg, name, EVICTION.get(name), capacity, **policy_params(cfg.policy.params, name))
 
 
 def make_admission(cfg: StackConfig) -> list[AdmissionPolicy]:
@@ -39,13 +51,13 @@ def make_admission(cfg: StackConfig) -> list[AdmissionPolicy]:
         kw = dict(policy_params(cfg.policy.params, name))
         if getattr(cls, "wants_capacity", False):
             kw["capacity"] = t.blocks(cfg.block_bytes)
-        out.append(cls(**kw))
+        out.append(_construct(cfg, name, cls, **kw))
     return out
 
 
 def make_promotion(cfg: StackConfig) -> PromotionPolicy:
     name = cfg.policy.promotion
-    return PROMOTION.get(name)(**policy_params(cfg.policy.params, name))
+    return _construct(cfg, name, PROMOTION.get(name), **policy_params(cfg.policy.params, name))
 
 
 def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: dict | None = None,

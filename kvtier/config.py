@@ -206,6 +206,14 @@ class StackConfig(_Model):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"tiers: duplicate tier names {sorted(dup)}")
+        seen: dict[str, str] = {}
+        for t in self.tiers:
+            if t.kind == "nvme" and t.path:
+                real = os.path.realpath(os.path.expanduser(t.path))
+                if real in seen:
+                    raise ValueError(f"tiers: nvme tiers {seen[real]!r} and {t.name!r} share the directory {real} "
+                                     f"(each needs its own)")
+                seen[real] = t.name
         order = {"gpu": 0, "cpu": 1, "nvme": 2, "redis": 3}
         ranks = [order[t.kind] for t in self.tiers]
         if ranks != sorted(ranks):

@@ -112,3 +112,23 @@ def test_sizes():
     for bad in ("", "1.2.3", "5 parsecs", -1, True):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_two_nvme_tiers_cannot_share_a_directory(tmp_path):
+    d = tmp_path / "nv"
+    data = {"block_bytes": 4096, "tiers": [
+        {"name": "a", "kind": "nvme", "path": str(d), "capacity_blocks": 4},
+        {"name": "b", "kind": "nvme", "path": str(d) + "/./", "capacity_blocks": 4}]}
+    with pytest.raises(ConfigError, match="nvme tiers 'a' and 'b' share the directory"):
+        parse_config(data, check_env=False)
+
+
+@pytest.mark.parametrize("params,want", [({"levels": "a,b"}, "could not convert"),
+                                          ({"sample": 999}, "sample must be in")])
+def test_a_bad_policy_parameter_value_names_the_policy(params, want):
+    from kvtier.builder import build_controller, build_tiers
+    cfg = parse_config({"block_bytes": 4096, "tiers": [{"name": "cpu", "kind": "cpu", "capacity_blocks": 4}],
+                        "policy": {"eviction": "hawk", "params": {"hawk": params}}}, source="s.yaml", check_env=False)
+    with pytest.raises(ConfigError) as ei:
+        build_controller(cfg, build_tiers(cfg, "none"))
+    assert str(ei.value).startswith("s.yaml: policy.params.hawk") and want in str(ei.value)
