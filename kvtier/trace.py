@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,8 +63,8 @@ def parse_request(obj: object, where: str = "request") -> Request:
     if "timestamp" not in obj:
         raise TraceError(f"{where}: missing field 'timestamp'")
     ts = obj["timestamp"]
-    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts != ts or ts < 0:
-        raise TraceError(f"{where}: field 'timestamp' must be a non-negative number, got {ts!r}")
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise TraceError(f"{where}: field 'timestamp' must be a finite non-negative number, got {ts!r}")
     inp = _int_field(obj, "input_length", where)
     out = _int_field(obj, "output_length", where)
     if "hash_ids" not in obj:
@@ -72,8 +73,8 @@ def parse_request(obj: object, where: str = "request") -> Request:
     if not isinstance(h, list):
         raise TraceError(f"{where}: field 'hash_ids' must be a list, got {type(h).__name__}")
     for i, x in enumerate(h):
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise TraceError(f"{where}: field 'hash_ids'[{i}] must be a non-negative integer, got {x!r}")
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 1 << 64:
+            raise TraceError(f"{where}: field 'hash_ids'[{i}] must be an integer in [0, 2**64), got {x!r}")
     return Request(float(ts), inp, out, tuple(h))
 
 

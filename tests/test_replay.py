@@ -104,6 +104,20 @@ def test_bad_replay_input_is_one_line(tmp_path, capsys, case):
             "limit0": "--limit must be > 0, got 0", "limit-negative": "--limit must be > 0, got -5"}[case]
     assert len(err) == 1 and want in err[0], err
 
+
+@pytest.mark.parametrize("line,want", [
+    ('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [99999999999999999999999]}',
+     "'hash_ids'[0] must be an integer in [0, 2**64)"),
+    ('{"timestamp": 1e999, "input_length": 600, "output_length": 1, "hash_ids": [1]}',
+     "'timestamp' must be a finite non-negative number"),
+])
+def test_out_of_range_trace_values_are_one_line(tmp_path, capsys, line, want):
+    t = tmp_path / "t.jsonl"
+    t.write_text(line + "\n")
+    assert main(["replay", "--trace", str(t), "--no-data", "--capacity-blocks", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "t.jsonl:1:" in err[0] and want in err[0], err
+
 # Exact results of metadata replays (first 3000 requests), recorded before the replay fast paths:
 # hit blocks, hit tokens, then per tier (hit blocks, promoted in, demoted in, evicted). Any change
 # here means a policy, tier or stack change altered decisions, not just speed.
