@@ -52,6 +52,8 @@ def load_settings(extra: dict[str, Any] | None) -> StackConfig:
         source = "<connector defaults>"
         data = {"tiers": [{"name": "cpu", "kind": "cpu", "capacity_blocks": DEFAULT_CPU_BLOCKS}]}
     if "promote" in extra:  # the old boolean: inclusive promotion or none
+        if not isinstance(extra["promote"], bool):
+            raise ConfigError(f"kv_connector_extra_config: promote: expected true or false, got {extra['promote']!r}")
         extra.setdefault("promotion", "inclusive" if extra["promote"] else "none")
     for key, value in extra.items():
         if key in ("config", "promote"):

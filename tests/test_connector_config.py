@@ -66,3 +66,8 @@ def test_the_connector_needs_a_cpu_tier_on_top(tmp_path):
     q.write_text("tiers:\n  - {name: a, kind: cpu, capacity_blocks: 8}\n  - {name: b, kind: cpu, capacity_blocks: 8}\n")
     with pytest.raises(ConfigError, match="got cpu, cpu"):
         load_settings({"config": str(q)})
+
+
+def test_promote_must_be_a_boolean():
+    with pytest.raises(ConfigError, match="promote: expected true or false, got 'maybe'"):
+        load_settings({"promote": "maybe"})
