@@ -165,6 +165,24 @@ def test_case3_fsck_with_another_fingerprint_names_the_fields(tmp_path):
     assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "nvme").rglob("*")) == before
     assert verify(c).returncode == 0 and js(verify(c))["verified_blocks"] == 5
 
+
+def test_case3_removed_index_refuses_to_write_over_recoverable_blocks(tmp_path):
+    """The index removed (or replaced by an empty one) while the data file holds blocks: opening
+    for writing refuses, since new blocks would reuse slots that fsck --rebuild can still
+    recover; after the rebuild every block verifies."""
+    import shutil
+    c = cfg(tmp_path, nvme_blocks=32)
+    assert spill(c, 10).returncode == 0
+    shutil.rmtree(tmp_path / "nvme" / "index")
+    data = (tmp_path / "nvme" / "data.0").read_bytes()
+    r = spill(c, 3, seed=9)
+    assert r.returncode == 1 and "data.0 holds blocks" in r.stderr and "fsck --rebuild" in r.stderr, r.stderr
+    assert (tmp_path / "nvme" / "data.0").read_bytes() == data          # nothing written
+    r = kv("fsck", "-c", c, "--rebuild", "--json")
+    assert r.returncode == 0 and js(r)["rebuilt_entries"] == 10
+    r = verify(c)
+    assert r.returncode == 0 and js(r)["verified_blocks"] == 10
+
 # ---- 4. write errors -----------------------------------------------------------------------
 @pytest.mark.parametrize("fault,errname", [("write:EIO:3", "EIO"), ("write:ENOSPC:2", "ENOSPC"),
                                            ("write:short:2", "ENOSPC"), ("fsync:EIO:2", "EIO")])

@@ -28,9 +28,9 @@ import xxhash
 from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
 
 from .base import _PENDING, _RESIDENT, SlotTier
-from .nvme_block import NoSecret, check_tree, load_secret, open_dir, slot_stride
+from .nvme_block import HEADER_BYTES, NoSecret, check_tree, load_secret, open_dir, slot_stride
 from .io_engines import crash_point
-from .nvme_index import FORMAT_VERSION, NvmeIndex
+from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
 log = logging.getLogger("kvtier.nvme")
 
@@ -187,7 +187,31 @@ class NvmeControl(SlotTier):
             except FileExistsError:
                 pass
         self.index = NvmeIndex(idx, self._cap, read_only=self.read_only)
-        return self.index.fingerprint()
+        fp = self.index.fingerprint()
+        if fp is None and not self.read_only:
+            self._refuse_orphaned_blocks(d)
+        return fp
+
+    def _refuse_orphaned_blocks(self, d: str) -> None:
+        """A new index over data files that hold blocks means the index was lost: writing would
+        reuse slots that `kvtier fsck --rebuild` can still recover, so opening refuses."""
+        r = 0
+        while True:
+            name = data_file(r)
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
+            except FileNotFoundError:
+                return
+            try:
+                size = os.fstat(fd).st_size
+                for off in range(0, size - HEADER_BYTES + 1, self.stride):
+                    if os.pread(fd, 8, off) != bytes(8):     # an unused slot's header is zeros
+                        raise NvmeIndexError(
+                            f"nvme tier at {d}: {name} holds blocks but {d}/{INDEX_DIR} has none (a removed or "
+                            f"replaced index?): `kvtier fsck --rebuild` recovers them; remove {name} to start empty")
+            finally:
+                os.close(fd)
+            r += 1
 
     def _close_dir(self) -> None:
         if self.index is not None:
