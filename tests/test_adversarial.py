@@ -183,6 +183,25 @@ def test_case3_removed_index_refuses_to_write_over_recoverable_blocks(tmp_path):
     r = verify(c)
     assert r.returncode == 0 and js(r)["verified_blocks"] == 10
 
+
+def test_case3_lost_secret_is_refused_then_fsck_rebuild_starts_empty(tmp_path):
+    """The block secret deleted: reading and writing opens refuse (a new secret would leave the
+    indexed blocks unverifiable behind a silent start); fsck reports the blocks it cannot verify;
+    fsck --rebuild keeps the old index aside and starts empty with a new secret."""
+    c = cfg(tmp_path, nvme_blocks=32)
+    assert spill(c, 10).returncode == 0
+    (tmp_path / "nvme" / "secret").unlink()
+    for r in (verify(c), spill(c, 2, seed=5)):
+        assert r.returncode == 1 and "secret" in r.stderr and "fsck --rebuild" in r.stderr, r.stderr
+    assert not (tmp_path / "nvme" / "secret").exists()
+    r = kv("fsck", "-c", c, "--json")
+    assert r.returncode == 1 and js(r)["error"]["message"].startswith("fsck: secret file missing: 10 indexed")
+    r = kv("fsck", "-c", c, "--rebuild", "--json")
+    assert r.returncode == 0 and js(r)["rebuilt_entries"] == 0 and js(r)["old_index_kept_at"]
+    assert spill(c, 2, seed=5).returncode == 0
+    r = verify(c)
+    assert r.returncode == 0 and js(r)["verified_blocks"] == 2 and js(r)["corrupt"] == 0
+
 # ---- 4. write errors -----------------------------------------------------------------------
 @pytest.mark.parametrize("fault,errname", [("write:EIO:3", "EIO"), ("write:ENOSPC:2", "ENOSPC"),
                                            ("write:short:2", "ENOSPC"), ("fsync:EIO:2", "EIO")])

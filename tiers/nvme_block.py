@@ -160,7 +160,7 @@ def load_secret(dir_fd: int, dir_path: str, fp_hash: int | None, create: bool) -
         fd = open_file(dir_fd, dir_path, SECRET_FILE, os.O_RDONLY, "secret file")
     except FileNotFoundError:
         raise NoSecret(_errno.ENOENT, f"secret file {path} is missing: blocks cannot be verified "
-                       f"(run `kvtier fsck` to quarantine them)", path) from None
+                       f"(`kvtier fsck --rebuild` starts the index empty; the old one is kept aside)", path) from None
     try:
         data = os.read(fd, 64)
     finally:

@@ -28,7 +28,7 @@ import xxhash
 from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
 
 from .base import _PENDING, _RESIDENT, SlotTier
-from .nvme_block import HEADER_BYTES, NoSecret, check_tree, load_secret, open_dir, slot_stride
+from .nvme_block import HEADER_BYTES, SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, slot_stride
 from .io_engines import crash_point
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
@@ -61,6 +61,14 @@ def fingerprint_hash(fp: dict) -> str:
 
 def _diff(stored: dict, ours: dict) -> dict[str, tuple[object, object]]:
     return {k: (stored.get(k), ours.get(k)) for k in set(stored) | set(ours) if stored.get(k) != ours.get(k)}
+
+
+def _exists_at(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def oserror(e: OSError, what: str, path: str) -> OSError:
@@ -241,6 +249,12 @@ class NvmeControl(SlotTier):
         cap = self.index.get_meta("capacity")
         self.stored_capacity = int(cap) if cap is not None and cap.isdigit() else None
         fph = int(fingerprint_hash(self.fingerprint), 16)
+        n = len(self.index)
+        if n and not self.read_only and not _exists_at(self._dir_fd, SECRET_FILE):
+            # a new secret would leave every indexed block unverifiable behind a silent start
+            raise NoSecret(_errno.ENOENT, f"secret file {os.path.join(d, SECRET_FILE)} is missing and the index "
+                           f"lists {n} blocks that cannot be verified without it: `kvtier fsck --rebuild` starts "
+                           f"the index empty (the old one is kept aside)", os.path.join(d, SECRET_FILE))
         try:
             load_secret(self._dir_fd, d, fph, create=not self.read_only)
         except NoSecret:

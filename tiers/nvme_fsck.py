@@ -10,6 +10,7 @@ were not reused verify too and come back: they are genuine blocks of their keys.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -35,11 +36,13 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
                                  f"stop it first", path) from None
         try:
             secret, _ = load_secret(dfd, path, fph, create=False)
-        except NoSecret:
+        except NoSecret as e:
             stored = _stored_fingerprint(path)
             if stored is not None and stored != fp:     # say which fields differ, as opening does
                 raise FingerprintMismatch(path, _diff(stored, fp)) from None
-            raise
+            if e.errno != errno.ENOENT:
+                raise
+            return _lost_secret(dfd, path, fp, fph, rebuild, shrink_to)
         ranks = 0
         while os.path.exists(os.path.join(path, data_file(ranks))):
             ranks += 1
@@ -60,6 +63,32 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
         return report
     finally:
         os.close(dfd)
+
+
+def _lost_secret(dfd, path, fp, fph, rebuild, shrink_to) -> dict:
+    """No secret: no block can be verified. The check reports it; `rebuild` keeps the old index
+    aside, starts an empty one and a new secret (the data files stay; their slots are reused)."""
+    n = _index_len(path)
+    report = {"path": path, "secret": "missing", "slots_scanned": 0, "blocks_verified": 0,
+              "index_entries_unverifiable": n, "problems": [],
+              "damaged": f"secret file missing: {n} indexed blocks cannot be verified "
+                         f"(run `kvtier fsck --rebuild` to start the index empty; the old one is kept aside)"}
+    if rebuild:
+        report.update(_rebuild(path, {}, fp, slot_stride(fp["block_bytes"]), shrink_to))
+        load_secret(dfd, path, fph, create=True)
+        report["damaged"] = None
+    return report
+
+
+def _index_len(path: str) -> int:
+    try:
+        idx = NvmeIndex(os.path.join(path, INDEX_DIR), 1, read_only=True)
+    except NvmeIndexError:
+        return 0
+    try:
+        return len(idx)
+    finally:
+        idx.close()
 
 
 def _scan(dfd, path, ranks, bb, stride, secret, fph):
