@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import logging
 import os
 import sys
 import time
-from typing import Any
-
-import errno
+from typing import Any, Callable
 
 from .blockgen import block_data, block_key, fill_block
 from .config import ConfigError, StackConfig, check_memory, load_config
@@ -17,6 +17,7 @@ from .stack import TierStack
 from .units import format_size
 
 MANIFEST = "spill-manifest.json"
+log = logging.getLogger("kvtier")
 
 
 def _progress(args: argparse.Namespace, total: int, desc: str):
@@ -169,9 +170,17 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
     shared = _shared(stack.tiers)
     on_shared = None
     if shared is not None:  # the fleet's copy: its own manifest, kept on the server
-        found = shared.conn.exists([block_key(seed, j) for j in range(n)]) or []
-        on_shared = [j for j, f in enumerate(found) if f]
-        put_shared_manifest(shared, seed, n, on_shared)
+        found = shared.conn.exists([block_key(seed, j) for j in range(n)])
+        if found is None:   # unreachable (the breaker logged it): the NVMe spill stands on its own
+            log.warning("kvtier: spill: shared tier %s unreachable: no spill manifest written there",
+                        shared.settings.where)
+        else:
+            on_shared = [j for j, f in enumerate(found) if f]
+            try:
+                put_shared_manifest(shared, seed, n, on_shared)
+            except OSError as e:
+                log.warning("kvtier: spill: %s", e)
+                on_shared = None
     if failed is not None:
         raise failed
     return {"blocks": n, "bytes": n * bb, "seconds": io_s, "gen_seconds": gen_s,
@@ -193,19 +202,31 @@ def put_shared_manifest(shared: Any, seed: int, n: int, present: list[int]) -> N
     bb = shared.block_bytes
     body = {"seed": seed, "blocks": n, "block_bytes": bb, "namespace": shared.ns.ns, "on_shared": len(present),
             "digests": {str(j): _digest(seed, j, bb) for j in present}}
-    shared.conn.client.set(_shared_manifest_name(shared, seed), _manifest_doc(body))
+    _on_server(shared, lambda cl: cl.set(_shared_manifest_name(shared, seed), _manifest_doc(body)))
+
+
+def _on_server(shared: Any, fn: Callable[[Any], Any]) -> Any:
+    """fn(redis client); a server error is an OSError naming the server (and trips its breaker)."""
+    try:
+        return fn(shared.conn.client)
+    except Exception as e:   # redis-py's ConnectionError, TimeoutError, ResponseError, cluster errors
+        if not type(e).__module__.startswith("redis"):
+            raise
+        shared.conn.breaker.fail(e)
+        raise OSError(errno.EHOSTUNREACH, f"shared tier {shared.settings.where}: {type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}", shared.settings.where) from None
 
 
 def get_shared_manifest(shared: Any, seed: int | None) -> dict | None:
     """The shared tier's spill manifest of `seed` (None: the newest found), checked; None if none."""
-    cl = shared.conn.client
     if seed is None:
-        names = sorted(cl.scan_iter(match=shared.ns.prefix + b"manifest:*", count=1000))
+        names = sorted(_on_server(shared, lambda cl: list(cl.scan_iter(match=shared.ns.prefix + b"manifest:*",
+                                                                       count=1000))))
         if not names:
             return None
-        raw = cl.get(names[-1])
+        raw = _on_server(shared, lambda cl: cl.get(names[-1]))
     else:
-        raw = cl.get(_shared_manifest_name(shared, seed))
+        raw = _on_server(shared, lambda cl: cl.get(_shared_manifest_name(shared, seed)))
     if raw is None:
         return None
     return _manifest_body(raw, f"on shared tier {shared.settings.where} (namespace {shared.ns.ns})")

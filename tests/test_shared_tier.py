@@ -267,6 +267,38 @@ policy: {{demotion: write_back}}
         os.environ.pop("KVTIER_DATA", None)
 
 
+
+def test_cli_with_the_shared_server_down(tmp_path, capsys, monkeypatch, caplog):
+    """No server on the port: `kvtier spill` still spills to NVMe (exit 0, a warning that the
+    server got no manifest, on_shared null); restoring from the fleet's tier on a machine with
+    nothing on disk is one error line naming the server (was an internal error)."""
+    import json
+    import socket
+
+    from kvtier import cli
+    with socket.socket() as sock:      # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    yaml = tmp_path / "fleet.yaml"
+    yaml.write_text(f"""
+block_bytes: 64KiB
+model: cli-down
+tiers:
+  - {{name: cpu, kind: cpu, capacity_blocks: 8}}
+  - {{name: nvme, kind: nvme, path: "${{KVTIER_DATA}}", capacity_blocks: 32}}
+  - {{name: shared, kind: redis, url: "redis://127.0.0.1:{port}/0", timeout_s: 0.5}}
+""")
+    monkeypatch.setenv("KVTIER_DATA", str(tmp_path / "a"))
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        assert cli.main(["spill", "--config", str(yaml), "--blocks", "20", "--json", "-q"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["nvme_resident"] == 20 and d["on_shared"] is None
+    assert "no spill manifest written there" in caplog.text
+    monkeypatch.setenv("KVTIER_DATA", str(tmp_path / "b"))
+    assert cli.main(["restore", "--config", str(yaml), "-q"]) == 1
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvtier: error:")]
+    assert len(err) == 1 and "shared tier redis://127.0.0.1:" in err[0] and "EHOSTUNREACH" in err[0], err
+
 def test_hit_ratio_leaves_out_blocks_gone_at_load():
     from kvtier.serving_stats import hit_ratios
     r = hit_ratios({"totals": {"hit_blocks.shared": 18, "gone_blocks.shared": 9, "hit_blocks.cpu": 2,
