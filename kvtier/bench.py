@@ -77,8 +77,23 @@ def bench_nvme(directory: str, block_bytes: int, total: int, repeat: int) -> lis
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    sizes = [parse_size(s) for s in str(args.sizes).split(",") if s.strip()]
-    total = parse_size(args.total)
+    try:
+        sizes = [parse_size(s) for s in str(args.sizes).split(",") if s.strip()]
+    except ValueError as e:
+        raise ValueError(f"--sizes: {e}") from None
+    try:
+        total = parse_size(args.total)
+    except ValueError as e:
+        raise ValueError(f"--total: {e}") from None
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"--sizes: every block size must be > 0, got {args.sizes!r}")
+    if total < max(sizes):
+        raise ValueError(f"--total ({args.total}) must hold at least one block of the largest --sizes "
+                         f"({max(sizes)} bytes)")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+    if getattr(args, "redis_threads", 4) < 1:
+        raise ValueError(f"--redis-threads must be >= 1, got {args.redis_threads}")
     rows: list[dict] = []
     notes = [f"torch threads: {torch.get_num_threads()}"]
     if not getattr(args, "skip_cpu", False):

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from kvtier.cli import main
 
@@ -115,3 +116,13 @@ def test_inspect_shows_a_serving_schedulers_hit_ratios(tmp_path):
     sv = json.loads(run("inspect").stdout)["tiers"][1]["serving"]
     assert (sv["blocks_looked_up"], sv["hit_ratio"], sv["hit_ratio_by_tier"], sv["lookups"]) == \
         (100, 0.4, {"cpu": 0.3, "nvme": 0.1}, 7)
+
+
+@pytest.mark.parametrize("args,want", [(["--sizes", "0"], "--sizes: every block size must be > 0"),
+                                       (["--sizes", "abc"], "--sizes: 'abc' is not a size"),
+                                       (["--total", "1KiB"], "--total (1KiB) must hold at least one block"),
+                                       (["--repeat", "0"], "--repeat must be >= 1")])
+def test_bench_bad_arguments_are_one_line(tmp_path, capsys, args, want):
+    assert main(["bench", *args, "--dir", str(tmp_path), "--skip-redis"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0], err
