@@ -10,6 +10,7 @@ MIN at the same total capacity, and a TTFT cost model.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -61,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--trace: {trace}: is a directory, not a trace file [EISDIR]")
     if not trace.is_file():
         raise ConfigError(f"--trace: {trace}: no such file (set KVTIER_TRACE or pass --trace)")
-    if args.limit is not None and args.limit <= 0:
-        raise ConfigError(f"--limit must be > 0, got {args.limit}")
+    _check_args(args)
     reqs = load_trace(trace, limit=args.limit)
     if not reqs:
         raise ConfigError(f"--trace: {trace}: no requests in the trace (empty, or only blank lines)")
@@ -233,17 +233,40 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             "content_mismatches": bad, "seconds": dt, "blocks_per_s": refs / dt if dt else 0.0}
 
 
-def cost_model(res: dict, stack: TierStack, args: argparse.Namespace) -> dict:
-    """TTFT saved: prefill time of the hit tokens minus the time to load their bytes per tier."""
-    gbps = dict(DEFAULT_LOAD_GBPS)
-    by_name = {}
+def _load_gbps(args: argparse.Namespace) -> dict[str, float]:
+    """--load-gbps 'NAME=GBPS,...' -> {name: GB/s}; each a finite number > 0."""
+    out: dict[str, float] = {}
     if getattr(args, "load_gbps", None):
         for part in str(args.load_gbps).split(","):
             name, _, v = part.partition("=")
             try:
-                by_name[name.strip()] = float(v)
+                x = float(v)
             except ValueError:
                 raise ConfigError(f"--load-gbps: {part!r} is not NAME=GBPS") from None
+            if not (x > 0 and math.isfinite(x)):
+                raise ConfigError(f"--load-gbps: {part!r}: the bandwidth must be a finite number > 0")
+            out[name.strip()] = x
+    return out
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Every numeric argument, before any work: one line naming the first bad one."""
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"--limit must be > 0, got {args.limit}")
+    if args.capacity_blocks is not None and args.capacity_blocks <= 0:
+        raise ConfigError(f"--capacity-blocks must be > 0, got {args.capacity_blocks}")
+    if args.capacity_fraction is not None and not (args.capacity_fraction > 0 and math.isfinite(args.capacity_fraction)):
+        raise ConfigError(f"--capacity-fraction must be > 0, got {args.capacity_fraction}")
+    tps = getattr(args, "prefill_tokens_per_s", DEFAULT_PREFILL_TPS)
+    if not (tps > 0 and math.isfinite(tps)):
+        raise ConfigError(f"--prefill-tokens-per-s must be a finite number > 0, got {tps}")
+    _load_gbps(args)
+
+
+def cost_model(res: dict, stack: TierStack, args: argparse.Namespace) -> dict:
+    """TTFT saved: prefill time of the hit tokens minus the time to load their bytes per tier."""
+    gbps = dict(DEFAULT_LOAD_GBPS)
+    by_name = _load_gbps(args)
     tps = float(getattr(args, "prefill_tokens_per_s", DEFAULT_PREFILL_TPS))
     bb = stack.block_bytes
     saved = load = 0.0

@@ -118,6 +118,18 @@ def test_out_of_range_trace_values_are_one_line(tmp_path, capsys, line, want):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "t.jsonl:1:" in err[0] and want in err[0], err
 
+
+@pytest.mark.parametrize("args,want", [
+    (["--load-gbps", "cpu=0"], "--load-gbps: 'cpu=0': the bandwidth must be a finite number > 0"),
+    (["--prefill-tokens-per-s", "0"], "--prefill-tokens-per-s must be a finite number > 0"),
+    (["--compare", "--capacity-blocks", "0"], "--capacity-blocks must be > 0, got 0"),
+    (["--capacity-fraction", "nan"], "--capacity-fraction must be > 0, got nan"),
+])
+def test_bad_replay_numbers_are_one_line_before_any_work(tmp_path, capsys, trace_path, args, want):
+    assert main(["replay", "--trace", str(trace_path), "--limit", "50", "--no-data", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0], err
+
 # Exact results of metadata replays (first 3000 requests), recorded before the replay fast paths:
 # hit blocks, hit tokens, then per tier (hit blocks, promoted in, demoted in, evicted). Any change
 # here means a policy, tier or stack change altered decisions, not just speed.
