@@ -288,7 +288,7 @@ class NextUse(EvictionPolicy):
         d = self._request_depth(info) if info.keys else 0
         tip_pos = self._tip_pos(info) if info.keys else -1
         tip_key = info.keys[tip_pos] if tip_pos >= 0 else None
-        member, lists, tacc, vt, nc, nb, H, R = self.member, self.lists, self.tacc, self.vt, self.nc, self.nb, self.H, self.R
+        member, lists, tacc, vt, nb, H, R = self.member, self.lists, self.tacc, self.vt, self.nb, self.H, self.R
         cls, hits, N = self.cls, self.hits, self.N
         ts = self.slot_of.get(tip_key) if tip_key is not None else None
         for s in (reversed(slots) if self.leaf_first else slots):
