@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rebuild the index from the data file's block headers (the old one is kept aside)")
     p.add_argument("--shrink", action="store_true",
                    help="with --rebuild: keep only slots within the configured capacity, reporting the rest")
+    p.add_argument("--dir", default=None,
+                   help="check this NVMe tier directory (e.g. the vLLM connector's) under the fingerprint it "
+                        "recorded, instead of --config's nvme tier")
 
     p = sub.add_parser("bench", help="tier throughput next to this machine's own limits")
     _common(p)

@@ -594,9 +594,17 @@ def _inspect_text(d: dict) -> str:
 def cmd_fsck(args: argparse.Namespace) -> int:
     from kvtier.tiers.nvme_fsck import fsck
     cfg = load_config(args.config, check_env=False)
-    t = _nvme_cfg(cfg)
-    r = fsck(t.path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild,
-             shrink_to=t.blocks(cfg.block_bytes) if args.shrink else None)
+    if getattr(args, "dir", None):   # a directory by path (e.g. the connector's): its recorded fingerprint
+        if args.shrink:
+            raise ConfigError("fsck: --shrink takes the capacity from --config's nvme tier, not --dir")
+        path = os.path.expanduser(args.dir)
+        if not os.path.isdir(path):
+            raise ConfigError(f"fsck: --dir {path}: not a directory")
+        r = fsck(path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild)
+    else:
+        t = _nvme_cfg(cfg)
+        r = fsck(t.path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild,
+                 shrink_to=t.blocks(cfg.block_bytes) if args.shrink else None)
     _print(args, r, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items() if k != "problems") +
            "".join(f"\n  {p}" for p in d.get("problems", [])[:20]))
     if r["damaged"] and not args.rebuild:

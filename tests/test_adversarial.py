@@ -153,13 +153,22 @@ def test_case3_garbage_index_is_one_line(tmp_path):
 
 
 
-def test_case3_fsck_with_another_fingerprint_names_the_fields(tmp_path):
-    """fsck under a config whose fingerprint differs says which fields differ (as opening does),
-    exit 2, and touches nothing."""
+def test_case3_fsck_with_another_fingerprint(tmp_path):
+    """fsck under a config whose fingerprint differs checks the directory under the fingerprint
+    it recorded (naming the fields the config differs in); without that record it refuses, exit
+    2, naming the fields (as opening does). Neither touches the files."""
     c = cfg(tmp_path)
     assert spill(c, 5).returncode == 0
     other = cfg(tmp_path, "other.yaml", model="another-model")
     before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "nvme").rglob("*"))
+    r = kv("fsck", "-c", other, "--json")
+    d = js(r)
+    assert r.returncode == 0 and d["blocks_verified"] == 5 and d["config_differs_in"] == ["model"], r.stderr
+    assert d["fingerprint"] == "the directory's record"
+    r = kv("fsck", "--dir", str(tmp_path / "nvme"), "--json")      # no config at all
+    assert r.returncode == 0 and js(r)["blocks_verified"] == 5
+    (tmp_path / "nvme" / "fingerprint.json").unlink()                # a directory written before the record
+    before = [b for b in before if b[0] != "fingerprint.json"]
     r = kv("fsck", "-c", other)
     assert r.returncode == 2 and "model: stored='m' ours='another-model'" in r.stderr, r.stderr
     assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "nvme").rglob("*")) == before

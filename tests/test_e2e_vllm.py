@@ -254,6 +254,26 @@ def test_weights_identify_the_model(model_dir, prompts, baseline, nvme_written, 
     assert p2["cpu"] + p2["nvme"] == want * U.BLOCK     # and then served from what it stored
 
 
+def test_fsck_checks_the_connectors_directory_without_its_config(nvme_written, tmp_path):
+    """`kvtier fsck --dir` checks (and rebuilds) a directory the connector wrote: the fingerprint
+    it recorded (vLLM's model digest, KV dtype, parallelism) is one no YAML reproduces."""
+    import json
+    import subprocess
+
+    src, _ = nvme_written
+    d = _copy_tier(src, tmp_path / "tier")
+    rec = json.loads((d / "fingerprint.json").read_text())
+    assert rec["model"].startswith("weights:") and rec["tp"] == 1
+    for extra in ([], ["--rebuild"]):
+        r = subprocess.run([sys.executable, "-m", "kvtier", "fsck", "--dir", str(d), "--json", *extra],
+                           capture_output=True, text=True, timeout=120)
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert r.returncode == 0 and out["fingerprint"] == "the directory's record", r.stderr
+        assert out["blocks_verified"] > 0 and not out["problems"] and out["damaged"] is None
+        if extra:
+            assert out["rebuilt_entries"] == out["blocks_verified"]
+
+
 def test_nvme_corruption_recomputes(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
     """Flip bytes of some blocks in the NVMe data file between the passes: they fail their checksum,
     are reported through get_block_ids_with_load_errors, vLLM recomputes them; tokens identical."""

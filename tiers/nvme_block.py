@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno as _errno
 import hashlib
+import json
 import os
 import stat
 import struct
@@ -132,6 +133,51 @@ def check_tree(path: str, names: list[str]) -> None:
         except FileNotFoundError:
             continue
         check_owned(st, p, "index file", want_dir=stat.S_ISDIR(st.st_mode))
+
+
+# ---- the directory's own fingerprint --------------------------------------------------------
+FINGERPRINT_FILE = "fingerprint.json"
+
+
+def record_fingerprint(dir_fd: int, dir_path: str, fp: dict) -> None:
+    """Write `fingerprint.json` (0600, fsynced) once, next to the secret: what the directory was
+    written under, so `kvtier fsck` can check and rebuild it without the writer's config (the
+    connector's fingerprint names vLLM's model, parallelism and KV dtype)."""
+    try:
+        fd = open_file(dir_fd, dir_path, FINGERPRINT_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "fingerprint file")
+    except FileExistsError:
+        return
+    except OSError as e:
+        if e.errno == _errno.EEXIST:
+            return
+        raise
+    try:
+        os.write(fd, json.dumps(fp, sort_keys=True).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.fsync(dir_fd)
+
+
+def recorded_fingerprint(dir_fd: int, dir_path: str) -> dict | None:
+    """The directory's `fingerprint.json` (None when absent or unreadable as JSON)."""
+    try:
+        fd = open_file(dir_fd, dir_path, FINGERPRINT_FILE, os.O_RDONLY, "fingerprint file")
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == _errno.ENOENT:
+            return None
+        raise
+    try:
+        raw = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    try:
+        fp = json.loads(raw)
+    except ValueError:
+        return None
+    return fp if isinstance(fp, dict) else None
 
 
 # ---- secret --------------------------------------------------------------------------------

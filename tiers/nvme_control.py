@@ -28,7 +28,8 @@ import xxhash
 from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
 
 from .base import _PENDING, _RESIDENT, SlotTier
-from .nvme_block import HEADER_BYTES, SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, slot_stride
+from .nvme_block import (HEADER_BYTES, SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint,
+                         slot_stride)
 from .io_engines import crash_point
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
@@ -260,6 +261,8 @@ class NvmeControl(SlotTier):
         except NoSecret:
             if not self.read_only:
                 raise
+        if not self.read_only:
+            record_fingerprint(self._dir_fd, d, self.fingerprint)
         self._stored_meta = stored
 
     def _publish_meta(self) -> None:

@@ -15,7 +15,8 @@ import fcntl
 import os
 import time
 
-from .nvme_block import HEADER_BYTES, BlockCodec, NoSecret, load_secret, open_dir, slot_stride
+from .nvme_block import (HEADER_BYTES, BlockCodec, NoSecret, load_secret, open_dir, recorded_fingerprint,
+                         slot_stride)
 from .nvme_control import (INDEX_DIR, DirectoryInUse, FingerprintMismatch, _diff, data_file, fingerprint_hash,
                            lock_holder, make_fingerprint)
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
@@ -34,8 +35,10 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
             who = lock_holder(dfd)
             raise DirectoryInUse(e.errno, f"fsck: {path} is in use by pid {who[0] if who else '?'}; "
                                  f"stop it first", path) from None
+        config_differs: list[str] = []
+        rec = recorded_fingerprint(dfd, path)
         try:
-            secret, _ = load_secret(dfd, path, fph, create=False)
+            secret, held = load_secret(dfd, path, None, create=False)
         except NoSecret as e:
             stored = _stored_fingerprint(path)
             if stored is not None and stored != fp:     # say which fields differ, as opening does
@@ -43,6 +46,17 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
             if e.errno != errno.ENOENT:
                 raise
             return _lost_secret(dfd, path, fp, fph, rebuild, shrink_to)
+        if held != fph:
+            if rec is not None and int(fingerprint_hash(rec), 16) == held:
+                # the writer's own fingerprint (e.g. the connector's: vLLM's model, parallelism)
+                config_differs = sorted(_diff(rec, fp))
+                fp, fph, block_bytes = rec, held, int(rec["block_bytes"])
+            else:
+                stored = _stored_fingerprint(path) or rec
+                if stored is not None:
+                    raise FingerprintMismatch(path, _diff(stored, fp))
+                raise NoSecret(errno.EINVAL, f"secret file {path}/secret belongs to fingerprint {held:016x}, "
+                               f"this config's is {fph:016x}", path)
         ranks = 0
         while os.path.exists(os.path.join(path, data_file(ranks))):
             ranks += 1
@@ -53,7 +67,9 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
         index_state, disagree = _compare(path, found, problems)
         report = {"path": path, "ranks": ranks, "slots_scanned": found.pop("_slots"),
                   "blocks_verified": len(found), "index": index_state, "index_disagreements": disagree,
-                  "damaged": None, "problems": problems}
+                  "damaged": None, "problems": problems,
+                  "fingerprint": "the directory's record" if config_differs else "the config's",
+                  "config_differs_in": config_differs}
         if index_state != "ok" or disagree:
             report["damaged"] = (f"index {index_state}" if index_state != "ok" else
                                  f"{disagree} index entries disagree with the data file") + \

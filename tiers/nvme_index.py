@@ -57,6 +57,9 @@ def _unpack(v: bytes) -> Entry:
     return Entry(*_ENTRY.unpack_from(v), struct.unpack_from(f"<{n}Q", v, _ENTRY.size))
 
 
+_FSCK = "`kvtier fsck --rebuild -c CONFIG`, or `--dir DIR` for a directory the vLLM connector wrote"
+
+
 class NvmeIndexError(RuntimeError):
     """The index is unreadable or malformed (the message names the path and field)."""
 
@@ -87,7 +90,7 @@ def check_lmdb_file(path: str) -> int:
     psize = struct.unpack_from("<I", head, 40)[0] if len(head) >= 152 else 0
     if psize < 512 or psize > 65536 or psize & (psize - 1):
         raise NvmeIndexError(f"index file {f} is damaged: {size} bytes, no valid LMDB meta page "
-                             f"(run `kvtier fsck` to rebuild it from the data file)")
+                             f"(run {_FSCK})")
     for off in (0, psize):
         if len(head) < off + 152:
             continue
@@ -97,11 +100,11 @@ def check_lmdb_file(path: str) -> int:
             best = (last, txn)
     if best is None:
         raise NvmeIndexError(f"index file {f} is damaged: no valid LMDB meta page "
-                             f"(run `kvtier fsck` to rebuild it from the data file)")
+                             f"(run {_FSCK})")
     need = (best[0] + 1) * psize
     if size < need:
         raise NvmeIndexError(f"index file {f} is truncated: {size} bytes, its pages need {need} "
-                             f"(run `kvtier fsck` to rebuild it from the data file)")
+                             f"(run {_FSCK})")
     return need
 
 
@@ -138,7 +141,7 @@ class NvmeIndex:
             self.next_gen = int(self.get_meta("next_gen") or 0)
         except (lmdb.Error, ValueError) as e:
             self.env.close()
-            raise NvmeIndexError(f"index {path} is damaged: {e} (run `kvtier fsck` to rebuild it)") from None
+            raise NvmeIndexError(f"index {path} is damaged: {e} (run {_FSCK})") from None
 
     def _open_db(self, name: bytes):
         if not self.read_only:
