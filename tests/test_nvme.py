@@ -387,3 +387,23 @@ def test_secret_and_files_are_private(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "d").st_mode) == 0o700
     for f in ("secret", DATA_FILE, "index/data.mdb"):
         assert stat.S_IMODE(os.stat(tmp_path / "d" / f).st_mode) == 0o600, f
+
+
+def test_the_directory_records_its_fingerprint(tmp_path):
+    """fingerprint.json (0600) holds what the directory was opened under; a torn one (a crash
+    while writing it) is rewritten at the next open; read-only opens write nothing."""
+    import json
+    import stat as _stat
+    fp = {"model": "a", "dtype": "bf16", "rank": 0}
+    with mk(tmp_path, fingerprint=fp) as t:
+        want = t.fingerprint
+    rec = tmp_path / "fingerprint.json"
+    assert json.loads(rec.read_text()) == want and want["model"] == "a"
+    assert _stat.S_IMODE(rec.stat().st_mode) == 0o600
+    rec.write_text('{"model": ')
+    with mk(tmp_path, fingerprint=fp, read_only=True):
+        pass
+    assert rec.read_text() == '{"model": '
+    with mk(tmp_path, fingerprint=fp):
+        pass
+    assert json.loads(rec.read_text()) == want

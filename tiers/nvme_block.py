@@ -140,22 +140,19 @@ FINGERPRINT_FILE = "fingerprint.json"
 
 
 def record_fingerprint(dir_fd: int, dir_path: str, fp: dict) -> None:
-    """Write `fingerprint.json` (0600, fsynced) once, next to the secret: what the directory was
-    written under, so `kvtier fsck` can check and rebuild it without the writer's config (the
-    connector's fingerprint names vLLM's model, parallelism and KV dtype)."""
-    try:
-        fd = open_file(dir_fd, dir_path, FINGERPRINT_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "fingerprint file")
-    except FileExistsError:
+    """Write `fingerprint.json` (0600, fsynced, renamed into place) unless a readable one is there:
+    what the directory was written under, so `kvtier fsck` can check and rebuild it without the
+    writer's config (the connector's fingerprint names vLLM's model, parallelism and KV dtype)."""
+    if recorded_fingerprint(dir_fd, dir_path) is not None:
         return
-    except OSError as e:
-        if e.errno == _errno.EEXIST:
-            return
-        raise
+    tmp = FINGERPRINT_FILE + ".tmp"
+    fd = open_file(dir_fd, dir_path, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "fingerprint file")
     try:
         os.write(fd, json.dumps(fp, sort_keys=True).encode())
         os.fsync(fd)
     finally:
         os.close(fd)
+    os.rename(tmp, FINGERPRINT_FILE, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     os.fsync(dir_fd)
 
 
