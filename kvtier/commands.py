@@ -597,14 +597,13 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     if getattr(args, "dir", None):   # a directory by path (e.g. the connector's): its recorded fingerprint
         if args.shrink:
             raise ConfigError("fsck: --shrink takes the capacity from --config's nvme tier, not --dir")
-        path = os.path.expanduser(args.dir)
+        path, shrink_to = os.path.expanduser(args.dir), None
         if not os.path.isdir(path):
             raise ConfigError(f"fsck: --dir {path}: not a directory")
-        r = fsck(path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild)
     else:
         t = _nvme_cfg(cfg)
-        r = fsck(t.path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild,
-                 shrink_to=t.blocks(cfg.block_bytes) if args.shrink else None)
+        path, shrink_to = t.path, t.blocks(cfg.block_bytes) if args.shrink else None
+    r = fsck(path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild, shrink_to=shrink_to)
     _print(args, r, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items() if k != "problems") +
            "".join(f"\n  {p}" for p in d.get("problems", [])[:20]))
     if r["damaged"] and not args.rebuild:

@@ -98,9 +98,7 @@ def run(args: argparse.Namespace) -> int:
 def _stack_config(args: argparse.Namespace, unique: int) -> StackConfig:
     base = load_config(args.config, check_env=not (args.capacity_fraction or args.capacity_blocks))
     data = base.model_dump(exclude={"source"})
-    if args.capacity_fraction is not None or args.capacity_blocks is not None:
-        if args.capacity_fraction is not None and not 0 < args.capacity_fraction:
-            raise ConfigError(f"--capacity-fraction must be > 0, got {args.capacity_fraction}")
+    if args.capacity_fraction is not None or args.capacity_blocks is not None:   # checked by _check_args
         n = args.capacity_blocks if args.capacity_blocks is not None else max(1, int(args.capacity_fraction * unique))
         data["tiers"] = [{"name": "cpu", "kind": "cpu", "capacity_blocks": n}]
     else:

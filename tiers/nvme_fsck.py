@@ -36,23 +36,23 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
             raise DirectoryInUse(e.errno, f"fsck: {path} is in use by pid {who[0] if who else '?'}; "
                                  f"stop it first", path) from None
         config_differs: list[str] = []
-        rec = recorded_fingerprint(dfd, path)
         try:
             secret, held = load_secret(dfd, path, None, create=False)
         except NoSecret as e:
-            stored = _stored_fingerprint(path)
+            stored = _read_index(path, NvmeIndex.fingerprint, None)
             if stored is not None and stored != fp:     # say which fields differ, as opening does
                 raise FingerprintMismatch(path, _diff(stored, fp)) from None
             if e.errno != errno.ENOENT:
                 raise
             return _lost_secret(dfd, path, fp, fph, rebuild, shrink_to)
         if held != fph:
+            rec = recorded_fingerprint(dfd, path)
             if rec is not None and int(fingerprint_hash(rec), 16) == held:
                 # the writer's own fingerprint (e.g. the connector's: vLLM's model, parallelism)
                 config_differs = sorted(_diff(rec, fp))
                 fp, fph, block_bytes = rec, held, int(rec["block_bytes"])
             else:
-                stored = _stored_fingerprint(path) or rec
+                stored = _read_index(path, NvmeIndex.fingerprint, None) or rec
                 if stored is not None:
                     raise FingerprintMismatch(path, _diff(stored, fp))
                 raise NoSecret(errno.EINVAL, f"secret file {path}/secret belongs to fingerprint {held:016x}, "
@@ -84,7 +84,7 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
 def _lost_secret(dfd, path, fp, fph, rebuild, shrink_to) -> dict:
     """No secret: no block can be verified. The check reports it; `rebuild` keeps the old index
     aside, starts an empty one and a new secret (the data files stay; their slots are reused)."""
-    n = _index_len(path)
+    n = _read_index(path, len, 0)
     report = {"path": path, "secret": "missing", "slots_scanned": 0, "blocks_verified": 0,
               "index_entries_unverifiable": n, "problems": [],
               "damaged": f"secret file missing: {n} indexed blocks cannot be verified "
@@ -96,13 +96,16 @@ def _lost_secret(dfd, path, fp, fph, rebuild, shrink_to) -> dict:
     return report
 
 
-def _index_len(path: str) -> int:
+def _read_index(path: str, fn, default):
+    """fn(the directory's index, opened read-only), or `default` when it is unreadable."""
     try:
         idx = NvmeIndex(os.path.join(path, INDEX_DIR), 1, read_only=True)
     except NvmeIndexError:
-        return 0
+        return default
     try:
-        return len(idx)
+        return fn(idx)
+    except NvmeIndexError:
+        return default
     finally:
         idx.close()
 
@@ -139,20 +142,6 @@ def _scan(dfd, path, ranks, bb, stride, secret, fph):
         for fd in fds:
             os.close(fd)
     return found, problems
-
-
-def _stored_fingerprint(path: str) -> dict | None:
-    """The fingerprint the directory's index records (None when there is no readable index)."""
-    try:
-        idx = NvmeIndex(os.path.join(path, INDEX_DIR), 1, read_only=True)
-    except NvmeIndexError:
-        return None
-    try:
-        return idx.fingerprint()
-    except NvmeIndexError:
-        return None
-    finally:
-        idx.close()
 
 
 def _compare(path, found, problems) -> tuple[str, int]:
