@@ -171,6 +171,15 @@ def measure_admission(reqs, keys, name: str, cap: int, repeat: int) -> dict:
             "seconds_median": t, "ns_per_block": 1e9 * t / refs, "bytes": mem, "bytes_per_block": mem / cap}
 
 
+def measure_all(reqs, a) -> tuple[int, list[dict]]:
+    """(capacity at a.fraction of the unique blocks, a row per --policies then per --admissions)."""
+    keys = make_keys(reqs)
+    cap = max(1, int(a.fraction * unique_blocks(reqs)))
+    rows = [measure(reqs, keys, n, cap, a.repeat) for n in a.policies.split(",") if n]
+    rows += [measure_admission(reqs, keys, n, cap, a.repeat) for n in a.admissions.split(",") if n]
+    return cap, rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(default_trace()))
@@ -186,10 +195,7 @@ def main(argv=None) -> int:
     if a.set:
         return _main_set(a)
     reqs = load_trace(a.trace, limit=a.limit)
-    keys = make_keys(reqs)
-    cap = max(1, int(a.fraction * unique_blocks(reqs)))
-    rows = [measure(reqs, keys, n, cap, a.repeat) for n in a.policies.split(",") if n]
-    rows += [measure_admission(reqs, keys, n, cap, a.repeat) for n in a.admissions.split(",") if n]
+    cap, rows = measure_all(reqs, a)
     if a.json:
         print(json.dumps({"trace": a.trace, "limits": LIMITS, "rows": rows}))
         return 0
@@ -205,14 +211,9 @@ def main(argv=None) -> int:
 
 def _main_set(a) -> int:
     """One row per policy, one column per trace of the set: ns per block ref / bytes per block."""
-    names = [n for n in a.policies.split(",") if n]
-    adms = [n for n in a.admissions.split(",") if n]
     per_trace = []
     for tname, reqs in trace_set(a.set):
-        keys = make_keys(reqs)
-        cap = max(1, int(a.fraction * unique_blocks(reqs)))
-        rows = [measure(reqs, keys, n, cap, a.repeat) for n in names]
-        rows += [measure_admission(reqs, keys, n, cap, a.repeat) for n in adms]
+        cap, rows = measure_all(reqs, a)
         per_trace.append({"trace": tname, "capacity_blocks": cap, "requests": len(reqs),
                           "blocks_per_request": rows[0]["block_refs"] / max(1, len(reqs)), "rows": rows})
         print(f"{tname}: {cap} blocks", file=sys.stderr, flush=True)
