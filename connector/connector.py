@@ -30,8 +30,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole)
 
 from kvtier.builder import build_controller, build_tiers
+from kvtier.once import Once, cause
 
 from .config import load_settings, tier_of
+from .guard import hook
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 from kvtier.serving_stats import write_stats
 
@@ -112,6 +114,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.gpu_ctx = None
         self.closed = False
         self._last_gauges: dict[str, float] = {}
+        self._once = Once(log)
         self._stats_at = float("-inf")
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
@@ -167,6 +170,7 @@ class KVTierConnector(KVConnectorBase_V1):
     # ==============================================================================
     # Worker side
     # ==============================================================================
+    @hook(recover="_register_failed")
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None and self.enabled:
             self.worker.register_kv_caches(kv_caches)
@@ -185,10 +189,12 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.bind(None)
 
+    @hook(recover="_load_failed")
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.worker is not None:
             self.worker.start_load()
 
+    @hook()
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:
             self.worker.wait_layer(layer_name)
@@ -197,10 +203,12 @@ class KVTierConnector(KVConnectorBase_V1):
                       **kwargs: Any) -> None:
         return
 
+    @hook(recover="_save_failed")
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.save()
 
+    @hook(recover="_finished_failed")
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Local loads finish before the forward and GPU->CPU copies within the step (NVMe writes
         # run behind from the CPU copy): nothing is delayed but asynchronous (shared-tier) loads,
@@ -209,16 +217,19 @@ class KVTierConnector(KVConnectorBase_V1):
             return None, None
         return None, self.worker.poll_async() or None
 
+    @hook(recover="_load_errors_failed")
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:
             return set()
         return self.worker.take_load_errors()
 
+    @hook(recover="_worker_meta_failed")
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
         if self.worker is None:
             return None
         return self.worker.take_result()
 
+    @hook()
     def get_kv_connector_stats(self) -> KVTierStats | None:
         """This step's counters (vLLM calls it once per step on each side; see connector/metrics.py).
 
@@ -292,6 +303,7 @@ class KVTierConnector(KVConnectorBase_V1):
             log.warning("kvtier: metrics: could not read the tier config (%s); assuming a cpu tier", e)
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers=tiers)
 
+    @hook()
     def shutdown(self) -> None:
         """vLLM's shutdown (SIGTERM / SIGINT of the server, LLM deleted): the executor's workers
         first, then the scheduler. The worker waits (bounded) for its pending NVMe write-back and
@@ -334,6 +346,7 @@ class KVTierConnector(KVConnectorBase_V1):
     # ==============================================================================
     # Scheduler side
     # ==============================================================================
+    @hook()
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         from kvtier.tiers.gpu import BlockPoolContext
         self._bind_gpu(BlockPoolContext(gpu_block_pool), bool(getattr(gpu_block_pool, "enable_caching", True)))
@@ -354,22 +367,20 @@ class KVTierConnector(KVConnectorBase_V1):
                 log.warning("kvtier: offload 'lazy' needs prefix caching (hashed blocks in the GPU free "
                             "queue); it is off, so blocks are stored eagerly")
 
+    @hook(recover="_lookup_failed")
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.sched is None or not self.enabled:
             return 0, False
         n = self.sched.lookup(request, num_computed_tokens)
         return n, bool(n) and self.sched.loads_async(request.request_id)
 
+    @hook(recover="_alloc_failed")
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.sched is None or not self.enabled:
             return
-        ids = None
-        try:
-            ids = blocks.get_block_ids()[0]
-        except Exception:  # empty KVCacheBlocks
-            ids = None
-        self.sched.on_alloc(request, ids, num_external_tokens)
+        self.sched.on_alloc(request, _ids0(_block_ids(blocks)), num_external_tokens)
 
+    @hook(recover="_sources_failed")
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         if num_external_tokens == 0 or CacheHitSource is None or self.sched is None:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
@@ -384,6 +395,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return {CacheHitSource.HOST: num_external_tokens}
         return out
 
+    @hook(recover="_meta_failed")
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self.sched is None or not self.enabled:
             return KVTierMetadata()
@@ -408,6 +420,7 @@ class KVTierConnector(KVConnectorBase_V1):
             scheduled = [(rid, n, _ids0(bstate.get_block_ids(rid))) for rid, n, _ in scheduled]
         return self.sched.build_meta(scheduled)
 
+    @hook()
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.sched is None:
             return
@@ -415,10 +428,64 @@ class KVTierConnector(KVConnectorBase_V1):
         if isinstance(wm, KVTierWorkerMeta):
             self.sched.on_worker_meta(wm)
 
+    @hook(recover="_finish_failed")
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.sched is None:
             return False, None
         return self.sched.on_finished(request.request_id)
+
+    # ---- when a hook fails (connector/guard.py): the safe answer -------------------------
+    def _hook_failed(self, name: str, e: BaseException) -> None:
+        part = self.sched if self.sched is not None else self.worker
+        if part is not None:
+            part._count(f"hook_errors.{name}")
+        self._once(("hook", name) + cause(e), logging.ERROR,
+                   "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
+                   "(counted in hook_errors; later failures of this kind are logged at DEBUG)",
+                   name, type(e).__name__, e, exc_info=e)
+
+    def _register_failed(self, kv_caches: dict) -> None:
+        log.error("kvtier: worker rank %s runs without kvtier: every planned load is recomputed, "
+                  "nothing is stored", getattr(self.worker, "rank", "?"))
+        if self.worker is not None:
+            self.worker.disable()
+
+    def _load_failed(self, *args: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.fail_step_loads()
+
+    def _save_failed(self) -> None:
+        if self.worker is not None:
+            self.worker.fail_step_stores()
+
+    def _finished_failed(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        return None, (self.worker.fail_async() or None) if self.worker is not None else None
+
+    def _load_errors_failed(self) -> set[int]:
+        return self.worker.take_load_errors(finish=False) if self.worker is not None else set()
+
+    def _worker_meta_failed(self) -> KVTierWorkerMeta | None:
+        return self.worker.take_result(finish=False) if self.worker is not None else None
+
+    def _lookup_failed(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if self.sched is not None:
+            self.sched.ctrl.release(request.request_id)
+        return 0, False
+
+    def _alloc_failed(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.sched is not None:
+            self.sched.fail_alloc(request, _ids0(_block_ids(blocks)), num_external_tokens)
+
+    def _sources_failed(self, request: "Request", num_external_tokens: int) -> dict:
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
+
+    def _meta_failed(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.sched.fail_plan() if self.sched is not None else KVTierMetadata()
+
+    def _finish_failed(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+        if self.sched is not None:
+            self.sched.ctrl.release(request.request_id)
+        return False, None
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
@@ -455,6 +522,14 @@ def _flush_budget_s() -> float:
 def _short_totals(totals: dict) -> str:
     keys = ("n_lookups", "hit_tokens", "stored_blocks.cpu", "stored_blocks.nvme", "corrupt_blocks.nvme")
     return ", ".join(f"{k}={int(totals[k])}" for k in keys if totals.get(k))
+
+
+def _block_ids(blocks: Any) -> Any:
+    """vLLM's KVCacheBlocks as block ids per group; None when empty."""
+    try:
+        return blocks.get_block_ids()
+    except Exception:  # empty KVCacheBlocks
+        return None
 
 
 def _ids0(ids: Any) -> list[int] | None:

@@ -44,9 +44,10 @@ class KVTierMetadata(KVConnectorMetadata):
     async_loads: list[str] = field(default_factory=list)  # requests vLLM loads asynchronously
     idle: bool = False                   # nothing scheduled but asynchronous loads: the worker may wait
     tier_names: list[str] | None = None
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)  # accepted, not planned: load errors
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores and not self.nvme_writes
+        return not self.loads and not self.stores and not self.nvme_writes and not self.failed_loads
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from kvtier.controller import PENDING, TierController
+from kvtier.once import Once, cause
 from kvtier.keys import GROUP_ID_BYTES
 from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
@@ -78,6 +79,8 @@ class KVTierScheduler:
         self._reqs: dict[str, _Req] = {}
         self.async_shared_loads = async_shared_loads and self.ctrl.remote is not None
         self._async_step: list[str] = []       # requests whose asynchronous load this step plans
+        self._failed_loads: dict[str, list[int]] = {}  # accepted by vLLM, not planned: load errors
+        self._once = Once(log)
         self._async_inflight: set[str] = set()  # ... until the workers report it done
 
     @property
@@ -195,22 +198,70 @@ class KVTierScheduler:
     def build_meta(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]]) -> KVTierMetadata:
         """`scheduled`: (request id, tokens computed once this step runs, its group-0 block ids or
         None to use the ids tracked from on_alloc/update_block_ids)."""
-        self.ctrl.expire()
         scheduled = list(scheduled)
-        if self.store_enabled:
-            if self.offload == "lazy" and self.gpu is not None:
-                self._plan_lazy()
-            else:
-                self._plan_stores(scheduled)
+        try:  # a failure here (e.g. the NVMe index cannot be written) costs this step's stores only
+            self.ctrl.expire()
+            if self.store_enabled:
+                if self.offload == "lazy" and self.gpu is not None:
+                    self._plan_lazy()
+                else:
+                    self._plan_stores(scheduled)
+        except Exception as e:  # noqa: BLE001
+            self._count("store_plan_failed")
+            self._once(("store_plan",) + cause(e), logging.ERROR,
+                       "kvtier: planning this step's stores failed (%s: %s); they are skipped (future misses)",
+                       type(e).__name__, e, exc_info=e)
         plan = self.ctrl.take_plan()
         meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, nvme_writes=plan.copies,
                               remote_tier=self.ctrl.remote, tier_names=self.ctrl.names,
-                              async_loads=self._async_step,
+                              async_loads=self._async_step, failed_loads=self._failed_loads,
                               idle=not scheduled and bool(self._async_inflight))
         self._async_step = []
+        self._failed_loads = {}
+        self._name_nvme(meta)
+        return meta
+
+    def _name_nvme(self, meta: KVTierMetadata) -> None:
         if self.nvme_dir is not None:  # the worker opens the data plane from it (loads and stores)
             meta.nvme_dir = self.nvme_dir
             meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
+
+    # ---- failures: the safe answer (connector/guard.py) ------------------------------------
+    def fail_alloc(self, request: Any, block_ids: Sequence[int] | None, num_external_tokens: int) -> None:
+        """`update_state_after_alloc` failed after vLLM accepted `num_external_tokens` from us: the
+        lease goes, and the blocks vLLM expects loaded are reported as load errors (recomputed)."""
+        rid = request.request_id
+        self.ctrl.release(rid)
+        self._async_step = [r for r in self._async_step if r != rid]
+        self._async_inflight.discard(rid)
+        nb = num_external_tokens // self.block_tokens
+        if nb <= 0 or not block_ids:
+            return
+        first = int(getattr(request, "num_computed_tokens", 0) or 0) // self.block_tokens
+        ids = list(block_ids[first:first + nb])
+        if ids:
+            self._failed_loads[rid] = ids
+
+    def fail_plan(self) -> KVTierMetadata:
+        """`build_connector_meta` failed: send this step's loads as load errors (vLLM accepted them
+        and must recompute them) and fail its stores and copies at once, so nothing stays pinned."""
+        plan = self.ctrl.take_plan()
+        failed = dict(self._failed_loads)
+        for op in plan.loads:
+            failed.setdefault(op.req_id, []).extend(op.block_ids)
+        rep = KVTierWorkerMeta()
+        for op in plan.loads:
+            rep.loaded[op.req_id] = False
+            if op.via:
+                rep.stored[op.op_id] = [False] * len(op.slots)
+        for op in plan.stores:
+            rep.stored[op.op_id] = [False] * len(op.slots)
+        for op in plan.copies:  # every rank's report, as if each had failed it
+            rep.nvme_written_ranks[op.op_id] = {r: [-1] * len(op.src_slots) for r in range(self.ctrl.ranks)}
+        self._failed_loads, self._async_step = {}, []
+        self.on_worker_meta(rep)
+        meta = KVTierMetadata(failed_loads=failed, remote_tier=self.ctrl.remote, tier_names=self.ctrl.names)
+        self._name_nvme(meta)
         return meta
 
     def update_block_ids(self, req_id: str, new_ids: Sequence[int], replace: bool) -> None:

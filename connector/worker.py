@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvtier.once import Once, cause
 from kvtier.tiers.cpu_pool import CpuPool
 
 from kvtier.tiers.handles import DoneHandle, IOResult
@@ -34,6 +35,7 @@ from .staging import Staging
 log = logging.getLogger("kvtier.connector")
 
 SHUTDOWN_FLUSH_TIMEOUT_S = 30.0  # close(): longest wait for pending NVMe write-back
+NVME_REOPEN_S = 30.0             # an NVMe data file that failed to open is tried again after this
 
 
 class KVTierWorker(Counting):
@@ -57,6 +59,9 @@ class KVTierWorker(Counting):
         self._init_counters()
         self.tier_names = ["cpu", "nvme"]
         self.nvme = None                      # NvmeData, opened on the first step that names its dir
+        self._nvme_failed_at: float | None = None   # its last failed open (retried after NVME_REOPEN_S)
+        self._once = Once(log)                # a failure that repeats every step: one line per cause
+        self.disabled = False                 # register_kv_caches failed: every load fails, nothing stored
         self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
         self.staging: Staging | None = None   # rows for NVMe loads without CPU slots
         self.nvme_load_chunk_bytes = 8 << 20  # CPU backend: copy NVMe loads into the KV per chunk read
@@ -64,6 +69,7 @@ class KVTierWorker(Counting):
         # write-behind: batches of NVMe writes in flight, oldest first: (step, future of results)
         self.writes = WriteBehind(nvme_write_lag_steps)
         self._async: dict[str, list] = {}     # request -> its load ops, loading asynchronously
+        self._recv_failed: set[str] = set()   # asynchronous loads that failed: reported as received
         self._fetched: dict[int, tuple] = {}  # id(op) -> (buffers, handle): shared-tier reads ahead
         self._remote_tier: int | None = None
         self.puts = WriteBehind(nvme_write_lag_steps)   # shared-tier writes, reported the same way
@@ -107,18 +113,41 @@ class KVTierWorker(Counting):
     def bind(self, meta: Any) -> None:
         self._meta = meta if isinstance(meta, KVTierMetadata) else None
 
+    def disable(self) -> None:
+        """register_kv_caches failed: this worker loads nothing (load errors) and stores nothing."""
+        self.disabled = True
+
     def _open_nvme(self, meta: KVTierMetadata) -> None:
+        """Open the NVMe data file the metadata names. Never raises: a file that cannot be opened
+        or sized (disk full, read-only, gone) leaves `self.nvme` None, so this step's NVMe loads are
+        load errors (vLLM recomputes) and its writes are dropped; logged once, counted, and tried
+        again after NVME_REOPEN_S."""
         if meta.nvme_dir is None or self.layout is None:
             return
         if self.nvme is not None and self.nvme.dir == meta.nvme_dir:
+            return
+        now = time.monotonic()
+        if self._nvme_failed_at is not None and now - self._nvme_failed_at < NVME_REOPEN_S:
             return
         from .nvme import NvmeData
         if self.nvme is not None:
             self._reap_writes(wait=True)
             self.nvme.close()
+            self.nvme = None
         io, threads, direct = self._nvme_args
-        self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
-                             rank=self.rank)
+        try:
+            self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
+                                 rank=self.rank)
+        except Exception as e:  # noqa: BLE001 - any failure to open is a tier unavailable, not a crash
+            self._nvme_failed_at = now
+            self._count("nvme_open_failed")
+            self._once(("nvme_open",) + cause(e), logging.ERROR,
+                       "kvtier: NVMe data file under %s cannot be opened (%s); NVMe loads are recomputed and "
+                       "writes dropped until it can (tried again every %.0f s)", meta.nvme_dir, e, NVME_REOPEN_S)
+            return
+        if self._nvme_failed_at is not None:
+            log.warning("kvtier: NVMe data file %s open again", self.nvme.path)
+            self._nvme_failed_at = None
 
     def _load_lower(self, op, jobs: list, stage: list[torch.Tensor], row0: int, copy_now: bool,
                     remote: bool) -> list[bool]:
@@ -180,8 +209,9 @@ class KVTierWorker(Counting):
             self.corrupt_blocks += len(corrupt)
             self._count("corrupt_blocks.nvme", len(corrupt))
             self._result.corrupt.setdefault(op.tier, []).extend(corrupt)
-            log.error("kvtier: %d NVMe blocks of %s failed their checksum; reported for recompute: %s",
-                      len(corrupt), op.req_id, errors[:2])
+            self._once(("corrupt", op.tier), logging.ERROR,
+                       "kvtier: %d NVMe blocks of %s failed their checksum; reported for recompute, quarantined: "
+                       "%s", len(corrupt), op.req_id, errors[:2])
         if op.via:
             self._result.stored[op.op_id] = oks
         return oks
@@ -199,7 +229,16 @@ class KVTierWorker(Counting):
         asynchronously (`meta.async_loads`: a shared-tier hit) only start their shared-tier
         reads here; `poll_async` finishes them in a later step."""
         meta = self._meta
-        if meta is None or not meta.loads or self.layout is None:
+        if meta is None:
+            return
+        if meta.failed_loads:  # loads the scheduler accepted but could not plan: vLLM recomputes them
+            for rid, ids in meta.failed_loads.items():
+                self._fail_blocks(rid, ids, "planning")
+            meta.failed_loads = {}
+        if not meta.loads:
+            return
+        if self.layout is None or self.disabled:
+            self.fail_step_loads()
             return
         self.finish_loads()
         self._remote_tier = meta.remote_tier
@@ -229,7 +268,8 @@ class KVTierWorker(Counting):
                 raise RuntimeError("no shared-tier data plane on this worker")
             h = self.remote.get(op.keys, bufs)
         except Exception as e:
-            log.warning("kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
+            self._once(("remote_read",) + cause(e), logging.WARNING,
+                       "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
             h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
         self._fetched[id(op)] = (bufs, h)
 
@@ -264,6 +304,9 @@ class KVTierWorker(Counting):
             done.add(rid)
         if done:
             self.finish_loads()
+        if self._recv_failed:
+            done |= self._recv_failed
+            self._recv_failed = set()
         return done
 
     def _run_loads(self, ops: list, layered: bool) -> None:
@@ -290,7 +333,9 @@ class KVTierWorker(Counting):
                 else:
                     oks = self._load_lower(op, jobs, stage, row0, copy_now, op.tier == self._remote_tier)
             except Exception as e:
-                log.warning("kvtier: load of %d blocks for %s failed: %s", len(op.slots), op.req_id, e)
+                self._once(("load", name) + cause(e), logging.WARNING,
+                           "kvtier: load of %d blocks for %s from %s failed: %s (recomputed by vLLM)",
+                           len(op.slots), op.req_id, name, e)
                 if op.via:
                     self._result.stored[op.op_id] = [False] * len(op.slots)
             if op.tier != 0 and not op.via and not own:  # read ahead into rows of its own instead
@@ -363,7 +408,10 @@ class KVTierWorker(Counting):
     def save(self) -> None:
         self.finish_loads()
         meta = self._meta
-        if meta is None or self.layout is None or not (meta.stores or meta.nvme_writes):
+        if meta is None or not (meta.stores or meta.nvme_writes):
+            return
+        if self.layout is None or self.disabled:
+            self.fail_step_stores()
             return
         failed_cpu: set[int] = set()
         # A load of this step failed: vLLM recomputes those blocks, but this step's forward
@@ -371,8 +419,8 @@ class KVTierWorker(Counting):
         # belong to that request is not known here, so nothing of this step is stored.
         tainted = bool(self._load_errors)
         if tainted and meta.stores:
-            log.warning("kvtier: a load failed this step: its %d stores are dropped (computed over "
-                        "blocks vLLM recomputes)", len(meta.stores))
+            self._once(("tainted",), logging.WARNING, "kvtier: a load failed this step: its %d stores are "
+                       "dropped (computed over blocks vLLM recomputes)", len(meta.stores))
         for op in meta.stores:
             name = self._tier_name(op.tier)
             t0 = time.perf_counter()
@@ -385,7 +433,8 @@ class KVTierWorker(Counting):
                 oks = [True] * len(op.slots)
             except Exception as e:
                 if not tainted:
-                    log.warning("kvtier: store of %d blocks failed: %s", len(op.slots), e)
+                    self._once(("store", name) + cause(e), logging.WARNING,
+                               "kvtier: store of %d blocks to %s failed: %s", len(op.slots), name, e)
                 oks = [False] * len(op.slots)
                 failed_cpu.update(op.slots)
             dt = time.perf_counter() - t0
@@ -419,7 +468,8 @@ class KVTierWorker(Counting):
                 srcs = [self.pools[0].views[s] for s in op.src_slots]
                 batch.append((op, sums, self.nvme.write(op.slots, srcs, sums, keys=op.keys)))
         except Exception as e:
-            log.warning("kvtier: NVMe write-through of %d ops failed: %s", len(ops), e)
+            self._once(("nvme_write",) + cause(e), logging.WARNING,
+                       "kvtier: NVMe write of %d ops not started: %s (dropped; the CPU copies stay)", len(ops), e)
             for op in ops:
                 self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
             return
@@ -442,7 +492,8 @@ class KVTierWorker(Counting):
             batch = [(op, [0] * len(op.src_slots),
                       self.remote.put(op.keys, [self.pools[0].views[s] for s in op.src_slots])) for op in ops]
         except Exception as e:
-            log.warning("kvtier: shared-tier write of %d ops failed: %s", len(ops), e)
+            self._once(("remote_write",) + cause(e), logging.WARNING,
+                       "kvtier: shared-tier write of %d ops failed: %s", len(ops), e)
             for op in ops:
                 self._result.nvme_written[op.op_id] = [-1] * len(op.src_slots)
             return
@@ -472,10 +523,12 @@ class KVTierWorker(Counting):
     def writes_in_flight(self) -> int:
         return len(self.writes) + len(self.puts)
 
-    def take_result(self) -> KVTierWorkerMeta | None:
-        """This step's report (called once per step): loads, stores, NVMe writes now durable."""
-        self.finish_loads()
-        self._reap_writes()
+    def take_result(self, finish: bool = True) -> KVTierWorkerMeta | None:
+        """This step's report (called once per step): loads, stores, NVMe writes now durable.
+        `finish=False` (recovering from a failure): the report as it stands."""
+        if finish:
+            self.finish_loads()
+            self._reap_writes()
         self._step += 1
         r = self._result
         if r.is_empty():
@@ -483,10 +536,71 @@ class KVTierWorker(Counting):
         self._result = KVTierWorkerMeta(rank=self.rank)
         return r
 
-    def take_load_errors(self) -> set[int]:
-        self.finish_loads()
+    def take_load_errors(self, finish: bool = True) -> set[int]:
+        if finish:
+            self.finish_loads()
         e, self._load_errors = self._load_errors, set()
         return e
+
+    # ---- failures: the safe answer when a step's work cannot run (connector/guard.py) ----------
+    def _fail_blocks(self, req_id: str, block_ids, why: str) -> None:
+        """These blocks of the request were not loaded: vLLM recomputes them (a load error)."""
+        ids = list(block_ids)
+        self._load_errors.update(ids)
+        self._result.loaded[req_id] = False
+        self._count("blocks_load_failed", len(ids))
+        self._once(("load_failed", why), logging.WARNING,
+                   "kvtier: %d blocks of %s not loaded (%s): reported as load errors, vLLM recomputes them",
+                   len(ids), req_id, why)
+
+    def _fail_op(self, op, why: str) -> None:
+        self._fail_blocks(op.req_id, op.block_ids, why)
+        if op.via:  # a promotion read through CPU slots: those slots were not written
+            self._result.stored[op.op_id] = [False] * len(op.slots)
+
+    def fail_step_loads(self) -> None:
+        """This step's loads cannot run: each of their blocks is a load error. A request vLLM
+        loads asynchronously is also reported as received (with its errors), or it would wait forever."""
+        meta = self._meta
+        ops = list(meta.loads) if meta is not None else []
+        if meta is not None:
+            meta.loads = []
+            self._recv_failed.update(meta.async_loads)
+        for op in ops:
+            self._fail_op(op, "the step's loads failed")
+            self._fetched.pop(id(op), None)
+            if op.req_id in self._async:
+                self._recv_failed.add(op.req_id)
+        self._layer_events = None
+
+    def fail_async(self) -> set[str]:
+        """Every asynchronous load still waiting fails (its blocks are load errors); returns the
+        requests to report as received."""
+        for rid, ops in list(self._async.items()):
+            for op in ops:
+                self._fail_op(op, "the asynchronous load failed")
+                self._fetched.pop(id(op), None)
+            self._recv_failed.add(rid)
+        self._async.clear()
+        out, self._recv_failed = self._recv_failed, set()
+        return out
+
+    def fail_step_stores(self) -> None:
+        """This step's stores cannot run: dropped (each a future miss), their slots released by the
+        scheduler; writes of CPU slots to lower tiers not handed to the engine yet are dropped too."""
+        meta = self._meta
+        if meta is None:
+            return
+        n = 0
+        for op in meta.stores:
+            if op.op_id not in self._result.stored:
+                self._result.stored[op.op_id] = [False] * len(op.slots)
+                n += len(op.slots)
+        for op in meta.nvme_writes:
+            self._result.nvme_written[op.op_id] = [-1] * len(op.src_slots)
+            n += len(op.src_slots)
+        meta.stores, meta.nvme_writes = [], []
+        self._count("blocks_store_dropped", n)
 
     def stats(self) -> dict:
         return {"totals": dict(self.totals), "layout": self.layout.describe() if self.layout else None,

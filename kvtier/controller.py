@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from kvtier.leases import Lease, LeaseTable
+from kvtier.once import Once
 from kvtier.policies.base import _NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
 
@@ -120,8 +121,8 @@ class TierController(Counting):
         self.demotion = demotion
         self.ranks = max(1, int(ranks))
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
-        if self.remote is not None and hasattr(self.tiers[self.remote], "bind_counter"):
-            self.tiers[self.remote].bind_counter(self._count)  # its network counters join ours
+        for t in self.tiers:  # their own events (network, index writes) join our counters
+            t.bind_counter(self._count)
         self._index = [t.resident for t in self.tiers[:self.nlocal]]  # read-only: key -> slot
         self._pending = [set() for _ in self.tiers]            # keys on their way into each tier
         self._stores: dict[int, _Store] = {}
@@ -129,6 +130,7 @@ class TierController(Counting):
         self._op_ids = itertools.count(1)
         self._plan = Plan()
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
+        self._once = Once(log)
         self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers[:self.nlocal]]
         self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
 
@@ -491,8 +493,10 @@ class TierController(Counting):
                 else:
                     tier.commit([s for s, _ in good])
             except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
-                log.error("kvtier: tier %s: commit of %d blocks failed, kept in %s: %s", tier.name, len(good),
-                          src_tier.name, e)
+                self._once(("commit", cp.tier, e.errno), logging.ERROR,
+                           "kvtier: tier %s: commit of %d blocks failed, kept in %s: %s (counted in "
+                           "store_failed_blocks; later failures of this kind at DEBUG)", tier.name, len(good),
+                           src_tier.name, e)
                 self.errors.append(f"tier {tier.name}: {e}")
                 bad = [s for s, _ in good] + bad
                 good = []

@@ -9,7 +9,7 @@ being written) -> commit() -> resident (visible; evictable when ref_cnt == 0) ->
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
 
@@ -82,6 +82,10 @@ def group_by_tier(blocks: Iterable[tuple[int, int]]) -> dict[int, list[int]]:
     return out
 
 
+def _no_count(key: str, v: float = 1) -> None:
+    pass
+
+
 class SlotTier:
     """Fixed-size slots, a key index, reference counts and an eviction policy.
 
@@ -104,6 +108,11 @@ class SlotTier:
         self._state = bytearray(capacity_blocks)
         self._free: list[int] = list(range(capacity_blocks - 1, -1, -1))
         self._pending: set[int] = set()
+        self._count: Callable[..., None] = _no_count
+
+    def bind_counter(self, count: Callable[..., None]) -> None:
+        """Count this tier's own events (e.g. `index_write_errors.<name>`) into the controller's counters."""
+        self._count = count
 
     # ---- sizes -------------------------------------------------------------------------
     @property

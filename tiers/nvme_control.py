@@ -25,6 +25,7 @@ from typing import Sequence
 
 import xxhash
 
+from kvtier.once import Once
 from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
 
 from .base import _PENDING, _RESIDENT, SlotTier
@@ -169,6 +170,9 @@ class NvmeControl(SlotTier):
         # checksum of each written/resident slot; a tuple (one per rank) when several ranks write shards
         self._sum: list[int | tuple[int, ...]] = [0] * capacity_blocks
         self._doomed: set[int] = set()          # dropped while pinned: freed at ref 0
+        self._stale: set[bytes] = set()         # index deletes that failed (disk full, read-only): retried
+        self.index_write_errors = 0
+        self._once = Once(log)
         self._dir_fd = -1
         self._locked = False
         self._stored_meta: dict | None = None
@@ -401,12 +405,36 @@ class NvmeControl(SlotTier):
             seen.add(k)
             items.append((k, s, self.block_bytes, self._sum[s]))
         if items:
+            self._stale.difference_update(seen)  # a stale delete must never remove the new entry
+            self._index_delete([])
             crash_point("index_commit")
             self.index.put(items)
 
     def _on_evict(self, slots: Sequence[int]) -> None:
         if self.index is not None and not self.read_only:
-            self.index.delete([self._key_of[s] for s in slots])
+            self._index_delete([self._key_of[s] for s in slots])
+
+    def _index_delete(self, keys: Sequence[bytes], why: str | None = None) -> None:
+        """Delete index entries (quarantine them, with `why`), and any whose delete failed before.
+
+        A failed write (disk full, read-only file system) does not stop an eviction: the stale
+        entries are harmless — a reused slot fails the old entry's keyed header check (a miss),
+        and opening keeps the newer of two entries on one slot — and are deleted with the next
+        index write that succeeds. Logged once per cause, counted always."""
+        try:
+            if self._stale:
+                self.index.delete(sorted(self._stale))
+                self._stale.clear()
+            if why is None:
+                self.index.delete(keys)
+            elif keys:
+                self.index.quarantine([(k, why) for k in keys])
+        except OSError as e:
+            self._stale.update(keys)
+            self.index_write_errors += 1
+            self._count(f"index_write_errors.{self.name}")
+            self._once(("index_write", e.errno), logging.ERROR, "nvme tier %r: index write failed (%s); %d stale "
+                       "entries kept until a write succeeds (they can only miss)", self.name, e, len(self._stale))
 
     def abort(self, slots: Sequence[int]) -> None:
         super().abort([s for s in slots if s not in self._doomed])
@@ -437,10 +465,7 @@ class NvmeControl(SlotTier):
         slots = [s for s in dict.fromkeys(slots) if self._state[s] == _RESIDENT and s not in self._doomed]
         keys = [self._key_of[s] for s in slots]
         if self.index is not None and keys and not self.read_only:
-            if why is None:
-                self.index.delete(keys)
-            else:
-                self.index.quarantine([(k, why) for k in keys])
+            self._index_delete(keys, why)
         for s, k in zip(slots, keys):
             del self._slot_of[k]
             self.eviction.on_remove(s, k)
@@ -458,7 +483,7 @@ class NvmeControl(SlotTier):
                   "corrupt_blocks": self.corrupt_blocks, "restored_blocks": self.restored_blocks,
                   "dropped_on_open": self.dropped_on_open, "fingerprint": dict(self.fingerprint),
                   "read_only": self.read_only, "stored_capacity": self.stored_capacity,
-                  "beyond_capacity": self.beyond_capacity,
+                  "beyond_capacity": self.beyond_capacity, "index_write_errors": self.index_write_errors,
                   "quarantined": self.index.quarantined() if self.index is not None else 0})
         return d
 

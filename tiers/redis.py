@@ -88,6 +88,9 @@ class _RemoteBase:
     def pinned_blocks(self) -> int:
         return 0
 
+    def bind_counter(self, count: Callable[[str, float], None]) -> None:
+        """The controller's counters (the simulated tier counts nothing of its own)."""
+
     @property
     def num_resident(self) -> int:
         """Blocks known here to be on the server (the server may hold more, or fewer)."""

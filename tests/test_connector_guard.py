@@ -1,0 +1,101 @@
+"""No exception leaves a vLLM hook (connector/guard.py): each failure has a safe answer that
+keeps the books straight (no lease or pending slot left behind, accepted loads recomputed)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from kvtier.connector.guard import hook
+from kvtier.once import Once
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_connector_scheduler import Req, make, run_step, store_request  # noqa: E402
+
+
+class _Hooked:
+    def __init__(self):
+        self.failures = []
+        self.recovered = []
+
+    def _hook_failed(self, name, e):
+        self.failures.append((name, type(e).__name__))
+
+    @hook(recover="_fallback")
+    def ok(self, x):
+        return x * 2
+
+    @hook(recover="_fallback")
+    def boom(self, x):
+        raise OSError(28, "No space left on device")
+
+    @hook(default=lambda: (0, False))
+    def boom_default(self):
+        raise RuntimeError("x")
+
+    @hook(recover="_bad_fallback", default=set)
+    def boom_twice(self):
+        raise ValueError("first")
+
+    def _fallback(self, x):
+        self.recovered.append(x)
+        return -x
+
+    def _bad_fallback(self):
+        raise KeyError("second")
+
+
+def test_hook_answers_the_fallback_and_counts():
+    h = _Hooked()
+    assert h.ok(3) == 6 and h.failures == []
+    assert h.boom(3) == -3 and h.recovered == [3]
+    assert h.boom_default() == (0, False)
+    assert h.boom_twice() == set()           # the fallback failed too: the default, both counted
+    assert h.failures == [("boom", "OSError"), ("boom_default", "RuntimeError"), ("boom_twice", "ValueError"),
+                          ("boom_twice.recover", "KeyError")]
+
+
+def test_once_logs_each_cause_once(caplog):
+    once = Once(logging.getLogger("kvtier.test"))
+    with caplog.at_level(logging.DEBUG, logger="kvtier.test"):
+        assert once(("a", 28), logging.ERROR, "disk full %d", 1)
+        assert not once(("a", 28), logging.ERROR, "disk full %d", 2)
+        assert once(("a", 30), logging.ERROR, "read-only %d", 3)
+    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert levels == [(logging.ERROR, "disk full 1"), (logging.DEBUG, "disk full 2"), (logging.ERROR, "read-only 3")]
+
+
+def test_failed_alloc_reports_the_accepted_blocks_as_load_errors():
+    s, tier = make()
+    store_request(s, Req("a", list(range(18))))
+    r = Req("b", list(range(18)))
+    r.num_computed_tokens = 0
+    assert s.lookup(r, 0) == 16
+    assert s.leases.pinned() == 4
+    s.fail_alloc(r, [7, 8, 9, 10, 11], 16)     # update_state_after_alloc raised after vLLM accepted 16
+    assert s.leases.pinned() == 0 and sum(tier._ref) == 0
+    meta = s.build_meta([("b", 18, [7, 8, 9, 10, 11])])
+    assert meta.failed_loads == {"b": [7, 8, 9, 10]}   # the worker reports them: vLLM recomputes
+    assert not meta.loads
+    assert s.build_meta([]).failed_loads == {}          # once
+
+
+def test_failed_plan_fails_loads_and_releases_every_pin():
+    s, tier = make(cap=8)
+    store_request(s, Req("a", list(range(18))))
+    r = Req("b", list(range(18)))
+    assert s.lookup(r, 0) == 16
+    s.on_alloc(r, [7, 8, 9, 10, 11], 16)
+    c = Req("c", list(range(100, 118)))            # new blocks to store in the same step
+    s.lookup(c, 0)
+    s.on_alloc(c, [20, 21, 22, 23, 24], 0)
+    s._plan_stores([("c", 18, [20, 21, 22, 23, 24])])
+    assert s.ctrl.has_plan()
+    meta = s.fail_plan()                            # build_connector_meta raised
+    assert meta.failed_loads == {"b": [7, 8, 9, 10]} and not meta.loads and not meta.stores
+    assert s.leases.pinned() == 0 and sum(tier._ref) == 0
+    assert s.ctrl.in_flight == 0 and len(tier._pending) == 0
+    assert tier.num_resident == 4                   # a's blocks stay; c's were never published
+    # the next step plans normally
+    assert not run_step(s, []).failed_loads
