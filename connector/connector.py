@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole)
 
 from kvtier.builder import build_controller, build_tiers
+from kvtier.config import ConfigError
 from kvtier.once import Once, cause
 
 from .config import load_settings, tier_of
@@ -135,6 +136,7 @@ class KVTierConnector(KVConnectorBase_V1):
                                        nvme_io_threads=nvme.io_threads if nvme else 4,
                                        nvme_direct=nvme.direct if nvme else "auto",
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
+                                       ranks=_world_size(vllm_config),
                                        remote_fn=_remote_opener(shared, self.fingerprint, rank) if shared else None)
         _LIVE.add(self)
         if self.sched is not None and shared is not None:
@@ -170,7 +172,7 @@ class KVTierConnector(KVConnectorBase_V1):
     # ==============================================================================
     # Worker side
     # ==============================================================================
-    @hook(recover="_register_failed")
+    @hook(recover="_register_failed", refuse=(ConfigError,))
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None and self.enabled:
             self.worker.register_kv_caches(kv_caches)

@@ -17,9 +17,10 @@ from typing import Any, Callable
 log = logging.getLogger("kvtier.connector")
 
 
-def hook(recover: str | None = None, default: Any = None) -> Callable:
+def hook(recover: str | None = None, default: Any = None, refuse: tuple = ()) -> Callable:
     """Decorate a connector hook: on an exception, `self._hook_failed(name, e)` logs it (once per
-    hook and cause) and counts it, then the hook answers `self.<recover>(*args)` or `default`."""
+    hook and cause) and counts it, then the hook answers `self.<recover>(*args)` or `default`.
+    Exceptions of the `refuse` types pass through (a start-up that must not go on)."""
     def deco(fn: Callable) -> Callable:
         name = fn.__name__
 
@@ -27,6 +28,8 @@ def hook(recover: str | None = None, default: Any = None) -> Callable:
         def wrapper(self, *args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(self, *args, **kwargs)
+            except refuse:
+                raise
             except Exception as e:  # noqa: BLE001 - the engine must survive any failure of ours
                 self._hook_failed(name, e)
                 if recover is None:

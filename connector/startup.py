@@ -32,6 +32,32 @@ def attach_vllm_log_handler() -> bool:
     return True
 
 
+POOL_HEADROOM_BYTES = 1 << 30   # memory a worker leaves free beside its CPU pool (and at least 5%)
+
+
+def fit_pool_slots(name: str, slots: int, block_bytes: int, ranks: int = 1,
+                   available: int | None = None) -> tuple[int, str | None]:
+    """The CPU pool slots that fit: what is available now (vLLM's KV cache is already allocated
+    when the worker sizes its pool, so it is counted), shared by the `ranks` workers of this host,
+    less a headroom. Returns (slots, the warning when shrunk); raises ConfigError when not one
+    block fits."""
+    from kvtier.config import ConfigError, available_memory
+
+    avail = available_memory() if available is None else available
+    room = max(0, avail - max(POOL_HEADROOM_BYTES, avail // 20)) // max(1, ranks)
+    fit = room // block_bytes
+    if fit >= slots:
+        return slots, None
+    asked, have = _size(slots * block_bytes), _size(room)
+    if fit < 1:
+        raise ConfigError(f"kvtier: cpu tier {name!r}: {asked} asked but only {have} of memory is available to "
+                          f"each of {ranks} worker(s) after vLLM's KV cache (MemAvailable {_size(avail)}, less "
+                          f"headroom): refused; lower the capacity or VLLM_CPU_KVCACHE_SPACE")
+    return fit, (f"kvtier: cpu tier {name!r}: {asked} asked but only {have} of memory is available to each of "
+                 f"{ranks} worker(s) after vLLM's KV cache (MemAvailable {_size(avail)}, less headroom): "
+                 f"shrunk to {fit} blocks ({_size(fit * block_bytes)})")
+
+
 def _size(n: float) -> str:
     for unit, f in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= f:

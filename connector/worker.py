@@ -28,6 +28,7 @@ from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.handles import DoneHandle, IOResult
 
 from .kv_layout import KVCopier, KVLayout, RowCopy, ViewCopy
+from .startup import fit_pool_slots
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
 from .flusher import WriteBehind
 from .staging import Staging
@@ -41,7 +42,7 @@ NVME_REOPEN_S = 30.0             # an NVMe data file that failed to open is trie
 class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
-                 nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None) -> None:
+                 nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1) -> None:
         """`remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for
         this rank, or None when the stack has no shared tier."""
         self._cpu_blocks_fn = cpu_blocks_fn
@@ -54,6 +55,7 @@ class KVTierWorker(Counting):
         self.kv: KVCopier | None = None       # gather/scatter between vLLM's KV and the CPU pool
         self._meta: KVTierMetadata | None = None
         self.rank = rank                      # this worker's shard: NVMe file data.<rank>, its own checksums
+        self._ranks = ranks                   # workers on this host, each with its own pool
         self._result = KVTierWorkerMeta(rank=rank)
         self._load_errors: set[int] = set()
         self._init_counters()
@@ -90,7 +92,12 @@ class KVTierWorker(Counting):
         if self._expected is not None and self._expected != lay.block_bytes:
             raise ValueError(f"kvtier: block is {lay.block_bytes} B on the worker but the scheduler "
                              f"sized its tiers for {self._expected} B")
-        n = self._cpu_blocks_fn(lay.block_bytes)
+        asked = self._cpu_blocks_fn(lay.block_bytes)
+        n, warning = fit_pool_slots("cpu", asked, lay.block_bytes, self._ranks)
+        if warning:
+            log.warning("%s", warning)
+            self._count("cpu_pool_shrunk_blocks", asked - n)
+            self._result.capacity[0] = n   # the scheduler's tier follows (its first report)
         pool = CpuPool(n, lay.block_bytes, self._pin)
         self.pools = [pool]
         self.kv = KVCopier(lay, pool)
@@ -327,7 +334,9 @@ class KVTierWorker(Counting):
             try:
                 if self.fail_loads:
                     raise RuntimeError("fail_loads test hook")
+                self._check_slots(op.via)
                 if op.tier == 0:
+                    self._check_slots(op.slots)
                     jobs.append(self.kv.pool_job(op.block_ids, op.slots))
                     oks = [True] * len(op.slots)
                 else:
@@ -429,6 +438,7 @@ class KVTierWorker(Counting):
                     raise RuntimeError("a load failed this step")
                 if op.tier != 0 or self.kv is None:
                     raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
+                self._check_slots(op.slots)
                 self.kv.run([self.kv.pool_job(op.block_ids, op.slots)], to_kv=False)
                 oks = [True] * len(op.slots)
             except Exception as e:
@@ -458,21 +468,27 @@ class KVTierWorker(Counting):
             self._put_remote(puts, failed_cpu)
         if not ops:
             return
+        batch: list = []
         try:
             self._open_nvme(meta)
             if self.nvme is None:
                 raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
-            batch = []
+            for op in ops:  # every check before the first write is handed to the engine
+                self._check_slots(op.src_slots)
             for op in ops:
                 sums = [0] * len(op.slots)
                 srcs = [self.pools[0].views[s] for s in op.src_slots]
                 batch.append((op, sums, self.nvme.write(op.slots, srcs, sums, keys=op.keys)))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the writes not handed to the engine are dropped
+            started = {id(b[0]) for b in batch}
             self._once(("nvme_write",) + cause(e), logging.WARNING,
-                       "kvtier: NVMe write of %d ops not started: %s (dropped; the CPU copies stay)", len(ops), e)
+                       "kvtier: NVMe write of %d ops not started: %s (dropped; the CPU copies stay)",
+                       len(ops) - len(started), e)
             for op in ops:
-                self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
-            return
+                if id(op) not in started:
+                    self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
+            if not batch:
+                return
         self.writes.submit(self._step, self.nvme, batch, failed_cpu)
         if self.writes.lag == 0:
             self._reap_writes(wait=True)
@@ -487,6 +503,8 @@ class KVTierWorker(Counting):
         if not ops:
             return
         try:
+            for op in ops:
+                self._check_slots(op.src_slots)
             if self.remote is None:
                 raise RuntimeError("no shared-tier data plane on this worker")
             batch = [(op, [0] * len(op.src_slots),
@@ -543,6 +561,12 @@ class KVTierWorker(Counting):
         return e
 
     # ---- failures: the safe answer when a step's work cannot run (connector/guard.py) ----------
+    def _check_slots(self, slots) -> None:
+        """CPU slots must lie in this worker's pool (smaller than configured when it was shrunk to
+        fit memory, until the scheduler's tier follows)."""
+        if slots and max(slots) >= self.pools[0].num_slots:
+            raise RuntimeError(f"CPU slot {max(slots)} beyond this worker's pool of {self.pools[0].num_slots}")
+
     def _fail_blocks(self, req_id: str, block_ids, why: str) -> None:
         """These blocks of the request were not loaded: vLLM recomputes them (a load error)."""
         ids = list(block_ids)

@@ -424,6 +424,8 @@ class TierController(Counting):
     def complete(self, rep: Report) -> None:
         """The executor's report: commit what was written, abort what failed, drop what did not
         verify, release the leases of loads that finished."""
+        for t, n in rep.capacity.items():  # a data plane smaller than configured: before its results
+            self._limit(t, n)
         exclusive: list[tuple[int, list[tuple[int, bytes]]]] = []
         for op_id, oks in sorted(rep.stored.items()):  # plan order, whatever order the report has
             st = self._stores.pop(op_id, None)
@@ -468,6 +470,18 @@ class TierController(Counting):
             gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
             if gone:
                 self._evict(lower, gone)
+
+    def _limit(self, t: int, n: int) -> None:
+        tier = self.tiers[t]
+        if t == self.remote or n >= tier.capacity_blocks:
+            return
+        was = tier.capacity_blocks
+        gone = tier.limit(n)
+        self._wb_max[t] = max(1, min(self._wb_max[t], n // 4))
+        if gone:
+            self._count(f"evicted_blocks.{tier.name}", len(gone))
+        log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
+                    "pool) is smaller", tier.name, n, was)
 
     def _complete_copy(self, op_id: int, by_rank: dict[int, list]) -> None:
         cp = self._copies.get(op_id)

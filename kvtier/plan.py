@@ -78,6 +78,7 @@ class Report:
     rank: int = 0
     nvme_written_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     gone: list[bytes] = field(default_factory=list)   # shared tier: keys a read found absent or bad
+    capacity: dict[int, int] = field(default_factory=dict)  # tier -> slots its data plane holds (when fewer)
 
     def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
         """Copy op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
@@ -101,12 +102,15 @@ class Report:
         for t, v in other.corrupt.items():
             corrupt.setdefault(t, []).extend(s for s in v if s not in corrupt[t])
         gone = list(self.gone) + [k for k in other.gone if k not in self.gone]
+        capacity = dict(self.capacity)
+        for t, n in other.capacity.items():
+            capacity[t] = min(n, capacity.get(t, n))
         return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
-                          nvme_written_ranks=written, gone=gone)
+                          nvme_written_ranks=written, gone=gone, capacity=capacity)
 
     def is_empty(self) -> bool:
         return not self.stored and not self.loaded and not self.nvme_written and not self.corrupt \
-            and not self.nvme_written_ranks and not self.gone
+            and not self.nvme_written_ranks and not self.gone and not self.capacity
 
 
 class Counting:

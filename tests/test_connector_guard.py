@@ -99,3 +99,53 @@ def test_failed_plan_fails_loads_and_releases_every_pin():
     assert tier.num_resident == 4                   # a's blocks stay; c's were never published
     # the next step plans normally
     assert not run_step(s, []).failed_loads
+
+
+# ---- a CPU pool that does not fit memory: shrunk at start, the scheduler's tier follows ----------
+
+def test_fit_pool_slots_shrinks_or_refuses():
+    import pytest
+
+    from kvtier.config import ConfigError
+    from kvtier.connector.startup import POOL_HEADROOM_BYTES, fit_pool_slots
+    bb = 1 << 20
+    assert fit_pool_slots("cpu", 100, bb, available=POOL_HEADROOM_BYTES + 200 * bb) == (100, None)
+    n, warn = fit_pool_slots("cpu", 100, bb, available=POOL_HEADROOM_BYTES + 40 * bb)
+    assert n == 40 and "shrunk to 40 blocks" in warn and "100.0 MiB asked" in warn
+    n, _ = fit_pool_slots("cpu", 100, bb, ranks=2, available=POOL_HEADROOM_BYTES + 40 * bb)
+    assert n == 20                              # two workers on the host share it
+    with pytest.raises(ConfigError, match="refused"):
+        fit_pool_slots("cpu", 100, bb, available=POOL_HEADROOM_BYTES)
+
+
+def test_shrunk_pool_limits_the_schedulers_tier(monkeypatch):
+    import torch
+
+    import kvtier.config
+    from kvtier.connector.metadata import KVTierMetadata
+    from kvtier.connector.startup import POOL_HEADROOM_BYTES
+    from kvtier.connector.worker import KVTierWorker
+
+    buf = torch.randn(2, 16, 2, 4, 8)
+    caches = {f"l{i}": buf[i] for i in range(2)}
+    bb = 2 * 2 * 4 * 8 * 4
+    monkeypatch.setattr(kvtier.config, "available_memory", lambda: POOL_HEADROOM_BYTES + 5 * bb)
+    w = KVTierWorker(lambda _bb: 8, pin=False)
+    w.register_kv_caches(caches)
+    assert w.pools[0].num_slots == 5
+    s, tier = make(cap=8)
+    r = Req("a", list(range(30)))             # 7 full blocks, 8 slots in the scheduler's tier
+    s.lookup(r, 0)
+    s.on_alloc(r, list(range(8)), 0)
+    meta = s.build_meta([("a", 30, list(range(8)))])
+    assert sorted(x for op in meta.stores for x in op.slots) == list(range(7))
+    w.bind(KVTierMetadata(stores=meta.stores))
+    w.save()                                  # slots 5 and 6 lie beyond the pool: that store fails whole
+    rep = w.take_result()
+    assert rep.capacity == {0: 5}
+    s.on_worker_meta(rep)
+    assert tier.capacity_blocks == 5 and tier.num_resident == 0 and tier.num_free_slots == 5
+    assert sum(tier._ref) == 0 and not tier._pending
+    store_request(s, Req("b", list(range(100, 130))), base=200)   # 7 blocks into 5 slots: 5 stay
+    assert tier.num_resident == 5 and max(tier.resident.values()) < 5
+    w.close()

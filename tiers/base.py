@@ -288,7 +288,20 @@ class SlotTier:
         self._state[s] = _FREE
         self._key_of[s] = None
         self._ref[s] = 0
-        self._free.append(s)
+        if s < self._cap:  # a slot beyond a limit() retires
+            self._free.append(s)
+
+    def limit(self, n: int) -> list[bytes]:
+        """Hold at most `n` slots from now on: the data plane behind this tier has fewer than
+        configured (a worker shrank its pool to fit memory). Free slots from `n` up retire now,
+        resident unpinned ones are evicted (their keys returned), pinned or pending ones retire
+        when released. Never grows the tier."""
+        if n >= self._cap or n < 1:
+            return []
+        self._cap = n
+        self._free = [s for s in self._free if s < n]
+        gone = [s for s in range(n, len(self._state)) if self._state[s] == _RESIDENT and self._ref[s] == 0]
+        return self.evict(gone) if gone else []
 
     def evict(self, block_ids: Sequence[int]) -> list[bytes]:
         """Drop resident, unpinned blocks; returns their keys."""
@@ -307,7 +320,8 @@ class SlotTier:
             state[s] = _FREE
             key_of[s] = None
         self.eviction.on_remove_many(block_ids, out)
-        self._free.extend(block_ids)
+        cap = self._cap
+        self._free.extend(s for s in block_ids if s < cap)
         return out
 
     def _restore(self, entries: Sequence[tuple[int, bytes]]) -> None:
