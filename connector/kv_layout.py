@@ -37,9 +37,17 @@ class ViewCopy:
 
 
 class KVLayout:
-    """Per-block byte views of every layer's KV tensor, and the split of one block region."""
+    """Every layer's KV tensor as blocks of bytes, and the split of one block region.
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    `num_blocks`: the KV-cache manager's blocks (vLLM's `kv_cache_config.num_blocks`). When the
+    attention backend rejects the manager's block size, vLLM splits each block into `ratio`
+    kernel blocks and the tensors' first dimension is `num_blocks * ratio`: block b is kernel
+    blocks [b * ratio, (b + 1) * ratio). A layer whose block is one dense byte range (whatever
+    the order of heads and tokens inside it) gets a `[num_blocks, layer_bytes]` byte view; views
+    of single blocks are made when a copy needs them, never kept per block.
+    """
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
         # vLLM may hand several names for one tensor (shared KV layers): copy each buffer once.
         seen: dict[tuple[int, tuple, tuple], int] = {}
         self.names: list[str] = []
@@ -54,40 +62,60 @@ class KVLayout:
             self.layer_of[name] = seen[sig]
         if not self.tensors:
             raise ValueError("kvtier: register_kv_caches got no KV tensors")
-        nb = {t.shape[0] for t in self.tensors}
-        if len(nb) != 1:
-            raise ValueError(f"kvtier: layers disagree on the number of blocks: {sorted(nb)}")
-        self.num_blocks = nb.pop()
+        nk = {t.shape[0] for t in self.tensors}
+        if len(nk) != 1:
+            raise ValueError(f"kvtier: layers disagree on the number of blocks: {sorted(nk)}")
+        kernel_blocks = nk.pop()
+        num_blocks = kernel_blocks if num_blocks is None else int(num_blocks)
+        if num_blocks <= 0 or kernel_blocks % num_blocks:
+            raise ValueError(f"kvtier: KV tensors have {kernel_blocks} blocks, not a multiple of the "
+                             f"{num_blocks} blocks of vLLM's KV-cache config")
+        self.ratio = r = kernel_blocks // num_blocks
+        self.num_blocks = num_blocks
         self.device = self.tensors[0].device
-        self.layer_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.layer_bytes = [t[:r].numel() * t.element_size() for t in self.tensors]
         self.offsets = [0]
         for b in self.layer_bytes:
             self.offsets.append(self.offsets[-1] + b)
         self.block_bytes = self.offsets[-1]
-        # per layer: a [num_blocks, layer_bytes] uint8 view when a block is contiguous, else None
+        # per layer: a [num_blocks, layer_bytes] uint8 view when a block is one dense byte range
         self.flat: list[torch.Tensor | None] = []
         for li, t in enumerate(self.tensors):
-            stride_b = t.stride(0) * t.element_size()
-            if t[0].is_contiguous() and stride_b >= self.layer_bytes[li]:
-                self.flat.append(torch.as_strided(_bytes_storage(t), (self.num_blocks, self.layer_bytes[li]),
+            el = t.element_size()
+            kernel_page = t[0].numel() * el
+            dense = _dense(t[0]) and (r == 1 or t.stride(0) * el == kernel_page)
+            stride_b = t.stride(0) * el * r
+            if dense and stride_b >= self.layer_bytes[li]:
+                self.flat.append(torch.as_strided(_bytes_storage(t), (num_blocks, self.layer_bytes[li]),
                                                    (stride_b, 1)))
             else:
                 self.flat.append(None)
-        self._views: list[tuple[torch.Tensor, ...] | None] = [f.unbind(0) if f is not None else None
-                                                              for f in self.flat]
 
     def block_views(self, block_id: int) -> list[torch.Tensor]:
-        """One view per layer of GPU block `block_id` (uint8 when contiguous)."""
-        out = []
-        for li, v in enumerate(self._views):
-            out.append(v[block_id] if v is not None else self.tensors[li][block_id])
-        return out
+        """One view per layer of block `block_id` (uint8 when it is a dense byte range)."""
+        r = self.ratio
+        return [f[block_id] if f is not None else (t[block_id] if r == 1 else t[block_id * r:(block_id + 1) * r])
+                for f, t in zip(self.flat, self.tensors)]
 
     def describe(self) -> dict:
         t = self.tensors[0]
         return {"layers": len(self.tensors), "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
-                "shape": list(t.shape), "stride": list(t.stride()), "dtype": str(t.dtype), "device": str(t.device),
+                "kernel_blocks_per_block": self.ratio, "shape": list(t.shape), "stride": list(t.stride()),
+                "dtype": str(t.dtype), "device": str(t.device),
                 "contiguous_blocks": all(f is not None for f in self.flat)}
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill one byte range without gaps, in any order of its dimensions."""
+    if t.numel() == 0:
+        return False
+    dims = sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1)
+    expect = 1
+    for stride, size in dims:
+        if stride != expect:
+            return False
+        expect *= size
+    return True
 
 
 def runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
