@@ -131,21 +131,20 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
 
 def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
     """The NVMe engine `select_engine` will pick when the worker opens the data file (`nv`: the
-    NVMe tier's config)."""
-    from kvtier.tiers.io_engines import cuda_driver_reason
+    NVMe tier's config). The worker's NVMe I/O always moves host buffers, so 'auto' is POSIX."""
+    from kvtier.tiers.io_engines import AUTO_HOST_REASON, KVIKIO_HOST_NOTE, cuda_driver_reason
 
+    posix = f"posix ({nv.io_threads} threads, O_DIRECT {nv.direct}"
     if nv.io == "posix":
-        return f"posix ({nv.io_threads} threads, O_DIRECT {nv.direct})"
+        return posix + ")"
+    if nv.io == "auto":
+        return f"{posix}; {AUTO_HOST_REASON})"
     why = cuda_driver_reason()
     if why is None:
         try:
             import kvikio  # noqa: F401,PLC0415
-            return f"kvikio ({nv.io_threads} threads)"
+            return f"kvikio ({nv.io_threads} threads; {KVIKIO_HOST_NOTE})"
         except Exception as e:
             why = f"kvikio not importable ({type(e).__name__})"
-    if nv.io == "kvikio":
-        warnings.append(f"kvtier: nvme io 'kvikio' asked but unusable ({why}): NVMe I/O will fail")
-        return f"kvikio (unusable: {why})"
-    if gpu:
-        warnings.append(f"kvtier: NVMe I/O falls back to POSIX: {why}")
-    return f"posix ({nv.io_threads} threads, O_DIRECT {nv.direct}; kvikio not used: {why})"
+    warnings.append(f"kvtier: nvme io 'kvikio' asked but unusable ({why}): NVMe I/O will fail")
+    return f"kvikio (unusable: {why})"

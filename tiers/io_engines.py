@@ -199,6 +199,21 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.dim() != 1 else t
 
 
+def _check_buffers(offsets, buffers, length, codec=None, keys=None) -> list[torch.Tensor]:
+    """The buffers as flat uint8 tensors, after checking counts, keys and sizes."""
+    if len(offsets) != len(buffers):
+        raise ValueError(f"{len(offsets)} offsets but {len(buffers)} buffers")
+    if codec is not None and (keys is None or len(keys) != len(offsets)):
+        raise ValueError("a keyed block write/read needs one key per block")
+    flat = []
+    for i, b in enumerate(buffers):
+        t = _flat(b)
+        if t.numel() < length:
+            raise ValueError(f"buffer {i} holds {t.numel()} bytes, block length is {length}")
+        flat.append(t)
+    return flat
+
+
 class _Bounce:
     """Page-aligned anonymous memory (mmap) as a uint8 tensor and a memoryview."""
 
@@ -239,6 +254,7 @@ class PosixEngine(IOEngine):
         self._lock = threading.Lock()
         self.syscalls = 0
         self.bounced_blocks = 0
+        self.io_errors = 0  # failed batches (each logged by _failed)
         self._live: set[cf.Future] = set()  # submitted, not finished: `drain` waits for them
         self._opening: set[_Gate] = set()   # batches being submitted (their tasks wait at the gate)
 
@@ -367,21 +383,8 @@ class PosixEngine(IOEngine):
 
         return FutureHandle(futs, reorder)
 
-    def _check(self, offsets, buffers, length, codec=None, keys=None) -> list[torch.Tensor]:
-        if len(offsets) != len(buffers):
-            raise ValueError(f"{len(offsets)} offsets but {len(buffers)} buffers")
-        if codec is not None and (keys is None or len(keys) != len(offsets)):
-            raise ValueError("a keyed block write/read needs one key per block")
-        flat = []
-        for i, b in enumerate(buffers):
-            t = _flat(b)
-            if t.numel() < length:
-                raise ValueError(f"buffer {i} holds {t.numel()} bytes, block length is {length}")
-            flat.append(t)
-        return flat
-
     def write(self, f, offsets, buffers, length, checksums=None, finish=None, codec=None, keys=None) -> IOHandle:
-        bufs = self._check(offsets, buffers, length, codec, keys)
+        bufs = _check_buffers(offsets, buffers, length, codec, keys)
         padded = round_up(length)
         hdr_n = HEADER if codec is not None else 0
         stride = hdr_n + padded
@@ -424,6 +427,8 @@ class PosixEngine(IOEngine):
                     self.syscalls += 1
                 return IOResult(ok=[True] * len(idx), nbytes=len(idx) * length)
             except OSError as e:
+                with self._lock:
+                    self.io_errors += 1
                 return _failed("write", len(idx), offsets[idx[0]], f.path, e)
             finally:
                 if bounce is not None:
@@ -435,7 +440,7 @@ class PosixEngine(IOEngine):
 
     def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None, codec=None,
              keys=None) -> IOHandle:
-        bufs = self._check(offsets, buffers, length, codec, keys)
+        bufs = _check_buffers(offsets, buffers, length, codec, keys)
         if codec is not None and expect is None:
             raise ValueError("a keyed block read needs the expected tags")
         padded = round_up(length)
@@ -489,6 +494,8 @@ class PosixEngine(IOEngine):
                     ok.append(why is None)
                 return IOResult(ok=ok, nbytes=len(idx) * length, errors=errs)
             except OSError as e:
+                with self._lock:
+                    self.io_errors += 1
                 return _failed("read", len(idx), offsets[idx[0]], f.path, e)
             finally:
                 if bounce is not None:
@@ -509,7 +516,8 @@ class PosixEngine(IOEngine):
 
     def stats(self) -> dict:
         return {"engine": self.description, "io_mode": self.mode, "io_threads": self.threads,
-                "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "fallback": self.fallback}
+                "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "io_errors": self.io_errors,
+                "fallback": self.fallback}
 
 
 def _open_in(path: str, flags: int, dir_fd: int | None) -> int:
@@ -607,14 +615,84 @@ def cuda_driver_reason() -> str | None:
         return f"no CUDA driver ({e})"
 
 
-class KvikioEngine(IOEngine):
-    """kvikio CuFile pread/pwrite: GPU tensors go straight to the file (GDS or kvikio's bounce).
+BUFFERS = ("host", "device")
+AUTO_HOST_REASON = ("io=auto: NVMe I/O moves host buffers (CPU pool, staging rows), which kvikio would "
+                    "only move with buffered POSIX calls, no GDS; using POSIX")
+KVIKIO_HOST_NOTE = "host buffers: kvikio's buffered POSIX path, no GDS"
 
+_STRERRORS: dict[str, int] = {}
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The errno of `e`: its own (OSError), or the one whose message kvikio's text carries."""
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    if not _STRERRORS:
+        _STRERRORS.update({os.strerror(n): n for n in sorted(_errno.errorcode, reverse=True)})
+    msg = str(e)
+    hits = [(len(s), n) for s, n in _STRERRORS.items() if s in msg]
+    return max(hits)[1] if hits else None
+
+
+def _error_kind(op: str, e: BaseException) -> tuple[str, int | None]:
+    """('write RuntimeError [ENOENT] libcuda.so.1: ...', errno): the kind an error is counted and
+    logged once under (kvikio's "KvikIO failure at: FILE:LINE:" prefix dropped)."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if msg.startswith("KvikIO failure at:"):
+        parts = msg.split(": ", 2)
+        msg = parts[2] if len(parts) == 3 else msg
+    en = _errno_of(e)
+    name = f" [{_errno.errorcode.get(en, en)}]" if en else ""
+    return f"{op} {type(e).__name__}{name}: {msg[:200]}", en
+
+
+def _kvikio_compat(kvikio) -> str:
+    """kvikio's compat mode setting (ON: POSIX I/O in kvikio's threads, OFF: cuFile, AUTO)."""
+    d = getattr(kvikio, "defaults", None)
+    if d is None:
+        try:
+            import importlib  # noqa: PLC0415
+            d = importlib.import_module("kvikio.defaults")  # a submodule kvikio does not import itself
+        except Exception:  # noqa: BLE001
+            return "unknown"
+    for get in (lambda: d.get("compat_mode"), lambda: d.compat_mode()):  # kvikio >= 25 / older
+        try:
+            v = get()
+            return getattr(v, "name", str(v))
+        except Exception:  # noqa: BLE001 - a missing or renamed setting
+            continue
+    return "unknown"
+
+
+def _reopen_path(fd: int, path: str) -> str:
+    """A path that opens exactly the file `fd` refers to (its /proc magic link), else `path`."""
+    p = f"/proc/self/fd/{fd}"
+    return p if os.path.exists(p) else path
+
+
+def _same_file(fd: int, other: int, path: str) -> None:
+    a, b = os.fstat(fd), os.fstat(other)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        from .nvme_block import UnsafePath
+        raise UnsafePath(_errno.ESTALE, f"data file {path}: kvikio opened another file than the one kvtier "
+                         f"checked (device/inode {b.st_dev}/{b.st_ino}, not {a.st_dev}/{a.st_ino}); refused", path)
+
+
+class KvikioEngine(IOEngine):
+    """kvikio CuFile pread/pwrite, one task per block.
+
+    CUDA tensors go straight to the file (GDS, or kvikio's own bounce buffers). Host tensors are
+    handed to kvikio as numpy views (kvikio takes host memory through the buffer protocol, which
+    torch CPU tensors lack); kvikio moves them with buffered POSIX calls. The file kvikio opens
+    is the one `open` checked (O_NOFOLLOW in the directory, owner): kvikio reopens it through
+    /proc/self/fd/N and its descriptor must name the same device and inode. Every failed
+    transfer is counted (`io_errors`, by kind in `stats()`) and each kind is logged once.
     Needs `kvikio` and a CUDA driver; constructing it without either raises EngineUnavailable.
     Checksums are computed on host bytes (GPU buffers are copied for hashing only).
     """
 
     name = "kvikio"
+    MAX_ERROR_KINDS = 64  # distinct kinds kept in stats (all are counted in io_errors)
 
     def __init__(self, threads: int = 4) -> None:
         why = cuda_driver_reason()
@@ -627,11 +705,10 @@ class KvikioEngine(IOEngine):
         self._kvikio = kvikio
         self.threads = threads
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvtier-kvikio")
-        try:
-            compat = kvikio.defaults.compat_mode()
-        except Exception:  # older kvikio
-            compat = "unknown"
-        self.compat = str(compat)
+        self.compat = _kvikio_compat(kvikio)
+        self._lock = threading.Lock()
+        self.io_errors = 0
+        self.error_kinds: dict[str, int] = {}
 
     @property
     def description(self) -> str:
@@ -639,18 +716,58 @@ class KvikioEngine(IOEngine):
 
     def open(self, path: str, dir_fd: int | None = None, read_only: bool = False) -> EngineFile:
         fd = _open_in(path, os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT, dir_fd)  # checks, fdatasync
-        return EngineFile(path, fd, True, self._kvikio.CuFile(path, "r" if read_only else "r+"))
+        handle = None
+        try:
+            try:
+                handle = self._kvikio.CuFile(_reopen_path(fd, path), "r" if read_only else "r+")
+            except Exception as e:  # kvikio raises RuntimeError for what open(2) refused
+                en = _errno_of(e) or _errno.EIO
+                raise OSError(en, f"kvikio cannot open {path}: {e}", path) from None
+            _same_file(fd, handle.fileno(), path)
+        except BaseException:
+            if handle is not None:
+                handle.close()
+            os.close(fd)
+            raise
+        return EngineFile(path, fd, True, handle)
+
+    def _error(self, op: str, e: BaseException, f: EngineFile, offset: int) -> IOResult:
+        """Count a failed block transfer; log its kind the first time it is seen."""
+        kind, en = _error_kind(op, e)
+        with self._lock:
+            self.io_errors += 1
+            first = kind not in self.error_kinds
+            if first and len(self.error_kinds) >= self.MAX_ERROR_KINDS:
+                kind = f"{op} (other kinds)"
+                first = kind not in self.error_kinds
+            self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+        msg = f"kvikio {op} at offset {offset} in {f.path}: {e}"
+        if first:
+            log.error("nvme io: %s (errno %s; further errors of this kind are only counted)",
+                      msg, _errno.errorcode.get(en, en) if en else "unknown")
+        return IOResult(ok=[False], errors=[msg])
+
+    def _views(self, offsets, buffers, length, codec, keys) -> list[tuple[torch.Tensor, object]]:
+        """(the block as a uint8 tensor, what kvikio is given) per buffer: numpy views of host
+        tensors, CUDA tensors as they are."""
+        for i, b in enumerate(buffers):
+            if not b.is_contiguous():
+                raise ValueError(f"buffer {i} is not contiguous (kvikio moves one memory range per block)")
+        out = []
+        for t in _check_buffers(offsets, buffers, length, codec, keys):
+            t = t[:length]
+            out.append((t, t.numpy() if t.device.type == "cpu" else t))
+        return out
 
     def write(self, f, offsets, buffers, length, checksums=None, finish=None, codec=None, keys=None) -> IOHandle:
-        bufs = [_flat(b) for b in buffers]
+        bufs = self._views(offsets, buffers, length, codec, keys)
         hdr_n = HEADER if codec is not None else 0
 
         def run(i: int) -> IOResult:
             try:
-                t = bufs[i][:length]
+                t, kv = bufs[i]
                 if checksums is not None or codec is not None:
-                    host = t if t.device.type == "cpu" else t.cpu()
-                    mv = memoryview(host.contiguous().numpy())
+                    mv = memoryview(kv if t.device.type == "cpu" else t.cpu().numpy())
                     if codec is not None:
                         hdr = memoryview(bytearray(HEADER))
                         c = codec.seal(hdr, keys[i], mv)
@@ -660,43 +777,41 @@ class KvikioEngine(IOEngine):
                         c = _xxh3(mv)
                     if checksums is not None:
                         checksums[i] = c
-                n = f.handle.pwrite(t, length, offsets[i] + hdr_n).get()
+                n = f.handle.pwrite(kv, length, offsets[i] + hdr_n).get()
                 if n != length:
                     raise OSError(_errno.EIO, f"short write {n} of {length}")
                 return IOResult(ok=[True], nbytes=length)
-            except Exception as e:
-                return IOResult(ok=[False], errors=[f"kvikio write at {offsets[i]} in {f.path}: {e}"])
+            except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError for I/O errors
+                return self._error("write", e, f, offsets[i])
 
         return FutureHandle([self._pool.submit(run, i) for i in range(len(bufs))], finish)
 
     def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None, codec=None,
              keys=None) -> IOHandle:
-        bufs = [_flat(b) for b in buffers]
+        bufs = self._views(offsets, buffers, length, codec, keys)
         hdr_n = HEADER if codec is not None else 0
 
         def run(i: int) -> IOResult:
             try:
-                t = bufs[i][:length]
-                n = f.handle.pread(t, length, offsets[i] + hdr_n).get()
+                t, kv = bufs[i]
+                n = f.handle.pread(kv, length, offsets[i] + hdr_n).get()
                 if n != length:
                     raise OSError(_errno.EIO, f"short read {n} of {length}")
                 if expect is not None:
-                    host = t if t.device.type == "cpu" else t.cpu()
-                    mv = memoryview(host.contiguous().numpy())
+                    mv = memoryview(kv if t.device.type == "cpu" else t.cpu().numpy())
                     if codec is not None:
                         why = codec.check(os.pread(f.fd, HEADER, offsets[i]), keys[i], expect[i], mv)
-                        got = expect[i] + 1 if why else expect[i]
                     else:
                         got = _xxh3(mv)
-                    if got != expect[i]:
+                        why = f"stored {expect[i]:016x}, read {got:016x}" if got != expect[i] else None
+                    if why is not None:
                         if mismatched is not None:
                             mismatched[i] = True
                         return IOResult(ok=[False], nbytes=length, errors=[
-                            f"checksum mismatch at offset {offsets[i]} in {f.path}: "
-                            f"stored {expect[i]:016x}, read {got:016x}"])
+                            f"block at offset {offsets[i]} in {f.path} fails verification: {why}"])
                 return IOResult(ok=[True], nbytes=length)
-            except Exception as e:
-                return IOResult(ok=[False], errors=[f"kvikio read at {offsets[i]} in {f.path}: {e}"])
+            except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError for I/O errors
+                return self._error("read", e, f, offsets[i])
 
         return FutureHandle([self._pool.submit(run, i) for i in range(len(bufs))], finish)
 
@@ -709,25 +824,40 @@ class KvikioEngine(IOEngine):
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def stats(self) -> dict:
+        with self._lock:
+            kinds = dict(self.error_kinds)
+        return {"engine": self.description, "io_threads": self.threads, "compat_mode": self.compat,
+                "io_errors": self.io_errors, "io_error_kinds": kinds}
+
 
 def select_engine(io: str = "auto", threads: int = 4, direct: bool | str = "auto",
-                  max_io_bytes: int = MAX_IO_BYTES) -> tuple[IOEngine, str]:
-    """Pick the I/O engine: 'kvikio', 'posix', or 'auto' (kvikio only with a CUDA driver + kvikio).
+                  max_io_bytes: int = MAX_IO_BYTES, buffers: str = "host") -> tuple[IOEngine, str]:
+    """Pick the I/O engine for transfers from/to `buffers` ('host' memory or CUDA 'device' memory).
 
-    Returns (engine, reason). io='kvikio' where it cannot run raises EngineUnavailable.
+    'posix': POSIX. 'kvikio': kvikio (EngineUnavailable where it cannot run; with host buffers it
+    works but is kvikio's buffered POSIX path, said in the reason). 'auto': POSIX for host buffers
+    (what the NVMe tier always moves); for device buffers kvikio when a CUDA driver and kvikio are
+    present, else POSIX. Returns (engine, reason); the choice is logged.
     """
     if io not in ("auto", "posix", "kvikio"):
         raise ValueError(f"io must be 'auto', 'posix' or 'kvikio', got {io!r}")
-    if io in ("auto", "kvikio"):
+    if buffers not in BUFFERS:
+        raise ValueError(f"buffers must be one of {BUFFERS}, got {buffers!r}")
+    if io == "kvikio" or (io == "auto" and buffers == "device"):
         try:
             eng = KvikioEngine(threads)
             reason = f"io={io}: CUDA driver present and kvikio imports"
+            if buffers == "host":
+                reason += f"; {KVIKIO_HOST_NOTE}"
             log.info("nvme io engine: %s (%s)", eng.description, reason)
             return eng, reason
         except EngineUnavailable as e:
             if io == "kvikio":
                 raise
             reason = f"io=auto: {e}; using POSIX"
+    elif io == "auto":
+        reason = AUTO_HOST_REASON
     else:
         reason = "io=posix asked"
     eng = PosixEngine(threads, direct, max_io_bytes)
