@@ -136,7 +136,8 @@ class KVTierConnector(KVConnectorBase_V1):
                                        nvme_io_threads=nvme.io_threads if nvme else 4,
                                        nvme_direct=nvme.direct if nvme else "auto",
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
-                                       ranks=_world_size(vllm_config),
+                                       ranks=_world_size(vllm_config), expected_block_bytes=bb or None,
+                                       num_blocks=getattr(kv_cache_config, "num_blocks", None),
                                        remote_fn=_remote_opener(shared, self.fingerprint, rank) if shared else None)
         _LIVE.add(self)
         if self.sched is not None and shared is not None:
@@ -168,6 +169,12 @@ class KVTierConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: loads are layer by layer (`wait_for_layer_load`), which a full CUDA-graph replay
+        would skip; vLLM then captures piecewise graphs, and attention runs between the pieces."""
+        return True
 
     # ==============================================================================
     # Worker side

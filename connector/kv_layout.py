@@ -19,6 +19,8 @@ import torch
 
 from kvtier.tiers.cpu_pool import CpuPool, _copier, copy_blocks, cuda_available
 
+from .device_copy import CudaStreams, DeviceCopier
+
 
 @dataclass
 class RowCopy:
@@ -188,69 +190,112 @@ def _bytes_storage(t: torch.Tensor) -> torch.Tensor:
         t.untyped_storage(), t.storage_offset() * t.element_size(), (n,), (1,))
 
 
-class KVCopier:
-    """Copies between vLLM's KV (`layout`) and the slots of a CPU pool (or any rows buffer)."""
+@dataclass
+class DeviceJob:
+    """Blocks <-> rows of a host tensor ([rows, block_bytes] uint8), by the device copier."""
 
-    def __init__(self, layout: KVLayout, pool: CpuPool) -> None:
+    host: torch.Tensor
+    block_ids: list[int]
+    rows: list[int]
+
+
+Job = RowCopy | ViewCopy | DeviceJob
+
+
+class KVCopier:
+    """Copies between vLLM's KV (`layout`) and the slots of a CPU pool (or any rows buffer).
+
+    On the CPU backend: row copies (`RowCopy`, numpy / one torch copy per run). On a GPU whose
+    blocks are dense byte ranges: the device copier (`device_copy.DeviceCopier`: batched, on a
+    side stream ordered against the forward). Otherwise per-layer views (`ViewCopy`).
+    `streams` forces the device copier (tests drive it on CPU tensors with a recording fake).
+    """
+
+    def __init__(self, layout: KVLayout, pool: CpuPool, streams=None) -> None:
         self.layout = lay = layout
         self.pool = pool
         n = pool.num_slots
         L = len(lay.layer_bytes)
         uniform = len(set(lay.layer_bytes)) == 1
-        self._slot_layer = pool.buffer.view(n * L, lay.layer_bytes[0]).unbind(0) if uniform else None
+        self.pool_rows = pool.buffer.view(n, lay.block_bytes)
+        dense = all(f is not None for f in lay.flat)
+        self.device: DeviceCopier | None = None
+        if streams is None and lay.device.type == "cuda" and dense and cuda_available():  # pragma: no cover
+            streams = CudaStreams(lay.device)
+        if streams is not None and dense:
+            self.device = DeviceCopier(lay.flat, lay.offsets, streams)
         # [slot, layer, layer_bytes] views: a run of consecutive (block, slot) pairs is one
         # strided copy per layer (no per-block Python call)
-        self.runs_ok = uniform and lay.device.type == "cpu" and all(f is not None for f in lay.flat)
-        self.pool3 = pool.buffer.view(n, L, lay.layer_bytes[0]).numpy() if self.runs_ok else None
+        self.runs_ok = uniform and lay.device.type == "cpu" and dense and self.device is None
+        self.pool3 = self.pool_rows.view(n, L, lay.layer_bytes[0]).numpy() if self.runs_ok else None
         self._flat_np = [f.numpy() for f in lay.flat] if self.runs_ok else []
         # every layer's blocks as one strided [layer, block, bytes] view when the layers sit in one
         # allocation at a fixed distance (vLLM's allocate_kv_cache): a run of blocks is then one
         # torch copy over all layers, run by the OpenMP team that the forward uses
         self.kv3 = _layers_view(lay) if self.runs_ok else None
         self._stream = None
-        if lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
-            self._stream = torch.cuda.Stream(device=lay.device)
+        if self.device is None and lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
+            self._stream = CudaStreams(lay.device)
 
     def _slot_views(self, slot: int) -> list[torch.Tensor]:
-        lay = self.layout
-        L = len(lay.layer_bytes)
-        if self._slot_layer is not None:
-            return list(self._slot_layer[slot * L:(slot + 1) * L])
-        v = self.pool.views[slot]
-        return [v[lay.offsets[i]:lay.offsets[i + 1]] for i in range(L)]
+        row, offs = self.pool_rows[slot], self.layout.offsets
+        return [row[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)]
 
-    def pool_job(self, block_ids: Sequence[int], slots: Sequence[int]) -> RowCopy | ViewCopy:
+    def pool_job(self, block_ids: Sequence[int], slots: Sequence[int]) -> Job:
         """The copy between these GPU blocks and these pool slots (either direction)."""
+        if self.device is not None:
+            return DeviceJob(self.pool_rows, list(block_ids), list(slots))
         if self.runs_ok:
             return RowCopy(self.pool3, runs(block_ids, slots))
         return ViewCopy(self.gpu_views(block_ids), self.slot_views(slots))
 
-    def rows_job(self, rows3: np.ndarray | None, block_ids: Sequence[int], rows: Sequence[int],
-                 bufs: Sequence[torch.Tensor]) -> RowCopy | ViewCopy:
-        """Blocks <- rows of `rows3` when row copies apply, else from the whole-block buffers `bufs`."""
-        if rows3 is not None and self.runs_ok:
-            return RowCopy(rows3, runs(block_ids, rows))
+    def rows_job(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int],
+                 bufs: Sequence[torch.Tensor]) -> Job:
+        """Blocks <- rows of `host` ([rows, block_bytes] uint8), or from the whole-block buffers
+        `bufs` when `host` is None (reads into buffers of their own)."""
         lay = self.layout
+        if host is not None and self.device is not None:
+            return DeviceJob(host, list(block_ids), list(rows))
+        if host is not None and self.runs_ok:
+            rows3 = host.view(host.shape[0], len(lay.layer_bytes), lay.layer_bytes[0]).numpy()
+            return RowCopy(rows3, runs(block_ids, rows))
         src = []
         for v in bufs:
             src.extend(v[lay.offsets[li]:lay.offsets[li + 1]] for li in range(len(lay.layer_bytes)))
         return ViewCopy(self.gpu_views(block_ids), src)
 
-    def copy_layer(self, li: int, jobs: Sequence[RowCopy | ViewCopy]) -> None:
-        """Layer `li` of every job, into the KV (the loader thread's unit of work)."""
-        L = len(self.layout.tensors)
-        d: list[torch.Tensor] = []
-        s: list[torch.Tensor] = []
+    # ---- a GPU: asynchronous, ordered by events ---------------------------------------------
+    def store_async(self, jobs: Sequence[Job]) -> object | None:
+        """Enqueue KV -> host copies after the forward; returns the event to `sync` (or None:
+        the copies ran synchronously)."""
+        if self.device is None:
+            self.run(jobs, to_kv=False)
+            return None
+        ev = None
         for j in jobs:
-            if isinstance(j, RowCopy):
-                self.copy_runs(li, j.rows3, j.runs, to_kv=True)
-            else:
-                d.extend(j.dst[li::L])
-                s.extend(j.src[li::L])
-        if d:
-            self.copy(d, s)
+            ev = self.device.store(j.host, j.block_ids, j.rows)
+        return ev
 
-    def run(self, jobs: Sequence[RowCopy | ViewCopy], to_kv: bool) -> None:
+    def load_layered(self, jobs: Sequence[Job]) -> list | None:
+        """Enqueue host -> KV copies; returns one event per layer for `wait_layer` (None: the
+        copies ran synchronously, on the CPU backend)."""
+        if self.device is None:
+            self.run(jobs, to_kv=True)
+            return None
+        events = None
+        for j in jobs:  # the side stream runs them in order: the last job's events cover all
+            events = self.device.load(j.host, j.block_ids, j.rows)
+        return events
+
+    def wait_layer(self, event) -> None:
+        self.device.streams.compute_wait(event)
+
+    def sync(self, event) -> None:
+        if event is not None and self.device is not None:
+            self.device.streams.sync(event)
+
+    # ---- the host (CPU backend) and per-view copies -----------------------------------------
+    def run(self, jobs: Sequence[Job], to_kv: bool) -> None:
         """Every job now, on this thread (and the cores)."""
         rows = [j for j in jobs if isinstance(j, RowCopy)]
         if rows:
@@ -261,6 +306,14 @@ class KVCopier:
                     self.copy(j.dst, j.src)
                 else:
                     self.copy(j.src, j.dst)
+            elif isinstance(j, DeviceJob):
+                dev = self.device
+                if to_kv:
+                    events = dev.load(j.host, j.block_ids, j.rows)
+                    if events:
+                        dev.streams.sync(events[-1])
+                else:
+                    dev.streams.sync(dev.store(j.host, j.block_ids, j.rows))
 
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         # shapes differ only for non-contiguous layer blocks: view the byte side accordingly
@@ -273,10 +326,12 @@ class KVCopier:
                     s = s.view(d.dtype).view(d.shape)
             d2.append(d)
             s2.append(s)
-        if self._stream is not None:  # pragma: no cover - GPU only
-            with torch.cuda.stream(self._stream):
+        if self._stream is not None:  # pragma: no cover - GPU only, a layout the device copier cannot take
+            st = self._stream
+            st.fence()
+            with st.side():
                 torch._foreach_copy_(d2, s2, non_blocking=True)
-            self._stream.synchronize()
+            st.sync(st.record())
         elif d2:
             copy_blocks(d2, s2, d2[0].numel() * d2[0].element_size())
 

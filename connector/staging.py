@@ -7,7 +7,6 @@ grown on demand; each load of a step gets its own rows, so two loads in one step
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kvtier.tiers.cpu_pool import HostBuffer, host_buffer
@@ -35,10 +34,10 @@ class Staging:
             self._t = self._buf.tensor
         return list(self._t[:n * bb].view(n, bb).unbind(0))
 
-    def rows3(self, layers: int, layer_bytes: int) -> np.ndarray:
-        """The buffer as [row, layer, layer bytes] (a numpy view, for row copies)."""
+    def rows(self) -> torch.Tensor:
+        """The buffer as [row, block_bytes] (the rows `views` handed out, and any beyond)."""
         t = self._t
-        return t[:t.numel() // self.block_bytes * self.block_bytes].view(-1, layers, layer_bytes).numpy()
+        return t[:t.numel() // self.block_bytes * self.block_bytes].view(-1, self.block_bytes)
 
     def close(self) -> None:
         if self._buf is not None:

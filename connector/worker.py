@@ -15,9 +15,7 @@ the controller. Jobs live next door: `kv_layout.py` (vLLM's KV layout, gather / 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -42,9 +40,15 @@ NVME_REOPEN_S = 30.0             # an NVMe data file that failed to open is trie
 class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
-                 nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1) -> None:
+                 nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1,
+                 num_blocks: int | None = None, copy_streams=None) -> None:
         """`remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for
-        this rank, or None when the stack has no shared tier."""
+        this rank, or None when the stack has no shared tier. `num_blocks`: vLLM's KV-cache blocks
+        (the tensors may hold more kernel blocks, `KVLayout`); `expected_block_bytes`: what the
+        scheduler sized its tiers with (a layout that disagrees is refused). `copy_streams`:
+        forces the device copier with these streams (tests)."""
+        self._num_blocks = num_blocks
+        self._copy_streams = copy_streams
         self._cpu_blocks_fn = cpu_blocks_fn
         self._remote_fn = remote_fn
         self.remote = None                    # RedisData: the shared tier's data plane
@@ -76,11 +80,10 @@ class KVTierWorker(Counting):
         self._remote_tier: int | None = None
         self.puts = WriteBehind(nvme_write_lag_steps)   # shared-tier writes, reported the same way
         self._step = 0
-        # layer-pipelined loads: copies run layer by layer on a loader thread while the forward
-        # runs; wait_layer(name) blocks until that layer's blocks are in place
-        self._loader: ThreadPoolExecutor | None = None
-        self._load_job: Future | None = None
-        self._layer_events: list[threading.Event] | None = None
+        # layer-pipelined loads on a GPU: copies enqueued on a side stream before the forward, one
+        # event per layer that the forward's stream waits on (wait_layer); the host syncs the last
+        self._load_event = None
+        self._layer_events: list | None = None
         self._load_done: list[tuple[Any, str, list[bool]]] = []
         self._sync_s = self._copy_s = 0.0
         # test hook: corrupt / fail loads on purpose
@@ -88,10 +91,23 @@ class KVTierWorker(Counting):
 
     # ---- setup -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = lay = KVLayout(kv_caches)
+        """Take vLLM's KV tensors. A second call (vLLM re-registering, e.g. after sleep mode)
+        keeps the CPU pool and its blocks when the block is the same size; otherwise refused."""
+        lay = KVLayout(kv_caches, self._num_blocks)
         if self._expected is not None and self._expected != lay.block_bytes:
             raise ValueError(f"kvtier: block is {lay.block_bytes} B on the worker but the scheduler "
                              f"sized its tiers for {self._expected} B")
+        if self.pools:
+            if self.pools[0].block_bytes != lay.block_bytes:
+                raise ValueError(f"kvtier: KV re-registered with {lay.block_bytes} B blocks, the CPU pool "
+                                 f"holds {self.pools[0].block_bytes} B blocks")
+            self.finish_loads()
+            self.layout = lay
+            self.kv = KVCopier(lay, self.pools[0], self._copy_streams)
+            log.info("kvtier worker: KV re-registered (%s); cpu pool kept, %d slots", lay.describe(),
+                     self.pools[0].num_slots)
+            return
+        self.layout = lay
         asked = self._cpu_blocks_fn(lay.block_bytes)
         n, warning = fit_pool_slots("cpu", asked, lay.block_bytes, self._ranks)
         if warning:
@@ -100,8 +116,8 @@ class KVTierWorker(Counting):
             self._result.capacity[0] = n   # the scheduler's tier follows (its first report)
         pool = CpuPool(n, lay.block_bytes, self._pin)
         self.pools = [pool]
-        self.kv = KVCopier(lay, pool)
-        self.staging = Staging(lay.block_bytes)
+        self.kv = KVCopier(lay, pool, self._copy_streams)
+        self.staging = Staging(lay.block_bytes, self._pin)
         log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
         if self._remote_fn is not None and self.remote is None:
             self.remote = self._remote_fn(lay.block_bytes, self._count)
@@ -173,10 +189,13 @@ class KVTierWorker(Counting):
                 raise RuntimeError("no NVMe data plane on this worker (no nvme_dir in the metadata)")
             if op.checksums is None or len(op.checksums) != n:
                 raise RuntimeError("NVMe load without expected checksums")
-        if pre is not None:  # read ahead (an asynchronous load): rows of its own, or CPU slots
-            bufs, h = pre
+        # the rows the blocks are read into, then copied from: CPU slots, rows of its own (read
+        # ahead), or this op's staging rows
+        if pre is not None:  # read ahead (an asynchronous load)
+            host, rows, bufs, h = pre
             reads = [(0, [False] * n, h)]
         else:
+            host, rows = (self.kv.pool_rows, op.via) if op.via else (self.staging.rows(), range(row0, row0 + n))
             bufs = [self.pools[0].views[s] for s in op.via] if op.via else stage[row0:row0 + n]
             step = max(1, self.nvme_load_chunk_bytes // self.layout.block_bytes) if copy_now else n
             reads = []  # all chunks in flight at once: the engine's pool keeps the disk / server busy
@@ -188,11 +207,7 @@ class KVTierWorker(Counting):
                 else:
                     reads.append((lo, bad, self.nvme.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
                                                          keys=op.keys[lo:hi] if op.keys else None)))
-        # the rows the blocks are copied from: CPU slots, or this op's staging rows
-        lay, kv = self.layout, self.kv
-        rows = op.via or range(row0, row0 + n)
-        src3 = kv.pool3 if op.via else (self.staging.rows3(len(lay.layer_bytes), lay.layer_bytes[0])
-                                        if kv.runs_ok and pre is None else None)
+        kv = self.kv
         oks: list[bool] = []
         corrupt: list[int] = []
         errors: list[str] = []
@@ -206,7 +221,7 @@ class KVTierWorker(Counting):
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
             if not good:
                 continue
-            job = kv.rows_job(src3, [op.block_ids[i] for i in good], [rows[i] for i in good],
+            job = kv.rows_job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
                               [bufs[i] for i in good])
             if copy_now:
                 self._copy_jobs_now([job])
@@ -267,9 +282,10 @@ class KVTierWorker(Counting):
         of its own, kept until `poll_async` copies them into the KV."""
         n = len(op.keys or [])
         if op.via:
-            bufs = [self.pools[0].views[s] for s in op.via]
+            host, rows = self.kv.pool_rows, list(op.via)
         else:
-            bufs = list(torch.empty((n, self.layout.block_bytes), dtype=torch.uint8).unbind(0))
+            host, rows = torch.empty((n, self.layout.block_bytes), dtype=torch.uint8), list(range(n))
+        bufs = [host[r] for r in rows]
         try:
             if self.remote is None:
                 raise RuntimeError("no shared-tier data plane on this worker")
@@ -278,7 +294,7 @@ class KVTierWorker(Counting):
             self._once(("remote_read",) + cause(e), logging.WARNING,
                        "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
             h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
-        self._fetched[id(op)] = (bufs, h)
+        self._fetched[id(op)] = (host, rows, bufs, h)
 
     IDLE_WAIT_S = 1.0   # a step with nothing but asynchronous loads waits this long for them at most
 
@@ -319,9 +335,10 @@ class KVTierWorker(Counting):
     def _run_loads(self, ops: list, layered: bool) -> None:
         if not ops:
             return
+        self.finish_loads()  # the last step's copies may still read the staging rows handed out again here
         t0 = time.perf_counter()
         self._copy_s = 0.0
-        copy_now = self.layout.device.type == "cpu" or not layered
+        copy_now = self.kv.device is None or not layered  # layered: the device copier (a GPU)
         jobs: list[RowCopy | ViewCopy] = []
         # lower-tier loads without CPU slots each get their own staging rows for this step
         staged = sum(len(op.slots) for op in ops if op.tier != 0 and not op.via and id(op) not in self._fetched)
@@ -351,51 +368,38 @@ class KVTierWorker(Counting):
                 row0 += len(op.slots)
             self._load_done.append((op, name, oks))
         if jobs and not copy_now:
-            # a GPU: copies on the loader thread's stream overlap the forward, layer by layer
+            # a GPU: copies on the side stream overlap the forward; each layer's attention waits
+            # for its own event (wait_layer), the host for none of them
             self._sync_s = time.perf_counter() - t0  # NVMe reads + checksums, before the forward
-            L = len(self.layout.tensors)
-            self._layer_events = [threading.Event() for _ in range(L)]
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-            self._load_job = self._loader.submit(self._copy_layers, jobs, self._layer_events)
+            t1 = time.perf_counter()
+            self._layer_events = self.kv.load_layered(jobs)
+            self._copy_s += time.perf_counter() - t1
+            self._load_event = self._layer_events[-1] if self._layer_events else None
             return
         if jobs:
             self._copy_jobs_now(jobs)
         self._sync_s = time.perf_counter() - t0 - self._copy_s  # NVMe reads + checksums not hidden
         self.finish_loads()
 
-    def _copy_layers(self, jobs: list[RowCopy | ViewCopy], events: list[threading.Event]) -> None:
-        """The loader thread: copy into the KV layer by layer, setting each layer's event."""
-        try:
-            for li in range(len(events)):
-                t0 = time.perf_counter()
-                self.kv.copy_layer(li, jobs)
-                self._copy_s += time.perf_counter() - t0
-                events[li].set()
-        finally:
-            for e in events:  # never leave the forward waiting
-                e.set()
-
     def wait_layer(self, layer_name: str) -> None:
+        """The forward is about to run `layer_name`'s attention: its blocks must be in place."""
         events = self._layer_events
         if events is None:
             return
         li = self.layout.layer_of.get(layer_name) if self.layout is not None else None
-        if li is None:
-            self.finish_loads()
-        else:
-            events[li].wait()
+        self.kv.wait_layer(events[-1] if li is None else events[li])
 
     def finish_loads(self) -> None:
         """Wait for this step's copies; account them; a failed copy makes its blocks load errors."""
-        job, self._load_job = self._load_job, None
+        ev, self._load_event = self._load_event, None
         failed = None
-        if job is not None:
+        if ev is not None:
             try:
-                job.result()
-            except Exception as e:  # pragma: no cover - a host memcpy does not fail
+                self.kv.sync(ev)
+            except Exception as e:  # pragma: no cover - a failed device copy
                 failed = e
-                log.warning("kvtier: layer copies failed: %s", e)
+                self._once(("layer_copies",) + cause(e), logging.ERROR, "kvtier: copies into the KV failed: %s "
+                           "(the blocks are load errors: vLLM recomputes them)", e)
         self._layer_events = None
         done, self._load_done = self._load_done, []
         busy = self._sync_s + self._copy_s  # time spent loading (the copies overlap the forward)
@@ -430,26 +434,33 @@ class KVTierWorker(Counting):
         if tainted and meta.stores:
             self._once(("tainted",), logging.WARNING, "kvtier: a load failed this step: its %d stores are "
                        "dropped (computed over blocks vLLM recomputes)", len(meta.stores))
+        t0 = time.perf_counter()
+        planned: list[tuple] = []  # (op, its copy job): every store of the step in one batch
         for op in meta.stores:
-            name = self._tier_name(op.tier)
-            t0 = time.perf_counter()
             try:
                 if tainted:
                     raise RuntimeError("a load failed this step")
                 if op.tier != 0 or self.kv is None:
                     raise RuntimeError(f"tier {op.tier} has no data plane on this worker")
                 self._check_slots(op.slots)
-                self.kv.run([self.kv.pool_job(op.block_ids, op.slots)], to_kv=False)
-                oks = [True] * len(op.slots)
-            except Exception as e:
-                if not tainted:
-                    self._once(("store", name) + cause(e), logging.WARNING,
-                               "kvtier: store of %d blocks to %s failed: %s", len(op.slots), name, e)
-                oks = [False] * len(op.slots)
-                failed_cpu.update(op.slots)
-            dt = time.perf_counter() - t0
-            self._result.stored[op.op_id] = oks
-            n = sum(oks)
+                planned.append((op, self.kv.pool_job(op.block_ids, op.slots)))
+            except Exception as e:  # noqa: BLE001 - this op's store fails, the others run
+                self._store_failed(op, e, tainted, failed_cpu)
+        if planned:
+            try:  # after the forward (a GPU: the side stream waits on it), one sync for the step
+                self.kv.sync(self.kv.store_async([j for _, j in planned]))
+            except Exception as e:  # noqa: BLE001
+                for op, _ in planned:
+                    self._store_failed(op, e, False, failed_cpu)
+                planned = []
+        dt = time.perf_counter() - t0
+        for op, _ in planned:
+            self._result.stored[op.op_id] = [True] * len(op.slots)
+        by_tier: dict[str, int] = {}
+        for op, _ in planned:
+            name = self._tier_name(op.tier)
+            by_tier[name] = by_tier.get(name, 0) + len(op.slots)
+        for name, n in by_tier.items():
             self._count(f"bytes_stored.{name}", n * self.layout.block_bytes)
             self._count(f"seconds_stored.{name}", dt)
             self._count(f"blocks_stored.{name}", n)
@@ -561,6 +572,15 @@ class KVTierWorker(Counting):
         return e
 
     # ---- failures: the safe answer when a step's work cannot run (connector/guard.py) ----------
+    def _store_failed(self, op, e: BaseException, tainted: bool, failed_cpu: set[int]) -> None:
+        """A store op that did not run: its slots are released by the scheduler (a future miss)."""
+        if not tainted:
+            name = self._tier_name(op.tier)
+            self._once(("store", name) + cause(e), logging.WARNING,
+                       "kvtier: store of %d blocks to %s failed: %s", len(op.slots), name, e)
+        self._result.stored[op.op_id] = [False] * len(op.slots)
+        failed_cpu.update(op.slots)
+
     def _check_slots(self, slots) -> None:
         """CPU slots must lie in this worker's pool (smaller than configured when it was shrunk to
         fit memory, until the scheduler's tier follows)."""
@@ -673,9 +693,6 @@ class KVTierWorker(Counting):
         self.puts.close(wait=not late_puts)
         if late or late_puts:  # a write still reads the CPU pool (and the data file): leave them to exit
             return final
-        if self._loader is not None:
-            self._loader.shutdown(wait=True)
-            self._loader = None
         if self.nvme is not None:
             self.nvme.close()
             self.nvme = None

@@ -1,0 +1,214 @@
+"""vLLM's KV layouts as a GPU presents them, on CPU tensors shaped like them (issue 20): kernel
+blocks split from the manager's blocks, FlashAttention's token-major blocks, copies ordered by
+stream events, no per-block views kept, re-registration keeping the pool."""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+
+import pytest
+import torch
+
+from kvtier.connector.device_copy import DeviceCopier, row_runs
+from kvtier.connector.kv_layout import KVLayout
+from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connector.worker import KVTierWorker
+
+NB, H, BS, D2 = 12, 2, 16, 8
+
+
+class RecordingStreams:
+    """`device_copy.Streams` on CPU tensors: records each call in order; events are numbers."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.n = 0
+
+    def fence(self):
+        self.calls.append(("fence",))
+
+    def side(self):
+        rec = self
+
+        class _Side:
+            def __enter__(self):
+                rec.calls.append(("side",))
+
+            def __exit__(self, *a):
+                rec.calls.append(("main",))
+        return _Side()
+
+    def record(self):
+        self.n += 1
+        self.calls.append(("record", self.n))
+        return self.n
+
+    def compute_wait(self, ev):
+        self.calls.append(("compute_wait", ev))
+
+    def sync(self, ev):
+        self.calls.append(("sync", ev))
+
+
+def flash_caches(layers=3, ratio=1, blocks=NB):
+    """Per layer [blocks * ratio, heads, tokens, 2*head] views of a [blocks * ratio, tokens, heads,
+    2*head] buffer (FlashAttention's NHD order): a block is not contiguous as a tensor, but it is
+    one dense byte range."""
+    raw = torch.randn(layers, blocks * ratio, BS // ratio, H, D2)
+    return {f"model.layers.{i}.self_attn.attn": raw[i].permute(0, 2, 1, 3) for i in range(layers)}
+
+
+def test_flash_attention_blocks_are_dense_byte_ranges():
+    caches = flash_caches()
+    t = next(iter(caches.values()))
+    assert not t[0].is_contiguous()
+    lay = KVLayout(caches)
+    assert all(f is not None for f in lay.flat) and lay.ratio == 1
+    assert lay.layer_bytes == [H * BS * D2 * 4] * 3
+    # the view is the block's memory as it lies, byte for byte
+    for li, (name, t) in enumerate(caches.items()):
+        raw = t.permute(0, 2, 1, 3)  # back to the buffer's own order
+        assert torch.equal(lay.flat[li][5], raw[5].contiguous().view(-1).view(torch.uint8))
+
+
+def test_heads_outermost_is_not_dense():
+    t = torch.randn(H, NB, BS, D2).permute(1, 0, 2, 3)   # blocks interleaved with other blocks
+    lay = KVLayout({"l0": t})
+    assert lay.flat == [None]
+
+
+def test_kernel_blocks_split_from_the_managers_blocks():
+    """vLLM splits a 16-token block into 2 kernel blocks of 8 when the backend wants 8: the tensors
+    hold 2 x num_blocks blocks and block b is kernel blocks 2b and 2b+1."""
+    caches = flash_caches(ratio=2)
+    with pytest.raises(ValueError, match="not a multiple"):
+        KVLayout(caches, num_blocks=5)
+    lay = KVLayout(caches, num_blocks=NB)
+    assert lay.ratio == 2 and lay.num_blocks == NB
+    assert lay.layer_bytes == [H * BS * D2 * 4] * 3
+    w = KVTierWorker(lambda bb: 8, pin=False, num_blocks=NB, expected_block_bytes=lay.block_bytes)
+    w.register_kv_caches(caches)
+    orig = {n: t.clone() for n, t in caches.items()}
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 11])]))
+    w.save()
+    assert w.take_result().stored == {1: [True, True]}
+    for t in caches.values():
+        t.zero_()
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [1, 0], [6, 2])]))
+    w.start_load()
+    assert w.take_result().loaded == {"r": True}
+    for n, t in caches.items():     # block 11 -> 6 is kernel blocks 22, 23 -> 12, 13
+        assert torch.equal(t[12:14], orig[n][22:24]) and torch.equal(t[4:6], orig[n][6:8])
+        assert not t[0:4].any() and not t[6:12].any()
+    w.close()
+
+
+def test_a_layout_the_scheduler_did_not_size_is_refused():
+    caches = flash_caches()
+    with pytest.raises(ValueError, match="sized its tiers"):
+        KVTierWorker(lambda bb: 8, pin=False, expected_block_bytes=1234).register_kv_caches(caches)
+
+
+def test_row_runs():
+    assert row_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert row_runs([]) == []
+
+
+@pytest.mark.parametrize("staging_blocks", [64, 2])
+def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
+    """The GPU path on CPU tensors: a store fences after the forward, then one event the worker
+    syncs before it reports; a load fences, records one event per layer, and wait_layer makes
+    the compute stream wait on that layer's event. Bytes land exactly, in chunks too."""
+    caches = flash_caches()
+    names = list(caches)
+    rec = RecordingStreams()
+    w = KVTierWorker(lambda bb: 16, pin=False, copy_streams=rec)
+    w.register_kv_caches(caches)
+    assert w.kv.device is not None and not w.kv.runs_ok
+    w.kv.device.chunk = staging_blocks
+    orig = {n: t.clone() for n, t in caches.items()}
+    blocks, slots = [3, 4, 5, 9, 1], [7, 8, 9, 0, 15]
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))
+    w.save()
+    calls = rec.calls
+    assert calls[0] == ("fence",) and calls[1] == ("side",)
+    assert calls[-1][0] == "sync" and calls[-2] == ("record", calls[-1][1])   # synced before reporting
+    assert w.take_result().stored == {1: [True] * 5}
+    rows = w.pools[0].buffer.view(16, -1)
+    for b, sl in zip(blocks, slots):   # slot = layer 0's bytes of the block, then layer 1's, ...
+        want = torch.cat([w.layout.flat[li][b] for li in range(3)])
+        assert torch.equal(rows[sl], want)
+    for t in caches.values():
+        t.zero_()
+    rec.calls.clear()
+    dst = [10, 11, 0, 2, 6]
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst)]))
+    w.start_load()
+    assert rec.calls[0] == ("fence",)
+    layer_events = w._layer_events
+    assert len(layer_events) == 3 and not any(c[0] == "sync" for c in rec.calls[-4:])  # the host did not wait
+    for li, n in enumerate(names):
+        w.wait_layer(n)
+        assert rec.calls[-1] == ("compute_wait", layer_events[li])
+    assert w.take_result().loaded == {"r": True}
+    assert ("sync", layer_events[-1]) in rec.calls                     # finish_loads: before the host moves on
+    for n, t in caches.items():
+        for b, d in zip(blocks, dst):
+            assert torch.equal(t[d], orig[n][b])
+    w.close()
+
+
+def test_reregistration_keeps_the_pool_and_its_blocks():
+    caches = flash_caches()
+    w = KVTierWorker(lambda bb: 8, pin=False)
+    w.register_kv_caches(caches)
+    orig = {n: t.clone() for n, t in caches.items()}
+    w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [2], [5])]))
+    w.save()
+    w.take_result()
+    pool = w.pools[0]
+    caches2 = {n: torch.zeros_like(t) for n, t in caches.items()}   # vLLM hands new tensors
+    w.register_kv_caches(caches2)
+    assert w.pools[0] is pool
+    w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [2], [7])]))
+    w.start_load()
+    assert w.take_result().loaded == {"r": True}
+    for n, t in caches2.items():
+        assert torch.equal(t[7], orig[n][5])      # the index's slot still holds the block, not zeros
+    w.close()
+
+
+def _rss() -> int:
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def test_no_per_block_views_for_a_large_kv():
+    """100k blocks x 64 layers: building the layout and the copier keeps no per-block, per-layer
+    views (before: 6.4 million tensor objects, gigabytes of host RAM and seconds at start)."""
+    blocks, layers = 100_000, 64
+    buf = torch.zeros(layers, blocks, 1, 1, 8)          # 32 B per block and layer: 205 MB of "KV"
+    caches = {f"l{i}": buf[i] for i in range(layers)}
+    gc.collect()
+    before = _rss()
+    w = KVTierWorker(lambda bb: 64, pin=False)
+    w.register_kv_caches(caches)
+    grown = _rss() - before
+    assert w.layout.num_blocks == blocks
+    assert grown < 32 << 20, f"RSS grew {grown >> 20} MiB"
+    w.close()
+
+
+def test_requires_piecewise_cuda_graphs():
+    """Full CUDA-graph replay skips wait_for_layer_load: vLLM must fall back to piecewise graphs,
+    for kvtier alone and as a MultiConnector child (vLLM asks each child)."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvtier.connector import KVTierConnector
+    assert KVTierConnector.requires_piecewise_for_cudagraph({}) is True
+    child = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
+             "kv_role": "kv_both", "kv_connector_extra_config": {}}
+    assert MultiConnector.requires_piecewise_for_cudagraph({"connectors": [child]}) is True
