@@ -76,7 +76,7 @@ class KVTierWorker(Counting):
         self.writes = WriteBehind(nvme_write_lag_steps)
         self._async: dict[str, list] = {}     # request -> its load ops, loading asynchronously
         self._recv_failed: set[str] = set()   # asynchronous loads that failed: reported as received
-        self._fetched: dict[int, tuple] = {}  # id(op) -> (buffers, handle): shared-tier reads ahead
+        self._fetched: dict[int, tuple] = {}  # id(op) -> (host rows, rows, buffers, handle): reads ahead
         self._remote_tier: int | None = None
         self.puts = WriteBehind(nvme_write_lag_steps)   # shared-tier writes, reported the same way
         self._step = 0
@@ -313,12 +313,12 @@ class KVTierWorker(Counting):
                     if f is None or left <= 0:
                         continue
                     try:
-                        f[1].wait(left)
+                        f[-1].wait(left)
                     except Exception:  # still running (timeout) or failed: reported when done
                         pass
         done: set[str] = set()
         for rid, ops in list(self._async.items()):
-            if any(not self._fetched[id(op)][1].done() for op in ops if id(op) in self._fetched):
+            if any(not self._fetched[id(op)][-1].done() for op in ops if id(op) in self._fetched):
                 continue
             del self._async[rid]
             if any(op.tier != self._remote_tier for op in ops) and self._meta is not None:
@@ -657,7 +657,7 @@ class KVTierWorker(Counting):
         the pending NVMe write-back, free the memory. Returns the report no step carried yet (NVMe
         writes made durable since the last step, for the scheduler to commit), or None."""
         self.finish_loads()
-        for _, h in list(self._fetched.values()):  # reads ahead into the CPU pool: let them land
+        for *_, h in list(self._fetched.values()):  # reads ahead into the CPU pool: let them land
             try:
                 h.wait()
             except Exception:  # pragma: no cover - reported through the handle
