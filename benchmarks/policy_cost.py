@@ -9,16 +9,16 @@ the trace's block refs), and memory per tracked block = tracemalloc's traced byt
 replay (policy built and driven with tracing on; the keys themselves are allocated before
 and shared with the tier, so they are not counted) divided by the capacity in blocks.
 
-Admission policies (``--admissions``, e.g. ``bypass``) are measured the same way: their
+Admission policies (``--admissions``, e.g. ``second_hit``) are measured the same way: their
 ``admit`` / ``on_evict`` calls under ``vllm_lru`` eviction are recorded and replayed against a
-fresh instance built with the tier's capacity; their memory is divided by the capacity too.
+fresh instance; their memory is divided by the capacity too.
 
     python benchmarks/policy_cost.py [--trace PATH] [--fraction 0.05] [--limit N] [--repeat 5] [--json]
-                                     [--admissions bypass] [--set eval|tune]
+                                     [--admissions second_hit] [--set eval]
 
-`--set` measures on every trace of an issue-12 trace set instead (`kvtier.compare.trace_set`:
-the generated workload shapes and the bundled trace): the cost of a policy depends on the
-traffic (blocks per request, hit share), so the bar is checked on each shape, not one trace.
+`--set eval` measures on every generated workload shape and the bundled trace instead
+(`kvtier.compare.trace_set`): the cost of a policy depends on the traffic (blocks per request,
+hit share), so the bar is checked on each shape, not one trace.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kvtier.policies import ADMISSION, EVICTION, AdmissionPolicy
 from kvtier.sim import make_keys, simulate
 from kvtier.trace import default_trace, load_trace, unique_blocks
 
-POLICIES = ["vllm_lru", "lru", "arc", "s3fifo", "pslru", "nextuse", "plru", "hawk", "duel"]
+POLICIES = ["vllm_lru", "lru", "arc", "s3fifo"]
 LIMITS = {"ns_per_block": 1000.0, "bytes_per_block": 64.0}
 
 
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--admissions", default="", help="admission policies to measure too (comma-separated)")
-    ap.add_argument("--set", choices=["eval", "tune"], default=None,
+    ap.add_argument("--set", choices=["eval"], default=None,
                     help="measure on every trace of this set instead of --trace")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

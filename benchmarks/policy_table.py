@@ -3,13 +3,13 @@
 Each trace is replayed with ``kvtier.compare.compare`` (``kvtier.sim.simulate`` through one
 SlotTier per policy; Belady's MIN with ties deepest-first as the bound) at 1%, 5%, 10% of its
 unique blocks. Gap closed = (policy - vllm_lru) / (belady - vllm_lru), in block hit ratio.
+Policies may be "EVICTION+ADMISSION" (e.g. ``lru+second_hit``).
 
-Trace sets (``--set``): ``eval`` (default) = generated workloads of every shape with the
-evaluation seeds ``kvtier.workloads.EVAL_SEEDS`` plus the bundled Mooncake trace; ``tune`` =
-every shape with ``TUNING_SEEDS`` plus the bundled trace's first half by time (what policies
-were developed on). ``--trace PATH`` (repeatable) replaces the set by your own traces.
+Traces: by default the generated workloads of every shape with ``kvtier.workloads.EVAL_SEEDS``
+plus the bundled Mooncake trace; ``--trace PATH`` (repeatable) replaces them by your own.
+``kvtier replay --trace PATH --compare`` is the same comparison for one trace.
 
-    python benchmarks/policy_table.py [--set eval|tune] [--trace PATH ...] [--policies a,b,...] [--json]
+    python benchmarks/policy_table.py [--trace PATH ...] [--policies a,b,...] [--json]
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ import time
 
 from kvtier.compare import FRACTIONS, compare, trace_set
 
-POLICIES = ["nextuse", "plru", "hawk", "vllm_lru", "lru", "arc", "s3fifo", "pslru", "duel"]
+POLICIES = ["lru", "arc", "s3fifo", "vllm_lru"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", choices=["eval", "tune"], default="eval")
     ap.add_argument("--trace", action="append", default=[])
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--json", action="store_true")
@@ -34,7 +33,7 @@ def main(argv=None) -> int:
     pols = a.policies.split(",")
     t0 = time.time()
     results = []
-    for name, reqs in trace_set(a.set, a.trace):
+    for name, reqs in trace_set("eval", a.trace):
         d = compare(reqs, pols[0], FRACTIONS, extra=pols[1:])
         d["trace"] = name
         results.append(d)

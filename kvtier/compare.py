@@ -45,7 +45,7 @@ def compare(reqs: Sequence[Request], default: str, fractions: Sequence[float] = 
             capacity_blocks: int | None = None, block_tokens: int = BLOCK_TOKENS,
             extra: Sequence[str] = ()) -> dict:
     """Rows per capacity: `default`, the baselines, any `extra` policies, and Belady. A policy
-    name may be "EVICTION+ADMISSION" (e.g. "plru+bypass"); a bare name admits every block."""
+    name may be "EVICTION+ADMISSION" (e.g. "lru+second_hit"); a bare name admits every block."""
     from .belady import belady
     from .sim import make_keys, simulate
 
@@ -58,7 +58,7 @@ def compare(reqs: Sequence[Request], default: str, fractions: Sequence[float] = 
         b = belady(reqs, cap, block_tokens=block_tokens, tie="deep")
         rows = {}
         for name in names:
-            ev, _, adm = name.partition("+")     # "eviction+admission", e.g. "plru+bypass"
+            ev, _, adm = name.partition("+")     # "eviction+admission", e.g. "lru+second_hit"
             s = simulate(reqs, cap, ev, adm or "all", keys=keys, block_tokens=block_tokens)
             rows[name] = {"hit_ratio": s["hit_ratio"], "token_hit_ratio": s["token_hit_ratio"]}
         base = rows["vllm_lru"]["hit_ratio"]

@@ -39,26 +39,30 @@ class PolicyConfig(_Model):
     admission: str = "all"
     promotion: str = "inclusive"
     demotion: Literal["write_through", "write_back"] = "write_through"
-    offload: str = "eager"
+    offload: Literal["eager", "lazy"] = "eager"
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _known(self) -> "PolicyConfig":
-        from kvtier.policies import ADMISSION, EVICTION, OFFLOAD, PROMOTION
-        for field, reg in (("eviction", EVICTION), ("admission", ADMISSION),
-                           ("promotion", PROMOTION), ("offload", OFFLOAD)):
+        from kvtier.policies import ADMISSION, EVICTION, PROMOTION, retired
+        for field, reg in (("eviction", EVICTION), ("admission", ADMISSION), ("promotion", PROMOTION)):
             name = getattr(self, field)
+            if retired(name):
+                raise ValueError(f"{field}: {retired(name)}")
             if name not in reg.classes and reg.classes:
                 raise ValueError(f"{field}: unknown policy {name!r}; known: {', '.join(reg.names())}")
-        _check_params(self.params, (EVICTION, ADMISSION, PROMOTION, OFFLOAD))
+        _check_params(self.params, (EVICTION, ADMISSION, PROMOTION))
         return self
 
 
 def _check_params(params: dict[str, Any], registries) -> None:
     """Each `params` entry names a known policy and only arguments its constructor takes."""
     import inspect
+    from kvtier.policies import retired
     for name, p in params.items():
         classes = [reg.classes[name] for reg in registries if name in reg.classes]
+        if not classes and retired(name):
+            raise ValueError(f"params.{name}: {retired(name)}")
         if not classes:
             known = sorted({n for reg in registries for n in reg.classes})
             raise ValueError(f"params.{name}: unknown policy {name!r}; known: {', '.join(known)}")
@@ -144,6 +148,14 @@ class TierConfig(_Model):
     def _capb(cls, v: int | None) -> int | None:
         if v is not None and not 0 < v <= 1 << 40:
             raise ValueError(f"must be between 1 and 2**40, got {v}")
+        return v
+
+    @field_validator("eviction", "admission")
+    @classmethod
+    def _retired(cls, v: str | None) -> str | None:
+        from kvtier.policies import retired
+        if v and retired(v):
+            raise ValueError(retired(v))
         return v
 
     @model_validator(mode="after")

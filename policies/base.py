@@ -2,7 +2,7 @@
 
 A policy is a small class chosen by name in YAML. Eviction policies own the order in
 which a tier's `iter_free_blocks` cursor yields victims; they see slots (ints) and keys,
-never a tier's internals. Admission, promotion and offload policies answer the engine.
+never a tier's internals. Admission and promotion policies answer the engine.
 """
 
 from __future__ import annotations
@@ -116,13 +116,17 @@ class PromotionPolicy(ABC):
         """Tier index to copy a block hit in `hit_tier` to, or None to serve in place."""
 
 
-class OffloadPolicy(ABC):
-    """Which GPU blocks to copy down (lazy: before vLLM reuses them; eager: on finish)."""
+# Retired policies (git history keeps them; docs/policies.md, "What we tried"): name -> what to use.
+RETIRED = {"hawk": "lru", "nextuse": "lru", "plru": "lru", "pslru": "lru", "duel": "lru",
+           "bypass": "all", "continuation": "all"}
 
-    name: ClassVar[str] = ""
 
-    def __init__(self, **params: Any) -> None:
-        pass
+def retired(name: str) -> str | None:
+    """Why `name` is refused, if it names a retired policy."""
+    if name not in RETIRED:
+        return None
+    return (f"policy {name!r} was retired (below vLLM's LRU on traffic it was not tuned on; "
+            f"see docs/policies.md); use {RETIRED[name]!r}")
 
 
 @dataclass
@@ -140,6 +144,8 @@ class Registry:
         try:
             return self.classes[name]
         except KeyError:
+            if retired(name):
+                raise KeyError(f"{self.kind} {retired(name)}") from None
             raise KeyError(f"unknown {self.kind} policy {name!r}; known: {', '.join(sorted(self.classes))}") from None
 
     def names(self) -> list[str]:
@@ -149,4 +155,3 @@ class Registry:
 EVICTION = Registry("eviction")
 ADMISSION = Registry("admission")
 PROMOTION = Registry("promotion")
-OFFLOAD = Registry("offload")

@@ -130,30 +130,6 @@ class SlotList:
             tail = s
         self.head, self.tail = head, tail
 
-    def move_head_run(self, dst: "SlotList", last: int, count: int) -> None:
-        """Move the first `count` slots (head .. `last`) to the tail of `dst`, in order."""
-        prev, nxt, member, tag = self.prev, self.nxt, self.member, dst.tag
-        first = self.head
-        s = first
-        for _ in range(count):
-            member[s] = tag
-            s = nxt[s]
-        self.head = s
-        if s == _NIL:
-            self.tail = _NIL
-        else:
-            prev[s] = _NIL
-        self.size -= count
-        t = dst.tail
-        prev[first] = t
-        if t == _NIL:
-            dst.head = first
-        else:
-            nxt[t] = first
-        nxt[last] = _NIL
-        dst.tail = last
-        dst.size += count
-
     def take(self, n: int, pinned: Sequence[int], out: list[int]) -> int:
         """Append to `out` up to `n` slots, head first, whose `pinned` count is 0; returns how many."""
         if n <= 0:
@@ -174,12 +150,6 @@ class SlotList:
             self.unlink(slot)
             self.push(slot)
 
-    def pop_head(self) -> int:
-        s = self.head
-        if s != _NIL:
-            self.unlink(s)
-        return s
-
     def iter_from(self, after: int | None = None) -> Iterator[int]:
         """Walk head -> tail, starting after `after` if it is a member, else from the head.
 
@@ -192,42 +162,3 @@ class SlotList:
             yield s
             s = n
 
-
-def unlink_members(lists: Sequence[SlotList], member: list[int], slots: Sequence[int]) -> None:
-    """Unlink each slot of `slots` from the list it is in (lists[i] has tag i + 1, sharing
-    `member`); non-members are skipped. Consecutive slots of one list go in one unlink_many."""
-    run: list[int] = []
-    cur = 0
-    for s in slots:
-        t = member[s]
-        if t != cur:
-            if run:
-                lists[cur - 1].unlink_many(run)
-                run = []
-            cur = t
-        if t:
-            run.append(s)
-    if run:
-        lists[cur - 1].unlink_many(run)
-
-
-def walk_lists(lists: Sequence[SlotList], order: Sequence[int], rank: Sequence[int], nxt: list[int],
-               member: list[int], after: int | None = None) -> Iterator[int]:
-    """Slots of `lists` (sharing `nxt`/`member`, tag i + 1 for lists[i]), the lists taken in
-    `order`, each head to tail; resumes after slot `after` when it is in one of them (`rank[i]` is
-    the position of list i in `order`), else starts at the first list's head."""
-    t = member[after] if after is not None and after >= 0 else 0
-    if t:
-        oi, s = rank[t - 1], nxt[after]
-    else:
-        oi, s = 0, lists[order[0]].head
-    n = len(order)
-    while True:
-        while s != _NIL:
-            nx = nxt[s]
-            yield s
-            s = nx
-        oi += 1
-        if oi >= n:
-            return
-        s = lists[order[oi]].head

@@ -123,12 +123,33 @@ def test_two_nvme_tiers_cannot_share_a_directory(tmp_path):
         parse_config(data, check_env=False)
 
 
-@pytest.mark.parametrize("params,want", [({"levels": "a,b"}, "could not convert"),
-                                          ({"sample": 999}, "sample must be in")])
-def test_a_bad_policy_parameter_value_names_the_policy(params, want):
+@pytest.mark.parametrize("name,params,want", [("s3fifo", {"small_ratio": 2}, "small_ratio must be in"),
+                                               ("lru", {"order": "random"}, "order must be one of")])
+def test_a_bad_policy_parameter_value_names_the_policy(name, params, want):
     from kvtier.builder import build_controller, build_tiers
     cfg = parse_config({"block_bytes": 4096, "tiers": [{"name": "cpu", "kind": "cpu", "capacity_blocks": 4}],
-                        "policy": {"eviction": "hawk", "params": {"hawk": params}}}, source="s.yaml", check_env=False)
+                        "policy": {"eviction": name, "params": {name: params}}}, source="s.yaml", check_env=False)
     with pytest.raises(ConfigError) as ei:
         build_controller(cfg, build_tiers(cfg, "none"))
-    assert str(ei.value).startswith("s.yaml: policy.params.hawk") and want in str(ei.value)
+    assert str(ei.value).startswith(f"s.yaml: policy.params.{name}") and want in str(ei.value)
+
+
+@pytest.mark.parametrize("yaml_text,field,name,use", [
+    ("policy: {eviction: hawk}", "policy: eviction", "hawk", "lru"),
+    ("policy: {admission: bypass}", "policy: admission", "bypass", "all"),
+    ("policy: {params: {nextuse: {classes: 4}}}", "policy: params.nextuse", "nextuse", "lru"),
+    ("  - {name: nv, kind: nvme, path: NV, capacity_blocks: 8, eviction: plru}", "tiers.1.eviction", "plru", "lru"),
+])
+def test_an_old_yaml_naming_a_retired_policy_is_one_clear_line(tmp_path, capsys, yaml_text, field, name, use):
+    """A YAML written for an older kvtier fails at load with one line naming the field, the
+    retired policy and what to use instead (the CLI's exit 2, no traceback)."""
+    from kvtier.cli import main
+    p = tmp_path / "old.yaml"
+    tiers = "block_bytes: 4096\ntiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 8}\n"
+    p.write_text(tiers + yaml_text.replace("NV", str(tmp_path / "nv")) + "\n")
+    with pytest.raises(ConfigError, match=f"{field}: policy '{name}' was retired .*; use '{use}'"):
+        load_config(p, check_env=False)
+    assert main(["replay", "--config", str(p), "--no-data", "--limit", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{field}: policy '{name}' was retired" in err[0], err
+    assert not (tmp_path / "nv").exists()   # refused before anything was opened

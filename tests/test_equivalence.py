@@ -62,9 +62,8 @@ def fake_vllm(cfg_path: str, reqs) -> dict:
     "{eviction: lru, promotion: inclusive, demotion: write_through}",
     "{eviction: lru, promotion: exclusive, demotion: write_back}",
     "{eviction: lru, promotion: inclusive, demotion: write_back, admission: second_hit}",
-    "{eviction: nextuse, promotion: inclusive, demotion: write_through}",
-    "{eviction: plru, promotion: inclusive, demotion: write_back, admission: bypass}",
-    "{eviction: hawk, promotion: exclusive, demotion: write_back}",
+    "{eviction: arc, promotion: inclusive, demotion: write_through}",
+    "{eviction: s3fifo, promotion: exclusive, demotion: write_back}",
 ])
 def test_replay_equals_connector_scheduler(tmp_path, capsys, trace_path, policy):
     _check_equal(tmp_path, capsys, trace_path, policy, "")

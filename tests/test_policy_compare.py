@@ -9,11 +9,11 @@ from kvtier.workloads import generate
 
 def test_compare_rows_and_gap():
     reqs = generate("chat", 1, conversations=150)
-    d = compare(reqs, "nextuse", fractions=(0.05, 0.1))
+    d = compare(reqs, "lru+second_hit", fractions=(0.05, 0.1))
     assert [p["fraction"] for p in d["points"]] == [0.05, 0.1]
     for p in d["points"]:
         rows = p["policies"]
-        assert list(rows) == ["nextuse", "vllm_lru", "lru", "arc", "s3fifo", "belady"]
+        assert list(rows) == ["lru+second_hit", "vllm_lru", "lru", "arc", "s3fifo", "belady"]
         assert rows["vllm_lru"]["gap_closed"] in (0.0, None)
         for r in rows.values():
             assert 0.0 <= r["hit_ratio"] <= rows["belady"]["hit_ratio"] + 1e-9

@@ -25,7 +25,7 @@ policy: {{eviction: {policy}}}
     return str(p)
 
 
-@pytest.mark.parametrize("policy", ["lru", "pslru"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
 def test_data_and_metadata_replays_agree(tmp_path, capsys, trace_path, policy):
     cfg = stack_yaml(tmp_path, policy)
     meta = run_json(capsys, "--trace", str(trace_path), "--config", cfg, "--limit", "300", "--no-data")
@@ -134,30 +134,28 @@ def test_bad_replay_numbers_are_one_line_before_any_work(tmp_path, capsys, trace
 # hit blocks, hit tokens, then per tier (hit blocks, promoted in, demoted in, evicted). Any change
 # here means a policy, tier or stack change altered decisions, not just speed.
 PINNED = {
-    # issue 12: lru and s3fifo push a request's blocks tail-first as vLLM frees them, nextuse moves a
-    # request's prefix behind its new blocks (request_order); vllm_lru is vLLM's block-pool order.
-    # Since the controller: replay offers what vLLM offers (full blocks, >= 1 token computed); a
-    # dirty block never leaves in the plan that copies it down (clean-ahead in take_plan)
-    "two-tier": [4959, 2539008, [3940, 1019, 0, 72865], [1019, 0, 76061, 74013]],
-    "nextuse": [3909, 2001408, [3909, 0, 0, 73217]],
+    # issue 12: lru and s3fifo push a request's blocks tail-first as vLLM frees them; vllm_lru is
+    # vLLM's block-pool order. Since the controller: replay offers what vLLM offers (full blocks,
+    # >= 1 token computed); a dirty block never leaves in the plan that copies it down (clean-ahead
+    # in take_plan). two-tier: lru over lru since nextuse was retired (recorded on the code before).
+    "two-tier": [4423, 2264576, [3071, 1352, 0, 70489], [1352, 0, 69282, 67234]],
     "lru": [3071, 1572352, [3071, 0, 0, 74055]],
     "arc": [3545, 1815040, [3545, 0, 0, 73581]],
     "s3fifo": [3716, 1902592, [3716, 0, 0, 73410]],
-    "pslru": [4504, 2306048, [4504, 0, 0, 72491]],
     "vllm_lru": [3071, 1572352, [3071, 0, 0, 74055]],
 }
 
 
 @pytest.mark.parametrize("case", sorted(PINNED))
 def test_replay_results_are_pinned(tmp_path, capsys, trace_path, case):
-    if case == "two-tier":  # the shipped cpu-nvme shape (nextuse over lru, write-back), scaled down
+    if case == "two-tier":  # the shipped cpu-nvme shape (lru over lru, write-back), scaled down
         cfg = tmp_path / "s.yaml"
         cfg.write_text(f"""
 block_bytes: 256KiB
 tiers:
   - {{name: cpu, kind: cpu, capacity_blocks: 512}}
   - {{name: nvme, kind: nvme, path: {tmp_path}/nvme, capacity_blocks: 2048, eviction: lru}}
-policy: {{eviction: nextuse, admission: all, promotion: inclusive, demotion: write_back}}
+policy: {{eviction: lru, admission: all, promotion: inclusive, demotion: write_back}}
 """)
         args = ["--config", str(cfg)]
     else:
