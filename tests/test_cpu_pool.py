@@ -189,7 +189,7 @@ def test_staging_rows_come_from_the_pinned_allocator(fake_cuda):
     assert s.views(3)[0].data_ptr() == rows[0].data_ptr() and dict(fake_cuda.registered) == first  # no regrow
     bigger = s.views(9)                                 # grows: the old rows are unregistered
     assert len(bigger) == 9 and list(fake_cuda.registered) == [bigger[0].data_ptr()]
-    assert s.rows3(1, bb).shape == (9, 1, bb)
+    assert s.rows().shape == (9, bb)
     s.close()
     assert fake_cuda.registered == {} and not s.pinned
     assert not Staging(bb, pin=False).pinned
