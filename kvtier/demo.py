@@ -308,7 +308,7 @@ def _print_row(r: dict, tiers: list[str]) -> None:
 
 
 PASSES = (  # (name, server 1 or 2 (after the restart), order of the prompts, title)
-    ("pass 1", 1, "forward", "pass 1: 8 new prompts; prompt tokens served by (vLLM: vLLM's own prefix cache; "
+    ("pass 1", 1, "forward", f"pass 1: {N_PROMPTS} new prompts; prompt tokens served by (vLLM: vLLM's own prefix cache; "
                              "DRAM, NVMe: kvtier's tiers; computed: prefilled)"),
     ("pass 2", 1, "reverse", "pass 2: the same prompts in reverse order (the last ones are still in vLLM's pool)"),
     ("restart", 2, "forward", "after the restart: the same prompts (vLLM's cache and kvtier DRAM start empty)"),
@@ -384,12 +384,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         for line in result["lines"]:
             print(line)
-        print(f"kvtier demo: done in {result['wall_s']:.0f} s, nothing left running; files in {d}: model/, the NVMe "
-              f"tier nvme/ (`kvtier fsck --dir {nvme}`), server-1.log, server-2.log")
+        print(f"kvtier demo: done in {result['wall_s']:.0f} s, nothing left running; {_du(d) / 2**20:.0f} MiB of files in "
+              f"{d}: model/, the NVMe tier nvme/ (`kvtier fsck --dir {nvme}`), server-1.log, server-2.log")
     if not result["ok"]:
         raise CommandFailed("the demo did not show what it should (see the lines above)", result if args.json
                             else None)
     return 0
+
+
+def _du(d: Path) -> int:
+    """Bytes allocated under `d`."""
+    return sum(f.lstat().st_blocks * 512 for f in d.rglob("*") if not f.is_symlink())
 
 
 def _tier_order(t: str) -> tuple:
