@@ -118,7 +118,7 @@ class KVTierWorker(Counting):
         self.pools = [pool]
         self.kv = KVCopier(lay, pool, self._copy_streams)
         self.staging = Staging(lay.block_bytes, self._pin)
-        log.info("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
+        log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
         if self._remote_fn is not None and self.remote is None:
             self.remote = self._remote_fn(lay.block_bytes, self._count)
             why = self.remote.ping()
