@@ -54,7 +54,9 @@ class FingerprintMismatch(RuntimeError):
         self.diffs = diffs
         parts = ", ".join(f"{k}: stored={a!r} ours={b!r}" for k, (a, b) in sorted(diffs.items()))
         super().__init__(f"nvme tier at {path} was written with another fingerprint ({parts}); "
-                         f"use on_mismatch='namespace' or another path")
+                         f"set `on_fingerprint_mismatch: namespace` on the nvme tier (the vLLM connector's "
+                         f"kv_connector_extra_config: \"nvme_on_mismatch\": \"namespace\") to keep both, or use "
+                         f"another path")
 
 
 def fingerprint_hash(fp: dict) -> str:
