@@ -310,6 +310,32 @@ class _BoundedLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+MAX_INT_DIGITS = 64
+
+
+def _check_nodes(node: yaml.Node, source: str, where: str) -> None:
+    """Before anything is built from the YAML: no key twice in one mapping, no integer longer
+    than MAX_INT_DIGITS digits (Python refuses to convert one of 4300 without naming the field)."""
+    def at(n: yaml.Node, loc: str) -> str:
+        return f"{source}: line {n.start_mark.line + 1}: {loc or '(top level)'}"
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for k, v in node.value:
+            key = str(k.value) if isinstance(k, yaml.ScalarNode) else "?"
+            loc = f"{where}.{key}" if where else key
+            if key in seen:
+                raise ConfigError(f"{at(k, loc)}: duplicate key {key!r} (first at line {seen[key]})")
+            seen[key] = k.start_mark.line + 1
+            _check_nodes(v, source, loc)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _check_nodes(v, source, f"{where}.{i}" if where else str(i))
+    elif node.tag == "tag:yaml.org,2002:int":
+        digits = sum(c.isdigit() for c in str(node.value))
+        if digits > MAX_INT_DIGITS:
+            raise ConfigError(f"{at(node, where)}: an integer of {digits} digits; not a value of any field")
+
+
 def load_config(path: str | os.PathLike | None = None, check_env: bool = True) -> StackConfig:
     """Load a YAML stack; None or a bare shipped name ('cpu-nvme') loads an embedded config.
     Bounded: at most 1 MiB, 32 levels of nesting, no aliases."""
@@ -318,7 +344,10 @@ def load_config(path: str | os.PathLike | None = None, check_env: bool = True) -
         loader = _BoundedLoader(text)
         loader.name = source
         try:
-            data = loader.get_single_data()
+            node = loader.get_single_node()
+            if node is not None:
+                _check_nodes(node, source, "")
+            data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
     except RecursionError:

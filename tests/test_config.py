@@ -109,9 +109,37 @@ def test_sizes():
     assert parse_size("256 KiB") == 262144
     assert parse_size("64G") == 64 * 10**9
     assert parse_size(4096) == 4096
-    for bad in ("", "1.2.3", "5 parsecs", -1, True):
+    assert parse_size("1EiB") == 1 << 60 and parse_size("1EB") == 10**18 and parse_size("2PiB") == 2 << 50
+    assert parse_size("1.5GiB") == 3 << 29
+    for bad in ("", "1.2.3", "5 parsecs", -1, True, "2EiB", "9" * 30):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_1eib_in_a_config_is_a_size(tmp_path):
+    cfg = parse_config({"tiers": [{"name": "n", "kind": "nvme", "path": str(tmp_path), "capacity": "1EiB"}]},
+                       check_env=False)
+    assert cfg.tiers[0].capacity == 1 << 60
+
+
+@pytest.mark.parametrize("text,want", [
+    ("block_bytes: 64KiB\ntiers:\n  - {name: cpu, kind: cpu, capacity_blocks: " + "9" * 5000 + "}\n",
+     "line 3: tiers.0.capacity_blocks: an integer of 5000 digits"),
+    ("block_bytes: " + "1" * 5000 + "\ntiers: []\n", "line 1: block_bytes: an integer of 5000 digits"),
+    ("block_bytes: 64KiB\ntiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 8}\nblock_bytes: 128KiB\n",
+     "line 4: block_bytes: duplicate key 'block_bytes' (first at line 1)"),
+    ("tiers:\n  - {name: cpu, kind: cpu,\n     capacity_blocks: 8, capacity_blocks: 9}\n",
+     "line 3: tiers.0.capacity_blocks: duplicate key 'capacity_blocks' (first at line 3)"),
+    ("tiers:\n  - name: cpu\n    kind: cpu\n    capacity: 1GiB\n    kind: nvme\n",
+     "line 5: tiers.0.kind: duplicate key 'kind' (first at line 3)"),
+])
+def test_long_integers_and_duplicate_keys_are_one_error_naming_field_and_line(tmp_path, text, want):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, check_env=False)
+    assert str(e.value) == f"{p}: {want}" or str(e.value).startswith(f"{p}: {want}"), str(e.value)
+    assert "\n" not in str(e.value) and "4300" not in str(e.value)
 
 
 def test_two_nvme_tiers_cannot_share_a_directory(tmp_path):
