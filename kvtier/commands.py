@@ -12,11 +12,12 @@ import time
 from typing import Any, Callable
 
 from .blockgen import block_data, block_key, fill_block
-from .config import ConfigError, StackConfig, check_memory, load_config
+from .config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config
 from .stack import TierStack
 from .units import format_size
 
 MANIFEST = "spill-manifest.json"
+MANIFEST_FORMAT = 2   # 2: one record per spill (`spills`); 1 (no `format`): the last spill's only
 log = logging.getLogger("kvtier")
 
 
@@ -94,14 +95,23 @@ class CommandFailed(RuntimeError):
 
 
 # ---- spill ------------------------------------------------------------------------------
+def load_fitted(path: str | None, allocate: bool) -> StackConfig:
+    """The config at `path` with its capacities resolved (`fit_to_machine`); `allocate`: the
+    command builds its tiers, so paths and capacities are checked against this machine first
+    (a tier that does not fit is one error naming it, never an OOM kill or ENOSPC later)."""
+    cfg = load_config(path, check_env=False)
+    if allocate:
+        check_environment(cfg)
+    return fit_to_machine(cfg, check=allocate)[0]
+
+
 def cmd_spill(args: argparse.Namespace) -> int:
     if args.blocks <= 0:
         raise ValueError(f"--blocks must be > 0, got {args.blocks}")
     if args.batch <= 0:
         raise ValueError(f"--batch must be > 0, got {args.batch}")
     check_seed(args.seed)
-    cfg = load_config(args.config)
-    check_memory(cfg)
+    cfg = load_fitted(args.config, allocate=True)
     stack = TierStack.from_config(cfg)
     try:
         r = spill(stack, args.blocks, args.seed, args.batch, args)
@@ -340,7 +350,7 @@ def _engine(tier: Any) -> str:
 # ---- restore ----------------------------------------------------------------------------
 def cmd_restore(args: argparse.Namespace) -> int:
     check_seed(args.seed)
-    cfg = load_config(args.config, check_env=False)
+    cfg = load_fitted(args.config, allocate=False)
     t = _nvme_cfg(cfg)
     if any(c.kind == "redis" for c in cfg.tiers) and read_manifest_if_dir(t.path) is None:
         # this data dir holds no spill (another machine's, or empty): restore from the fleet's tier
@@ -491,7 +501,7 @@ def _read_back(entries: list, read, bb: int, seed: int | None, expected: dict[in
 def cmd_inspect(args: argparse.Namespace) -> int:
     """What each tier holds; the NVMe tier read-only (no lock, nothing allocated), so it works
     on a live server's directory. `--watch S` refreshes every S seconds until Ctrl-C."""
-    cfg = load_config(args.config, check_env=False)
+    cfg = load_fitted(args.config, allocate=False)
     watch = getattr(args, "watch", None)
     if watch is not None and not 0.1 <= watch <= 3600:
         raise ValueError(f"--watch must be between 0.1 and 3600 seconds, got {watch}")
@@ -593,7 +603,7 @@ def _inspect_text(d: dict) -> str:
 # ---- fsck -------------------------------------------------------------------------------
 def cmd_fsck(args: argparse.Namespace) -> int:
     from kvtier.tiers.nvme_fsck import fsck
-    cfg = load_config(args.config, check_env=False)
+    cfg = load_fitted(args.config, allocate=False)
     if getattr(args, "dir", None):   # a directory by path (e.g. the connector's): its recorded fingerprint
         if args.shrink:
             raise ConfigError("fsck: --shrink takes the capacity from --config's nvme tier, not --dir")
