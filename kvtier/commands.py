@@ -519,6 +519,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         time.sleep(watch)
 
 
+def _fingerprint_note(stored: dict, ours: dict) -> tuple[str, list[str]]:
+    """What is known about the fingerprint a directory was written under, said plainly."""
+    differs = sorted(k for k in set(ours) | set(stored) if ours.get(k) != stored.get(k))
+    if not differs:
+        return "this config's", []
+    if stored.get("layout") == "vllm-kv-blocks/v1":   # the connector's: the model's layout, not the YAML's
+        what = ", ".join(f"{k} {stored[k]}" for k in ("model", "dtype", "kv_cache_dtype", "tp", "pp", "block_bytes")
+                         if k in stored)
+        return (f"written by the vLLM connector ({what}): it takes the model, dtypes and block size from vLLM, "
+                f"so they never match a YAML's own fields; vLLM serving that model from this path uses these "
+                f"blocks; the CLI's spill/restore cannot (`kvtier fsck --dir PATH` checks them)"), differs
+    return (f"written under another fingerprint than this config's (differs in "
+            f"{', '.join(f'{k}: stored {stored.get(k)!r}, config {ours.get(k)!r}' for k in differs)})"), differs
+
+
+def _recorded_fingerprint(path: str) -> dict | None:
+    """The fingerprint the directory recorded at its first open (fingerprint.json), or None."""
+    from kvtier.tiers.nvme_block import recorded_fingerprint
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return recorded_fingerprint(fd, path)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def inspect_stats(cfg: StackConfig) -> dict:
     from kvtier.serving_stats import hit_ratios, read_stats
     from kvtier.tiers.nvme_control import make_fingerprint
@@ -529,17 +559,18 @@ def inspect_stats(cfg: StackConfig) -> dict:
             if nv is None:
                 tiers.append({"name": t.name, "kind": "nvme", "path": t.path, "resident_blocks": 0,
                               "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
-                              "eviction": t.eviction or cfg.policy.eviction, "note": "no directory yet"})
+                              "block_bytes": cfg.block_bytes, "eviction": t.eviction or cfg.policy.eviction,
+                              "note": "no directory yet"})
                 continue
             try:
                 st = nv.stats()
             finally:
                 nv.close()
-            ours = make_fingerprint(t.name, cfg.block_bytes, cfg.fingerprint())
-            differs = sorted(k for k in set(ours) | set(st["fingerprint"])
-                             if ours.get(k) != st["fingerprint"].get(k))
-            if differs:  # shown as written (by the vLLM connector, say): serving it needs that fingerprint
-                st["note"] = f"written under another fingerprint than this config's (differs in {', '.join(differs)})"
+            stored = _recorded_fingerprint(st.get("path") or t.path) or st["fingerprint"]
+            st["fingerprint"] = stored
+            st["block_bytes"] = int(stored.get("block_bytes", cfg.block_bytes))
+            st["fingerprint_is"], st["config_differs_in"] = _fingerprint_note(
+                stored, make_fingerprint(t.name, cfg.block_bytes, cfg.fingerprint()))
             served = read_stats(st.get("path") or t.path)
             if served is not None:  # a vLLM connector serves (or served) from this directory
                 st["serving"] = hit_ratios(served)
@@ -549,7 +580,8 @@ def inspect_stats(cfg: StackConfig) -> dict:
         else:  # offline: a DRAM tier holds nothing; its capacity is what a stack would allocate
             tiers.append({"name": t.name, "kind": t.kind, "resident_blocks": 0,
                           "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
-                          "eviction": t.eviction or cfg.policy.eviction, "note": "not allocated (offline)"})
+                          "block_bytes": cfg.block_bytes, "eviction": t.eviction or cfg.policy.eviction,
+                          "note": "not allocated (offline)"})
     return {"config": cfg.source, "block_bytes": cfg.block_bytes, "tiers": tiers,
             "policies": {"eviction": cfg.policy.eviction, "admission": cfg.policy.admission,
                          "promotion": cfg.policy.promotion, "offload": cfg.policy.offload},
@@ -583,17 +615,24 @@ def inspect_shared(cfg: StackConfig, t: Any) -> dict:
 
 
 def _inspect_text(d: dict) -> str:
-    lines = [f"config: {d['config']}  block_bytes: {d['block_bytes']}  policies: {d['policies']}"]
+    lines = [f"config: {d['config']}  block_bytes: {d['block_bytes']} (the config's)  policies: {d['policies']}"]
     for t in d["tiers"]:
+        bb = t.get("block_bytes")
         lines.append(f"  {t['name']:<8} {t['kind']:<5} {t['resident_blocks']:>9} / {t['capacity_blocks']:<9} blocks "
-                     f"({100 * t['occupancy']:.1f}%)  eviction={t['eviction']}  engine={t.get('engine', '-')}")
+                     f"({100 * t['occupancy']:.1f}%)" + (f" of {format_size(bb)}" if bb else "") +
+                     f"  eviction={t['eviction']}  engine={t.get('engine', '-')}")
         sv = t.get("serving")
         if sv:
-            by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sv["hit_ratio_by_tier"].items())
-            lines.append(f"           serving: pid {sv['pid']}, {sv['age_s']} s ago: block hit ratio "
-                         f"{100 * sv['hit_ratio']:.1f}% ({by}) of {sv['blocks_looked_up']} blocks looked up")
-        for k in ("path", "server", "namespace", "fingerprint", "server_memory", "corrupt_blocks", "quarantined",
-                  "stored_capacity", "beyond_capacity", "note"):
+            head = f"           serving: pid {sv['pid']}, counters written {sv['age_s']} s ago: "
+            if not sv["blocks_looked_up"]:
+                lines.append(head + f"no block looked up yet ({sv['lookups']} lookups)")
+            else:
+                by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sv["hit_ratio_by_tier"].items())
+                lines.append(head + f"block hit ratio {100 * sv['hit_ratio']:.1f}%"
+                             + (f" ({by})" if by else " (no hit in any tier)")
+                             + f" of {sv['blocks_looked_up']} blocks looked up")
+        for k in ("path", "server", "namespace", "fingerprint_is", "fingerprint", "server_memory", "corrupt_blocks",
+                  "quarantined", "stored_capacity", "beyond_capacity", "note"):
             if t.get(k) not in (None, 0) or k in ("path", "quarantined"):
                 if k in t:
                     lines.append(f"           {k}: {t[k]}")
@@ -614,11 +653,21 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         t = _nvme_cfg(cfg)
         path, shrink_to = t.path, t.blocks(cfg.block_bytes) if args.shrink else None
     r = fsck(path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild, shrink_to=shrink_to)
-    _print(args, r, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items() if k != "problems") +
-           "".join(f"\n  {p}" for p in d.get("problems", [])[:20]))
+    _print(args, r, _fsck_text)
     if r["damaged"] and not args.rebuild:
         raise CommandFailed(f"fsck: {r['damaged']}", r)
     return 0
+
+
+def _fsck_text(d: dict) -> str:
+    def show(k: str, v: Any) -> str:
+        if k == "damaged":
+            return "no: the index agrees with the block headers" if not v else str(v)
+        if v is None or v == []:
+            return "none"
+        return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+    return "\n".join(f"{k}: {show(k, v)}" for k, v in d.items() if k != "problems") + \
+        "".join(f"\n  {p}" for p in d.get("problems", [])[:20])
 
 
 # ---- bench ------------------------------------------------------------------------------
