@@ -605,7 +605,8 @@ def fit_to_machine(cfg: StackConfig, *, reserved_memory: int = 0, shrink: bool =
                 continue
             what = f"asks {fs(need[i])} of disk ({n[i]} slots of {fs(stride)} + index)"
             where = (f"only {fs(room)} available at {d['at']} (free space"
-                     f"{' plus its data file' if held[i] else ''}{', beside the other nvme tiers there' if others else ''})")
+                     f"{' plus its data file' if held[i] else ''}"
+                     f"{', beside the other nvme tiers there' if others else ''})")
             if not shrink or fit < max(1, held[i]):
                 raise err(i, f"{what}, {where}; " + ("its data file already holds more: free space on that disk"
                                                      if fit < held[i] else "lower it or give a share such as '50%'"))

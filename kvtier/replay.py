@@ -122,9 +122,10 @@ def _check_metadata_memory(cfg: StackConfig) -> None:
     room = available_memory() - memory_headroom()
     if n * META_BYTES_PER_BLOCK > room:
         big = max(tiers, key=lambda t: t.blocks(cfg.block_bytes))
+        names = ", ".join(t.name for t in tiers)
         raise ConfigError(f"{cfg.source}: tiers.{cfg.tiers.index(big)}.capacity: --no-data still keeps about "
-                          f"{META_BYTES_PER_BLOCK} B per block of capacity: {n} blocks ({', '.join(t.name for t in tiers)}) "
-                          f"need {format_size(n * META_BYTES_PER_BLOCK)} of memory, only {format_size(max(0, room))} "
+                          f"{META_BYTES_PER_BLOCK} B per block of capacity: {n} blocks ({names}) need "
+                          f"{format_size(n * META_BYTES_PER_BLOCK)} of memory, only {format_size(max(0, room))} "
                           f"available (MemAvailable less headroom); tier {big.name!r} is the largest")
 
 
@@ -226,8 +227,8 @@ def _stack_config(args: argparse.Namespace, unique: int) -> StackConfig:
         data["policy"]["admission"] = args.admission
         for t in data["tiers"]:
             t["admission"] = None
-    return parse_config(data, source=base.source + (" (replay overrides)" if data != base.model_dump(exclude={"source"}) else ""),
-                        check_env=False)
+    changed = data != base.model_dump(exclude={"source"})
+    return parse_config(data, source=base.source + (" (replay overrides)" if changed else ""), check_env=False)
 
 
 def _fill(t: torch.Tensor, key: bytes) -> None:

@@ -505,7 +505,8 @@ tiers:
   - {{name: nvme, kind: nvme, path: "${{KVTIER_DATA}}", capacity_blocks: 64, io: posix}}
   - {{name: shared, kind: redis, url: "{redis_server.url}", admission: second_hit}}
 """)
-    r = kv("spill", "-c", str(yaml), "-n", "12", "--seed", "4", "-q", "--json", env={"KVTIER_DATA": str(tmp_path / "a")})
+    r = kv("spill", "-c", str(yaml), "-n", "12", "--seed", "4", "-q", "--json",
+           env={"KVTIER_DATA": str(tmp_path / "a")})
     assert r.returncode == 0 and js(r)["on_shared"] == 0 and "none of the 12 blocks reached shared tier" in r.stderr
     r = kv("restore", "-c", str(yaml), "--verify", "-q", "--json", env={"KVTIER_DATA": str(tmp_path / "b")})
     d = js(r)
