@@ -104,12 +104,13 @@ class KVTierConnector(KVConnectorBase_V1):
             log.warning("kvtier: %d KV-cache groups (block bytes %d): connector disabled (group 0 only)",
                         ngroups, bb)
         # the block is vLLM's: the YAML's capacities in bytes are counted in these blocks
-        self.config = cfg = cfg.model_copy(update={"block_bytes": bb or 1, "block_tokens": self.block_tokens})
+        cfg = cfg.model_copy(update={"block_bytes": bb or 1, "block_tokens": self.block_tokens})
+        if role == KVConnectorRole.SCHEDULER and self.enabled:
+            cfg = self._fit_scheduler(cfg)
+        self.config = cfg
         self.fingerprint = self._fingerprint(vllm_config)
         cpu = tier_of(cfg, "cpu")
         nvme = tier_of(cfg, "nvme")
-        cpu_blocks = cpu.blocks(cfg.block_bytes) if (bb and cpu is not None) else 1
-        self.cpu_blocks = cpu_blocks
         self.sched: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
         self.gpu_ctx = None
@@ -131,7 +132,7 @@ class KVTierConnector(KVConnectorBase_V1):
                                          async_shared_loads=cfg.serving.async_shared_loads)
         else:
             rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
-            self.worker = KVTierWorker(lambda _bb: cpu_blocks, pin=cpu.pin if cpu is not None else "auto",
+            self.worker = KVTierWorker(None, cpu_tier=cpu, pin=cpu.pin if cpu is not None else "auto",
                                        nvme_io=nvme.io if nvme else "auto",
                                        nvme_io_threads=nvme.io_threads if nvme else 4,
                                        nvme_direct=nvme.direct if nvme else "auto",
@@ -151,6 +152,28 @@ class KVTierConnector(KVConnectorBase_V1):
                 if clear_reports(t.dir):
                     log.warning("kvtier: %s: dropped a shutdown report an earlier run left unread", t.dir)
             log.info("%s", scheduler_line(self))
+
+    @staticmethod
+    def _fit_scheduler(cfg: Any) -> Any:
+        """The tiers' sizes on the scheduler side: an nvme tier that does not fit its disk is shrunk
+        (one warning naming both sizes; its data file is preallocated in full when a worker opens
+        it); a cpu tier given as a share takes the size of this process's worker pool when there is
+        one (vLLM's single-process executor builds the worker first), else it is resolved here and
+        follows the workers' pools at their first report (they size them after vLLM's KV cache)."""
+        from kvtier.config import fit_to_machine
+        cfg, warnings = fit_to_machine(cfg, shrink=True, kinds=("nvme",))
+        for w in warnings:
+            log.warning("%s", w)
+        cpu = tier_of(cfg, "cpu")
+        if cpu is not None and cpu.share() is not None:
+            pools = [c.worker.pools[0].num_slots for c in live_connectors("worker") if c.worker and c.worker.pools]
+            if pools:
+                tiers = [t.model_copy(update={"capacity": None, "capacity_blocks": pools[0]}) if t is cpu else t
+                         for t in cfg.tiers]
+                cfg = cfg.model_copy(update={"tiers": tiers})
+            else:
+                cfg, _ = fit_to_machine(cfg, kinds=("cpu",), check=False)
+        return cfg
 
     def _fingerprint(self, vllm_config: Any) -> dict:
         """What must match for a stored block to be served (`StackConfig.fingerprint` with vLLM's
@@ -499,7 +522,7 @@ class KVTierConnector(KVConnectorBase_V1):
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
         part = self.sched if self.sched is not None else self.worker
-        d = {"role": self.role_name, "enabled": self.enabled, "cpu_blocks": self.cpu_blocks}
+        d = {"role": self.role_name, "enabled": self.enabled}
         if part is not None:
             d.update(part.stats())
         return d

@@ -32,30 +32,29 @@ def attach_vllm_log_handler() -> bool:
     return True
 
 
-POOL_HEADROOM_BYTES = 1 << 30   # memory a worker leaves free beside its CPU pool (and at least 5%)
-
-
-def fit_pool_slots(name: str, slots: int, block_bytes: int, ranks: int = 1,
+def fit_pool_slots(tier: Any, block_bytes: int, ranks: int = 1,
                    available: int | None = None) -> tuple[int, str | None]:
-    """The CPU pool slots that fit: what is available now (vLLM's KV cache is already allocated
-    when the worker sizes its pool, so it is counted), shared by the `ranks` workers of this host,
-    less a headroom. Returns (slots, the warning when shrunk); raises ConfigError when not one
-    block fits."""
-    from kvtier.config import ConfigError, available_memory
+    """The worker's CPU pool: the tier's capacity (a size, or a share of the memory kvtier may use)
+    in what is available now (vLLM's KV cache is already allocated when the worker sizes its pool,
+    so it is counted), shared by the `ranks` workers of this host, less `memory_headroom()`.
+    Returns (slots, the warning when shrunk); raises ConfigError when not one block fits."""
+    from kvtier.config import ConfigError, available_memory, memory_headroom
 
     avail = available_memory() if available is None else available
-    room = max(0, avail - max(POOL_HEADROOM_BYTES, avail // 20)) // max(1, ranks)
-    fit = room // block_bytes
-    if fit >= slots:
+    budget = max(0, avail - memory_headroom()) // max(1, ranks)
+    share = tier.share()
+    slots = int(budget * share) // block_bytes if share is not None else tier.blocks(block_bytes)
+    fit = budget // block_bytes
+    if slots >= 1 and fit >= slots:
         return slots, None
-    asked, have = _size(slots * block_bytes), _size(room)
-    if fit < 1:
-        raise ConfigError(f"kvtier: cpu tier {name!r}: {asked} asked but only {have} of memory is available to "
-                          f"each of {ranks} worker(s) after vLLM's KV cache (MemAvailable {_size(avail)}, less "
-                          f"headroom): refused; lower the capacity or VLLM_CPU_KVCACHE_SPACE")
-    return fit, (f"kvtier: cpu tier {name!r}: {asked} asked but only {have} of memory is available to each of "
-                 f"{ranks} worker(s) after vLLM's KV cache (MemAvailable {_size(avail)}, less headroom): "
-                 f"shrunk to {fit} blocks ({_size(fit * block_bytes)})")
+    asked = tier.capacity if share is not None else _size(slots * block_bytes)
+    where = (f"{_size(budget)} of memory is available to each of {ranks} worker(s) after vLLM's KV cache "
+             f"(MemAvailable {_size(avail)}, less headroom)")
+    if min(fit, slots) < 1:
+        raise ConfigError(f"kvtier: cpu tier {tier.name!r}: {asked} asked but only {where}: holds no block of "
+                          f"{_size(block_bytes)}; refused (lower VLLM_CPU_KVCACHE_SPACE or free memory)")
+    return fit, f"kvtier: cpu tier {tier.name!r}: {asked} asked but only {where}: shrunk to {fit} blocks " \
+                f"({_size(fit * block_bytes)})"
 
 
 def _size(n: float) -> str:

@@ -41,13 +41,14 @@ class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
                  nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1,
-                 num_blocks: int | None = None, copy_streams=None) -> None:
+                 num_blocks: int | None = None, copy_streams=None, cpu_tier=None) -> None:
         """`remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for
         this rank, or None when the stack has no shared tier. `num_blocks`: vLLM's KV-cache blocks
         (the tensors may hold more kernel blocks, `KVLayout`); `expected_block_bytes`: what the
         scheduler sized its tiers with (a layout that disagrees is refused). `copy_streams`:
         forces the device copier with these streams (tests)."""
         self._num_blocks = num_blocks
+        self._cpu_tier = cpu_tier            # TierConfig of the cpu tier (else cpu_blocks_fn(block bytes) slots)
         self._copy_streams = copy_streams
         self._cpu_blocks_fn = cpu_blocks_fn
         self._remote_fn = remote_fn
@@ -108,12 +109,14 @@ class KVTierWorker(Counting):
                      self.pools[0].num_slots)
             return
         self.layout = lay
-        asked = self._cpu_blocks_fn(lay.block_bytes)
-        n, warning = fit_pool_slots("cpu", asked, lay.block_bytes, self._ranks)
+        from kvtier.config import TierConfig
+        tier = self._cpu_tier or TierConfig(name="cpu", kind="cpu",
+                                            capacity_blocks=self._cpu_blocks_fn(lay.block_bytes))
+        n, warning = fit_pool_slots(tier, lay.block_bytes, self._ranks)
         if warning:
             log.warning("%s", warning)
-            self._count("cpu_pool_shrunk_blocks", asked - n)
-            self._result.capacity[0] = n   # the scheduler's tier follows (its first report)
+            self._count("cpu_pool_shrunk", 1)
+        self._result.capacity[0] = n   # the scheduler's tier follows (its first report)
         pool = CpuPool(n, lay.block_bytes, self._pin)
         self.pools = [pool]
         self.kv = KVCopier(lay, pool, self._copy_streams)

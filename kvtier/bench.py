@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import random
 import statistics
 import tempfile
 import time
+from typing import Iterator
+
 import torch
 
 from .units import parse_size
@@ -97,19 +101,22 @@ def run_bench(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     notes = [f"torch threads: {torch.get_num_threads()}"]
     if not getattr(args, "skip_cpu", False):
+        _check_memory(4 * total, "the cpu rows (--total x 4: tier, staging and the memcpy limit's two buffers)")
         for bb in sizes:
             rows += bench_cpu(bb, total, args.repeat)
     if not args.skip_nvme:
         directory = args.dir
-        if directory is None:
+        if directory is None:   # the config's nvme path: its file system is the one measured
             from .config import load_config
-            cfg = load_config(args.config)
+            cfg = load_config(args.config, check_env=False)  # its tiers are not built, only the path used
             nv = [t for t in cfg.tiers if t.kind == "nvme"]
             directory = nv[0].path if nv else None
-        with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=directory and _mkdir(directory)) as d:
+        _check_memory(2 * max(sizes) * max(1, total // max(sizes)), "the nvme rows (--total x 2: source and "
+                      "destination buffers)")
+        with _bench_dir(directory, total, max(sizes)) as d:
             for bb in sizes:
                 rows += bench_nvme(d, bb, total, args.repeat)
-        notes.append(f"nvme files under {directory or tempfile.gettempdir()}")
+        notes.append(f"nvme files in a temporary directory under {directory or tempfile.gettempdir()}, removed after")
     from .bench_shared import bench_shared, shared_settings
     rs = shared_settings(args)
     if rs is not None:
@@ -121,7 +128,39 @@ def run_bench(args: argparse.Namespace) -> dict:
     return {"repeat": args.repeat, "total_bytes": total, "rows": rows, "notes": notes}
 
 
-def _mkdir(path: str) -> str:
+def _check_memory(need: int, what: str) -> None:
+    from .config import available_memory, memory_headroom
+    from .units import format_size
+    room = available_memory() - memory_headroom()
+    if need > room:
+        raise ValueError(f"--total: {what} need {format_size(need)} of memory, only {format_size(max(0, room))} "
+                         f"available (MemAvailable less headroom); give a smaller --total")
+
+
+@contextlib.contextmanager
+def _bench_dir(directory: str | None, total: int, block_bytes: int) -> Iterator[str]:
+    """A temp directory under `directory` (created 0700 with its parents when missing, and
+    removed again after), checked for the space the nvme rows take."""
     import os
-    os.makedirs(path, exist_ok=True)
-    return path
+    import shutil
+    from kvtier.tiers.nvme_block import make_private_dirs, slot_stride
+    from .units import format_size
+    top = None
+    if directory is not None and not os.path.lexists(directory):
+        top = os.path.abspath(directory)
+        while not os.path.lexists(os.path.dirname(top)):
+            top = os.path.dirname(top)
+        make_private_dirs(directory)
+    try:
+        where = directory or tempfile.gettempdir()
+        need = total + max(1, total // block_bytes) * slot_stride(block_bytes) + (8 << 20)  # raw file + tier
+        free = shutil.disk_usage(where).free
+        if need > free:
+            raise OSError(errno.ENOSPC, f"bench: the nvme rows need {format_size(need)} on disk (--total as a raw "
+                          f"file and as a tier), only {format_size(free)} free at {where}; give a smaller --total "
+                          f"or another --dir", where)
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=directory) as d:
+            yield d
+    finally:
+        if top is not None:
+            shutil.rmtree(top, ignore_errors=True)

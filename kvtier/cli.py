@@ -14,7 +14,12 @@ log = logging.getLogger("kvtier")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with kvtier's one-line error (`kvtier: error: ...`, exit 2)."""
+    """argparse with kvtier's one-line error (`kvtier: error: ...`, exit 2) and no abbreviated
+    options (`--block 100` is an error, not `--blocks 100`)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*a, **kw)
 
     def error(self, message: str):  # type: ignore[override]
         where = self.prog.removeprefix("kvtier").strip()
@@ -36,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     ap = _Parser(prog="kvtier", description="KV-cache tiering: CPU DRAM and NVMe tiers for LLM serving")
     ap.add_argument("--version", action="version", version=f"kvtier {__version__}")
-    ap.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default), ERROR")
+    ap.add_argument("--log-level", default="WARNING",
+                    help="DEBUG, INFO, WARNING (default), ERROR; the one line a command prints when it opens "
+                         "its tiers (what, where, I/O engine) shows unless -q or ERROR")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     p = sub.add_parser("spill", help="write N deterministic blocks through the stack down to NVMe")
@@ -94,6 +101,29 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Formatter(logging.Formatter):
+    """The CLI's log lines: `LEVEL logger: message`, without a second `kvtier:` prefix."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace(": kvtier: ", ": ", 1)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A handler writing to whatever sys.stderr is when a line is logged."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+_STARTUP = _StderrHandler()
+_STARTUP.setFormatter(logging.Formatter("%(message)s"))
+
+
 class _Terminated(BaseException):
     """SIGTERM, raised in the main thread so `finally` blocks close the index."""
 
@@ -149,11 +179,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier: error: --log-level {args.log_level!r}: expected DEBUG, INFO, WARNING or ERROR",
               file=sys.stderr)
         return 2
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    if not getattr(args, "quiet", False) and level > logging.INFO:
-        logging.getLogger("kvtier.startup").setLevel(logging.INFO)  # the stack's one startup line
-    if args.command is None:
-        args = ap.parse_args(["replay"] + (argv or []))
+    if args.command is None:   # bare `kvtier`: what it can do, not a multi-GB replay
+        ap.print_help(sys.stderr)
+        print("kvtier: error: no COMMAND given (scripts/run with no arguments runs `kvtier replay`)",
+              file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        h = _StderrHandler()
+        h.setFormatter(_Formatter("%(levelname)s %(name)s: %(message)s"))
+        logging.basicConfig(level=level, handlers=[h])
+    # the one line a command prints when it opens its tiers: shown at the default level, and not
+    # as an INFO log line (the default level is WARNING)
+    startup = logging.getLogger("kvtier.startup")
+    if not getattr(args, "quiet", False) and level <= logging.WARNING:
+        if _STARTUP not in startup.handlers:
+            startup.addHandler(_STARTUP)
+        startup.setLevel(logging.INFO)
+        startup.propagate = False
+    else:
+        startup.removeHandler(_STARTUP)
+        startup.setLevel(logging.NOTSET)
+        startup.propagate = True
     import signal
     import threading
     if threading.current_thread() is threading.main_thread():

@@ -12,11 +12,12 @@ import time
 from typing import Any, Callable
 
 from .blockgen import block_data, block_key, fill_block
-from .config import ConfigError, StackConfig, check_memory, load_config
+from .config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config
 from .stack import TierStack
 from .units import format_size
 
 MANIFEST = "spill-manifest.json"
+MANIFEST_FORMAT = 2   # 2: one record per spill (`spills`); 1 (no `format`): the last spill's only
 log = logging.getLogger("kvtier")
 
 
@@ -94,24 +95,43 @@ class CommandFailed(RuntimeError):
 
 
 # ---- spill ------------------------------------------------------------------------------
+def load_fitted(path: str | None, allocate: bool) -> StackConfig:
+    """The config at `path` with its capacities resolved (`fit_to_machine`); `allocate`: the
+    command builds its tiers, so paths and capacities are checked against this machine first
+    (a tier that does not fit is one error naming it, never an OOM kill or ENOSPC later)."""
+    cfg = load_config(path, check_env=False)
+    if allocate:
+        check_environment(cfg)
+    return fit_to_machine(cfg, check=allocate)[0]
+
+
 def cmd_spill(args: argparse.Namespace) -> int:
     if args.blocks <= 0:
         raise ValueError(f"--blocks must be > 0, got {args.blocks}")
     if args.batch <= 0:
         raise ValueError(f"--batch must be > 0, got {args.batch}")
     check_seed(args.seed)
-    cfg = load_config(args.config)
-    check_memory(cfg)
+    cfg = load_fitted(args.config, allocate=True)
     stack = TierStack.from_config(cfg)
     try:
         r = spill(stack, args.blocks, args.seed, args.batch, args)
     finally:
         stack.close()
-    _print(args, r, lambda d: (
-        f"spilled {d['blocks']} blocks ({format_size(d['bytes'])}) to {d['tier']} in {d['seconds']:.2f} s: "
-        f"{d['gbps']:.2f} GB/s of stack I/O (data generation {d['gen_seconds']:.2f} s excluded); "
-        f"engine: {d['engine']}; on nvme: {d['nvme_resident']}"))
+    _print(args, r, _spill_text)
     return 0
+
+
+def _spill_text(d: dict) -> str:
+    s = (f"spilled {d['blocks']} blocks ({format_size(d['bytes'])}) to {d['tier']} in {d['seconds']:.2f} s: "
+         f"{d['gbps']:.2f} GB/s of stack I/O (data generation {d['gen_seconds']:.2f} s excluded); "
+         f"engine: {d['engine']}; on nvme: {d['nvme_resident']} of {d['blocks']}")
+    if d["dropped"]:
+        s += f" ({d['dropped']} did not fit the tier's {d['capacity_blocks']} blocks: evicted, oldest first)"
+    if d["evicted_earlier"]:
+        s += f"; evicted to make room: {d['evicted_earlier']} blocks of earlier spills"
+    if d.get("on_shared") is not None:
+        s += f"; on the shared tier: {d['on_shared']} of {d['blocks']}"
+    return s
 
 
 def check_seed(seed: int | None) -> None:
@@ -120,12 +140,16 @@ def check_seed(seed: int | None) -> None:
 
 
 def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> dict:
-    """Write blocks 0..n-1 of `seed` through the stack down to NVMe, then the manifest of what is
-    on NVMe (fsynced). A write error stops it: the manifest lists what is durable and the
-    error (errno, path) is raised, so the command fails."""
+    """Write blocks 0..n-1 of `seed` through the stack down to NVMe, recorded in the directory's
+    spill manifest: first as begun (before any block is written), then with a digest per block
+    of it on NVMe (fsynced), next to the earlier spills' blocks still there. A write error stops
+    it: the manifest lists what is durable and the error (errno, path) is raised."""
     ni = _nvme_index(stack)
     nvme = stack.tiers[ni]
     bb = stack.block_bytes
+    spills = _earlier_spills(nvme, seed)
+    write_manifest(nvme, spills + [{"seed": seed, "blocks": n, "complete": False}])  # before any block
+    before = sum(len(e["digests"]) for e in spills)
     batch = max(1, min(batch, n))
     staging = _staging(batch, bb)
     log_f = open(args.commit_log, "a") if args is not None and getattr(args, "commit_log", None) else None
@@ -166,7 +190,25 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
             log_f.close()
         staging.close()
     present = [j for j in range(n) if block_key(seed, j) in nvme]
-    write_manifest(nvme, seed, n, present)
+    for e in spills:  # the earlier spills' blocks this one evicted leave their records
+        e["digests"] = {j: d for j, d in e["digests"].items() if block_key(e["seed"], int(j)) in nvme}
+        e["on_nvme"] = len(e["digests"])
+    evicted_earlier = before - sum(len(e["digests"]) for e in spills)
+    this = {"seed": seed, "blocks": n, "complete": failed is None, "on_nvme": len(present),
+            "digests": {str(j): _digest(seed, j, bb) for j in present}}
+    manifest_error: OSError | None = None
+    try:
+        write_manifest(nvme, [e for e in spills if e["digests"]] + [this])
+    except OSError as e:   # e.g. the disk filled up: the begun record stays, the blocks verify by key
+        manifest_error = OSError(e.errno, f"{len(present)} blocks of seed {seed} are committed on NVMe, but "
+                                 f"{e.strerror} (the manifest keeps this spill as begun, without digests: "
+                                 f"`restore --verify` checks its blocks against their keys)", e.filename)
+    dropped = n - len(present)
+    if dropped or evicted_earlier:
+        log.warning("kvtier: spill: %s", "; ".join(filter(None, [
+            f"{dropped} of the {n} blocks did not fit tier {nvme.name!r} ({nvme.capacity_blocks} blocks) "
+            f"and were evicted, oldest first" if dropped else "",
+            f"{evicted_earlier} blocks of earlier spills evicted to make room" if evicted_earlier else ""])))
     shared = _shared(stack.tiers)
     on_shared = None
     if shared is not None:  # the fleet's copy: its own manifest, kept on the server
@@ -176,17 +218,49 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
                         shared.settings.where)
         else:
             on_shared = [j for j, f in enumerate(found) if f]
+            if not on_shared:
+                log.warning("kvtier: spill: none of the %d blocks reached shared tier %s (its admission policy "
+                            "%r admits a block only when it qualifies): nothing there to restore", n,
+                            shared.settings.where, stack.cfg.storage_tiers()[stack.tiers.index(shared)].admission
+                            or stack.cfg.policy.admission)
             try:
                 put_shared_manifest(shared, seed, n, on_shared)
             except OSError as e:
                 log.warning("kvtier: spill: %s", e)
                 on_shared = None
     if failed is not None:
+        if manifest_error is not None:
+            log.warning("kvtier: spill: %s", manifest_error.strerror)
         raise failed
+    if manifest_error is not None:
+        raise manifest_error
     return {"blocks": n, "bytes": n * bb, "seconds": io_s, "gen_seconds": gen_s,
             "gbps": n * bb / io_s / 1e9 if io_s > 0 else 0.0, "engine": _engine(nvme), "tier": nvme.name,
-            "nvme_resident": len(present), "evicted_from_nvme": n - len(present), "seed": seed,
+            "nvme_resident": len(present), "dropped": dropped, "capacity_blocks": nvme.capacity_blocks,
+            "evicted_earlier": evicted_earlier, "evicted_from_nvme": dropped, "seed": seed,
             "on_shared": None if on_shared is None else len(on_shared), "metrics": stack.metrics.as_dict()}
+
+
+def _earlier_spills(nvme: Any, seed: int) -> list[dict]:
+    """The records of the earlier spills in the tier's manifest, less one of `seed` (a spill
+    of the same seed replaces it); a damaged manifest is reported and started afresh (its
+    blocks still verify against their keys)."""
+    try:
+        m = read_manifest(nvme.dir)
+    except OSError as e:
+        log.warning("kvtier: spill: %s; writing a new manifest", e)
+        return []
+    if m is None or m.get("namespace") != nvme.namespace or m.get("fingerprint") != nvme.fingerprint:
+        return []
+    out = []
+    for e in m["spills"]:
+        if e["seed"] == seed:
+            continue
+        if e.get("digests") is None:   # begun, never recorded (the manifest could not be written)
+            e["digests"] = {str(j): _digest(e["seed"], j, nvme.block_bytes) for j in range(e["blocks"])
+                            if block_key(e["seed"], j) in nvme}
+        out.append(e)
+    return out
 
 
 def _shared(tiers) -> Any:
@@ -201,7 +275,7 @@ def put_shared_manifest(shared: Any, seed: int, n: int, present: list[int]) -> N
     """The spill manifest of the shared tier, on the server next to the blocks (no expiry)."""
     bb = shared.block_bytes
     body = {"seed": seed, "blocks": n, "block_bytes": bb, "namespace": shared.ns.ns, "on_shared": len(present),
-            "digests": {str(j): _digest(seed, j, bb) for j in present}}
+            "time": time.time(), "digests": {str(j): _digest(seed, j, bb) for j in present}}
     _on_server(shared, lambda cl: cl.set(_shared_manifest_name(shared, seed), _manifest_doc(body)))
 
 
@@ -218,18 +292,18 @@ def _on_server(shared: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def get_shared_manifest(shared: Any, seed: int | None) -> dict | None:
-    """The shared tier's spill manifest of `seed` (None: the newest found), checked; None if none."""
-    if seed is None:
-        names = sorted(_on_server(shared, lambda cl: list(cl.scan_iter(match=shared.ns.prefix + b"manifest:*",
-                                                                       count=1000))))
-        if not names:
-            return None
-        raw = _on_server(shared, lambda cl: cl.get(names[-1]))
-    else:
+    """The shared tier's spill manifest of `seed` (None: the newest written), checked; None if none."""
+    where = f"on shared tier {shared.settings.where} (namespace {shared.ns.ns})"
+    if seed is not None:
         raw = _on_server(shared, lambda cl: cl.get(_shared_manifest_name(shared, seed)))
-    if raw is None:
-        return None
-    return _manifest_body(raw, f"on shared tier {shared.settings.where} (namespace {shared.ns.ns})")
+        return None if raw is None else _manifest_body(raw, where)
+    names = _on_server(shared, lambda cl: list(cl.scan_iter(match=shared.ns.prefix + b"manifest:*", count=1000)))
+    found = []
+    for name in names:
+        raw = _on_server(shared, lambda cl: cl.get(name))
+        if raw is not None:
+            found.append(_manifest_body(raw, where))
+    return max(found, key=lambda m: float(m.get("time", 0)), default=None)
 
 
 def _manifest_doc(body: dict) -> str:
@@ -266,31 +340,39 @@ def _digest(seed: int, j: int, bb: int) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(block_data(seed, j, bb).numpy()))
 
 
-def write_manifest(nvme: Any, seed: int, n: int, present: list[int]) -> None:
-    """The spill manifest: seed, namespace, fingerprint, and a digest per block on NVMe; written
-    0600 without following symlinks, fsynced (file and directory), then renamed into place."""
-    bb = nvme.block_bytes
-    body = {"seed": seed, "blocks": n, "block_bytes": bb, "namespace": nvme.namespace, "dir": nvme.dir,
-            "fingerprint": nvme.fingerprint, "on_nvme": len(present),
-            "digests": {str(j): _digest(seed, j, bb) for j in present}}
-    doc = _manifest_doc(body)
+def write_manifest(nvme: Any, spills: list[dict]) -> None:
+    """The spill manifest: namespace, fingerprint and one record per spill whose blocks are on
+    NVMe (seed, blocks asked, a digest per block there; a spill begun but not yet recorded has
+    no digests). Written 0600 without following symlinks, fsynced (file and directory), then
+    renamed into place; a failure (e.g. ENOSPC) names the file and leaves no temp file behind."""
+    body = {"format": MANIFEST_FORMAT, "block_bytes": nvme.block_bytes, "namespace": nvme.namespace,
+            "dir": nvme.dir, "fingerprint": nvme.fingerprint, "spills": spills}
+    data = _manifest_doc(body).encode()
+    path = os.path.join(nvme.dir, MANIFEST)
+    tmp = MANIFEST + ".tmp"
     dfd = os.open(nvme.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        tmp = MANIFEST + ".tmp"
         try:
             os.unlink(tmp, dir_fd=dfd)
         except FileNotFoundError:
             pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
         try:
-            data = doc.encode()
-            while data:
-                data = data[os.write(fd, data):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
-        os.fsync(dfd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+        except OSError as e:
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except OSError:
+                pass
+            name = errno.errorcode.get(e.errno or 0, str(e.errno))
+            raise OSError(e.errno, f"cannot write the spill manifest {path}: [{name}] {e.strerror}", path) from None
     finally:
         os.close(dfd)
 
@@ -330,7 +412,17 @@ def read_manifest(path: str) -> dict | None:
             chunks.append(c)
     finally:
         os.close(fd)
-    return _manifest_body(b"".join(chunks), p)
+    body = _manifest_body(b"".join(chunks), p)
+    if "spills" not in body:   # format 1: the last spill's record at the top level
+        body["spills"] = [{k: body.pop(k) for k in ("seed", "blocks", "on_nvme", "digests") if k in body}]
+    try:
+        for e in body["spills"]:
+            e["seed"], e["blocks"] = int(e["seed"]), int(e["blocks"])
+            if e.get("digests") is not None:
+                e["digests"] = {str(int(j)): str(d) for j, d in e["digests"].items()}
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise OSError(errno.EINVAL, f"spill manifest {p} is malformed: {e!r}", p) from None
+    return body
 
 
 def _engine(tier: Any) -> str:
@@ -340,7 +432,7 @@ def _engine(tier: Any) -> str:
 # ---- restore ----------------------------------------------------------------------------
 def cmd_restore(args: argparse.Namespace) -> int:
     check_seed(args.seed)
-    cfg = load_config(args.config, check_env=False)
+    cfg = load_fitted(args.config, allocate=False)
     t = _nvme_cfg(cfg)
     if any(c.kind == "redis" for c in cfg.tiers) and read_manifest_if_dir(t.path) is None:
         # this data dir holds no spill (another machine's, or empty): restore from the fleet's tier
@@ -359,12 +451,18 @@ def cmd_restore(args: argparse.Namespace) -> int:
             nvme.close()
 
     def text(d: dict) -> str:
-        s = (f"restored {d['restored']} blocks ({format_size(d['bytes'])}) in {d['seconds']:.2f} s: "
+        s = (f"restored {d['restored']} blocks ({format_size(d['bytes'])}) from {d['tier']} in {d['seconds']:.2f} s: "
              f"{d['gbps']:.2f} GB/s; corrupt (detected, not served): {d['corrupt']}; missing: {d['missing']}")
         if d["verify"]:
-            s += (f"; verified against the manifest (seed {d['seed']}): {d['verified_blocks']} of "
-                  f"{d['expected']}, content mismatches served as good: {d['bad_served']}")
+            seeds = ", ".join(map(str, d["seeds"]))
+            s += (f"; verified against the regenerated spill data (seed{'s' if len(d['seeds']) > 1 else ''} "
+                  f"{seeds}): {d['verified_blocks']} of {d['expected']}")
+            if d.get("unrecorded"):
+                s += f" ({d['unrecorded']} of them not in the manifest: checked against their keys alone)"
+            s += f", content mismatches served as good: {d['bad_served']}"
         return s + f"; engine: {d['engine']}"
+    if args.verify and r["problem"] and not r["read"]:   # known before reading: no figures to show
+        raise CommandFailed(f"restore --verify: {r['problem']}", r)
     if not getattr(args, "json", False):
         _print(args, r, text)  # the figures, then (on failure) the error line
     if r["bad_served"]:
@@ -379,79 +477,110 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def _result(verify: bool, problem: str | None, read: bool, **kw: Any) -> dict:
+    r = {"restored": 0, "corrupt": 0, "bad_served": 0, "verified_blocks": 0, "bytes": 0, "seconds": 0.0,
+         "gbps": 0.0, "missing": 0, "expected": 0, "unrecorded": 0, "seeds": []}
+    r.update(kw)
+    r.update(verify=verify, problem=problem, read=read, verified=verify and problem is None)
+    return r
+
+
 def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: int = 64) -> dict:
-    """Read back every block in the index (or, with `verify`, every block the manifest lists)
-    and verify it; `problem` says why a verify fails (wrong seed, other namespace, missing or
-    corrupt blocks, nothing to verify)."""
-    bb = nvme.block_bytes
-    indexed = nvme.num_resident
+    """Read back every block in the index; with `verify`, every spill block instead (of `seed`,
+    or of every spill), each checked against its regenerated contents and the manifest's digest.
+    The manifest lists each spill's blocks (so missing ones are found); a spilled block it does
+    not list (its spill could not record it) is checked against its key alone. `problem` says why
+    a verify fails (wrong seed, other namespace, missing or corrupt blocks, nothing to verify);
+    `read` is False when that was known before reading anything."""
+    from .blockgen import split_block_key
+    base = {"index_entries": nvme.num_resident, "engine": _engine(nvme), "tier": nvme.name}
     manifest = read_manifest(nvme.dir) if nvme.dir and os.path.isdir(nvme.dir) else None
-    problem = None
-    expected: dict[int, str] = {}
-    if verify:
-        if manifest is None:
-            problem = f"nothing to verify: no spill manifest in {nvme.dir}"
-        elif seed is not None and seed != manifest["seed"]:
-            problem = f"wrong seed {seed}: the manifest in {nvme.dir} was spilled with seed {manifest['seed']}"
-        elif manifest.get("namespace") != nvme.namespace or manifest.get("fingerprint") != nvme.fingerprint:
-            problem = (f"the manifest in {nvme.dir} was written for namespace {manifest.get('namespace')!r}, "
-                       f"this tier is {nvme.namespace!r} (another fingerprint)")
-        else:
-            seed = manifest["seed"]
-            expected = {int(j): d for j, d in manifest["digests"].items()}
-            if not expected:
-                problem = "nothing to verify: the manifest lists no block on NVMe"
-    if verify:
-        todo = [(j, block_key(seed, j)) for j in sorted(expected)] if problem is None else []
-        entries = [(nvme.find(k), k, j) for j, k in todo]
-        missing = sum(1 for s, _, _ in entries if s is None)
-        entries = [e for e in entries if e[0] is not None]
-    else:
+    if manifest is not None and (manifest.get("namespace") != nvme.namespace
+                                 or manifest.get("fingerprint") != nvme.fingerprint):
+        if verify:
+            return _result(verify, f"the manifest in {nvme.dir} was written for namespace "
+                           f"{manifest.get('namespace')!r}, this tier is {nvme.namespace!r} (another fingerprint)",
+                           False, seed=seed, **base)
+        manifest = None
+    records = {e["seed"]: e for e in (manifest or {}).get("spills", [])}
+    # every spill block in the index by (seed, index); the manifest's blocks it lacks are missing
+    spilled: dict[tuple[int, int], tuple[int, bytes]] = {}
+    for k, s in nvme.resident.items():
+        ref = split_block_key(k)
+        if ref is not None:
+            spilled[ref] = (s, k)
+    listed = {(sd, int(j)): d for sd, e in records.items() for j, d in (e.get("digests") or {}).items()}
+    if not verify:
         entries = sorted((s, k, None) for k, s in nvme.resident.items())
-        m_n = manifest.get("on_nvme") if manifest else None
-        missing = max(0, m_n - len(entries)) if m_n is not None else 0
-    r = _read_back(entries, lambda chunk, bufs: nvme.read([s for s, _, _ in chunk], bufs), bb, seed,
-                   expected, verify and problem is None, args, batch, drain=getattr(nvme, "drain", None))
-    if verify and problem is None and (missing or r["corrupt"]):
-        problem = (f"{missing} of the manifest's {len(expected)} blocks are missing from the index "
+        missing = sum(1 for ref in listed if ref not in spilled)
+        expected: dict = {}
+        seeds: list[int] = []
+    else:
+        have = sorted(set(records) | {sd for sd, _ in spilled})
+        if seed is not None and seed not in have:
+            return _result(verify, f"wrong seed {seed}: " + (
+                f"the manifest in {nvme.dir} lists the spills of seed{'s' if len(have) > 1 else ''} "
+                f"{', '.join(map(str, have))}" if have else f"no spill in {nvme.dir}"), False, seed=seed, **base)
+        seeds = [seed] if seed is not None else have
+        want = {ref: d for ref, d in listed.items() if ref[0] in seeds}
+        want.update({ref: None for ref in spilled if ref[0] in seeds and ref not in listed})  # by key alone
+        if not want:
+            why = (f"no spill manifest in {nvme.dir} and no spilled block in its index" if manifest is None
+                   else f"the manifest in {nvme.dir} lists no block on NVMe and its index holds no spilled block")
+            return _result(verify, f"nothing to verify: {why}", False, seed=seed, seeds=seeds, **base)
+        entries = [(spilled[ref][0], spilled[ref][1], ref) for ref in sorted(want) if ref in spilled]
+        missing = len(want) - len(entries)
+        expected = want
+    r = _read_back(entries, lambda chunk, bufs: nvme.read([s for s, _, _ in chunk], bufs), nvme.block_bytes,
+                   expected, verify, args, batch, drain=getattr(nvme, "drain", None))
+    problem = None
+    if verify and (missing or r["corrupt"] or r["bad_served"]):
+        problem = (f"{missing} of the manifest's {len(listed)} blocks are missing from the index "
                    f"(evicted or lost) and {r['corrupt']} failed verification")
-    return {**r, "missing": missing, "verify": verify, "expected": len(expected), "problem": problem,
-            "index_entries": indexed, "verified": verify and problem is None, "seed": seed,
-            "engine": _engine(nvme), "tier": nvme.name}
+    unrecorded = sum(1 for d in expected.values() if d is None)
+    return _result(verify, problem, True, **r, missing=missing, expected=len(expected), unrecorded=unrecorded,
+                   seed=seed if seed is not None else (seeds[-1] if len(seeds) == 1 else None), seeds=seeds,
+                   **base)
 
 
 def restore_shared(shared: Any, seed: int | None, verify: bool, args: Any = None, batch: int = 64) -> dict:
     """`restore` from the shared tier: the blocks its spill manifest (kept on the server) lists."""
     manifest = get_shared_manifest(shared, seed)
-    problem = None
-    expected: dict[int, str] = {}
+    base = {"index_entries": None, "engine": shared.io_engine, "tier": shared.name}
     if manifest is None:
-        problem = (f"nothing to restore: no spill manifest{'' if seed is None else f' of seed {seed}'} on "
-                   f"{shared.settings.where} for namespace {shared.ns.ns} (another fingerprint, or the server "
-                   f"evicted or lost it)")
-    else:
-        seed = manifest["seed"]
-        expected = {int(j): d for j, d in manifest["digests"].items()}
-    entries = [(None, block_key(seed, j), j) for j in sorted(expected)]
+        return _result(verify, f"nothing to restore: no spill manifest{'' if seed is None else f' of seed {seed}'} "
+                       f"on {shared.settings.where} for namespace {shared.ns.ns} (another fingerprint, or the "
+                       f"server evicted or lost it)", False, seed=seed, **base)
+    seed = manifest["seed"]
+    expected = {(seed, int(j)): d for j, d in manifest["digests"].items()}
+    if not expected:
+        problem = (f"nothing to {'verify' if verify else 'restore'}: the shared tier's spill manifest of seed "
+                   f"{seed} on {shared.settings.where} lists none of its {manifest.get('blocks', '?')} blocks "
+                   f"(the tier's admission policy kept them off the server, or they were evicted)")
+        return _result(verify, problem, False, seed=seed, seeds=[seed], **base)
+    entries = [(None, block_key(*ref), ref) for ref in sorted(expected)]
     r = _read_back(entries, lambda chunk, bufs: shared.get([k for _, k, _ in chunk], bufs), shared.block_bytes,
-                   seed, expected, verify and problem is None, args, batch, drain=shared.conn.drain)
-    missing = r["corrupt"]  # absent (evicted) and bad values are both misses on the shared tier
-    if problem is None and missing:
-        problem = (f"{missing} of the manifest's {len(expected)} blocks are absent from the shared tier "
+                   expected, verify, args, batch, drain=shared.conn.drain)
+    absent = r["corrupt"]  # absent (evicted) and bad values are both misses on the shared tier
+    problem = None
+    if absent or r["bad_served"]:
+        problem = (f"{absent} of the manifest's {len(expected)} blocks are absent from the shared tier "
                    f"(evicted by the server) or failed verification")
     stats = shared.stats()
-    return {**r, "corrupt": int(stats.get("corrupt_blocks", 0)), "missing": int(stats.get("missing_blocks", 0)),
-            "verify": verify, "expected": len(expected), "problem": problem if (verify or manifest is None) else None,
-            "index_entries": None, "verified": verify and problem is None, "seed": seed,
-            "engine": shared.io_engine, "tier": shared.name}
+    return _result(verify, problem if verify else None, True,
+                   **{**r, "corrupt": int(stats.get("corrupt_blocks", 0))},
+                   missing=int(stats.get("missing_blocks", 0)), expected=len(expected), seed=seed, seeds=[seed],
+                   **base)
 
 
-def _read_back(entries: list, read, bb: int, seed: int | None, expected: dict[int, str], verify: bool,
-               args: Any, batch: int, drain=None) -> dict:
-    """Read `entries` ((slot, key, spill index)) in batches with `read(chunk, bufs)`, each block
-    checked against the regenerated spill data when `verify`; `drain()` waits for reads still in
-    flight (an interrupt) before the staging rows are freed."""
+def _read_back(entries: list, read, bb: int, expected: dict, verify: bool, args: Any, batch: int,
+               drain=None) -> dict:
+    """Read `entries` ((slot, key, (seed, spill index))) in batches with `read(chunk, bufs)`;
+    with `verify` each block is compared with its regenerated contents and, where `expected`
+    has one, its digest. `drain()` waits for reads still in flight (an interrupt) before the
+    staging rows are freed."""
     import torch
+    import xxhash
     batch = max(1, min(batch, (32 << 20) // bb))  # at most 32 MiB of staging
     staging = _staging(min(batch, max(1, len(entries))), bb)
     expect = torch.empty(bb, dtype=torch.uint8) if verify else None
@@ -464,14 +593,16 @@ def _read_back(entries: list, read, bb: int, seed: int | None, expected: dict[in
             t0 = time.perf_counter()
             res = read(chunk, staging.views[:len(chunk)]).wait()
             t_io += time.perf_counter() - t0
-            for i, ((s, k, j), ok) in enumerate(zip(chunk, res.ok)):
+            for i, ((_, _, ref), ok) in enumerate(zip(chunk, res.ok)):
                 if not ok:
                     corrupt += 1
                     continue
                 restored += 1
                 if expect is not None:
-                    fill_block(expect, seed, j)
-                    if torch.equal(staging.views[i], expect) and _digest(seed, j, bb) == expected[j]:
+                    fill_block(expect, *ref)
+                    digest = expected.get(ref)
+                    if torch.equal(staging.views[i], expect) and (
+                            digest is None or xxhash.xxh3_64_hexdigest(memoryview(staging.views[i].numpy())) == digest):
                         good += 1
                     else:
                         bad += 1
@@ -491,7 +622,7 @@ def _read_back(entries: list, read, bb: int, seed: int | None, expected: dict[in
 def cmd_inspect(args: argparse.Namespace) -> int:
     """What each tier holds; the NVMe tier read-only (no lock, nothing allocated), so it works
     on a live server's directory. `--watch S` refreshes every S seconds until Ctrl-C."""
-    cfg = load_config(args.config, check_env=False)
+    cfg = load_fitted(args.config, allocate=False)
     watch = getattr(args, "watch", None)
     if watch is not None and not 0.1 <= watch <= 3600:
         raise ValueError(f"--watch must be between 0.1 and 3600 seconds, got {watch}")
@@ -509,6 +640,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         time.sleep(watch)
 
 
+def _fingerprint_note(stored: dict, ours: dict) -> tuple[str, list[str]]:
+    """What is known about the fingerprint a directory was written under, said plainly."""
+    differs = sorted(k for k in set(ours) | set(stored) if ours.get(k) != stored.get(k))
+    if not differs:
+        return "this config's", []
+    if stored.get("layout") == "vllm-kv-blocks/v1":   # the connector's: the model's layout, not the YAML's
+        what = ", ".join(f"{k} {stored[k]}" for k in ("model", "dtype", "kv_cache_dtype", "tp", "pp", "block_bytes")
+                         if k in stored)
+        return (f"written by the vLLM connector ({what}): it takes the model, dtypes and block size from vLLM, "
+                f"so they never match a YAML's own fields; vLLM serving that model from this path uses these "
+                f"blocks; the CLI's spill/restore cannot (`kvtier fsck --dir PATH` checks them)"), differs
+    return (f"written under another fingerprint than this config's (differs in "
+            f"{', '.join(f'{k}: stored {stored.get(k)!r}, config {ours.get(k)!r}' for k in differs)})"), differs
+
+
+def _recorded_fingerprint(path: str) -> dict | None:
+    """The fingerprint the directory recorded at its first open (fingerprint.json), or None."""
+    from kvtier.tiers.nvme_block import recorded_fingerprint
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        return recorded_fingerprint(fd, path)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def inspect_stats(cfg: StackConfig) -> dict:
     from kvtier.serving_stats import hit_ratios, read_stats
     from kvtier.tiers.nvme_control import make_fingerprint
@@ -519,17 +680,18 @@ def inspect_stats(cfg: StackConfig) -> dict:
             if nv is None:
                 tiers.append({"name": t.name, "kind": "nvme", "path": t.path, "resident_blocks": 0,
                               "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
-                              "eviction": t.eviction or cfg.policy.eviction, "note": "no directory yet"})
+                              "block_bytes": cfg.block_bytes, "eviction": t.eviction or cfg.policy.eviction,
+                              "note": "no directory yet"})
                 continue
             try:
                 st = nv.stats()
             finally:
                 nv.close()
-            ours = make_fingerprint(t.name, cfg.block_bytes, cfg.fingerprint())
-            differs = sorted(k for k in set(ours) | set(st["fingerprint"])
-                             if ours.get(k) != st["fingerprint"].get(k))
-            if differs:  # shown as written (by the vLLM connector, say): serving it needs that fingerprint
-                st["note"] = f"written under another fingerprint than this config's (differs in {', '.join(differs)})"
+            stored = _recorded_fingerprint(st.get("path") or t.path) or st["fingerprint"]
+            st["fingerprint"] = stored
+            st["block_bytes"] = int(stored.get("block_bytes", cfg.block_bytes))
+            st["fingerprint_is"], st["config_differs_in"] = _fingerprint_note(
+                stored, make_fingerprint(t.name, cfg.block_bytes, cfg.fingerprint()))
             served = read_stats(st.get("path") or t.path)
             if served is not None:  # a vLLM connector serves (or served) from this directory
                 st["serving"] = hit_ratios(served)
@@ -539,7 +701,8 @@ def inspect_stats(cfg: StackConfig) -> dict:
         else:  # offline: a DRAM tier holds nothing; its capacity is what a stack would allocate
             tiers.append({"name": t.name, "kind": t.kind, "resident_blocks": 0,
                           "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
-                          "eviction": t.eviction or cfg.policy.eviction, "note": "not allocated (offline)"})
+                          "block_bytes": cfg.block_bytes, "eviction": t.eviction or cfg.policy.eviction,
+                          "note": "not allocated (offline)"})
     return {"config": cfg.source, "block_bytes": cfg.block_bytes, "tiers": tiers,
             "policies": {"eviction": cfg.policy.eviction, "admission": cfg.policy.admission,
                          "promotion": cfg.policy.promotion, "offload": cfg.policy.offload},
@@ -573,17 +736,24 @@ def inspect_shared(cfg: StackConfig, t: Any) -> dict:
 
 
 def _inspect_text(d: dict) -> str:
-    lines = [f"config: {d['config']}  block_bytes: {d['block_bytes']}  policies: {d['policies']}"]
+    lines = [f"config: {d['config']}  block_bytes: {d['block_bytes']} (the config's)  policies: {d['policies']}"]
     for t in d["tiers"]:
+        bb = t.get("block_bytes")
         lines.append(f"  {t['name']:<8} {t['kind']:<5} {t['resident_blocks']:>9} / {t['capacity_blocks']:<9} blocks "
-                     f"({100 * t['occupancy']:.1f}%)  eviction={t['eviction']}  engine={t.get('engine', '-')}")
+                     f"({100 * t['occupancy']:.1f}%)" + (f" of {format_size(bb)}" if bb else "") +
+                     f"  eviction={t['eviction']}  engine={t.get('engine', '-')}")
         sv = t.get("serving")
         if sv:
-            by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sv["hit_ratio_by_tier"].items())
-            lines.append(f"           serving: pid {sv['pid']}, {sv['age_s']} s ago: block hit ratio "
-                         f"{100 * sv['hit_ratio']:.1f}% ({by}) of {sv['blocks_looked_up']} blocks looked up")
-        for k in ("path", "server", "namespace", "fingerprint", "server_memory", "corrupt_blocks", "quarantined",
-                  "stored_capacity", "beyond_capacity", "note"):
+            head = f"           serving: pid {sv['pid']}, counters written {sv['age_s']} s ago: "
+            if not sv["blocks_looked_up"]:
+                lines.append(head + f"no block looked up yet ({sv['lookups']} lookups)")
+            else:
+                by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sv["hit_ratio_by_tier"].items())
+                lines.append(head + f"block hit ratio {100 * sv['hit_ratio']:.1f}%"
+                             + (f" ({by})" if by else " (no hit in any tier)")
+                             + f" of {sv['blocks_looked_up']} blocks looked up")
+        for k in ("path", "server", "namespace", "fingerprint_is", "fingerprint", "server_memory", "corrupt_blocks",
+                  "quarantined", "stored_capacity", "beyond_capacity", "note"):
             if t.get(k) not in (None, 0) or k in ("path", "quarantined"):
                 if k in t:
                     lines.append(f"           {k}: {t[k]}")
@@ -593,7 +763,7 @@ def _inspect_text(d: dict) -> str:
 # ---- fsck -------------------------------------------------------------------------------
 def cmd_fsck(args: argparse.Namespace) -> int:
     from kvtier.tiers.nvme_fsck import fsck
-    cfg = load_config(args.config, check_env=False)
+    cfg = load_fitted(args.config, allocate=False)
     if getattr(args, "dir", None):   # a directory by path (e.g. the connector's): its recorded fingerprint
         if args.shrink:
             raise ConfigError("fsck: --shrink takes the capacity from --config's nvme tier, not --dir")
@@ -604,11 +774,21 @@ def cmd_fsck(args: argparse.Namespace) -> int:
         t = _nvme_cfg(cfg)
         path, shrink_to = t.path, t.blocks(cfg.block_bytes) if args.shrink else None
     r = fsck(path, cfg.block_bytes, cfg.fingerprint(), rebuild=args.rebuild, shrink_to=shrink_to)
-    _print(args, r, lambda d: "\n".join(f"{k}: {v}" for k, v in d.items() if k != "problems") +
-           "".join(f"\n  {p}" for p in d.get("problems", [])[:20]))
+    _print(args, r, _fsck_text)
     if r["damaged"] and not args.rebuild:
         raise CommandFailed(f"fsck: {r['damaged']}", r)
     return 0
+
+
+def _fsck_text(d: dict) -> str:
+    def show(k: str, v: Any) -> str:
+        if k == "damaged":
+            return "no: the index agrees with the block headers" if not v else str(v)
+        if v is None or v == []:
+            return "none"
+        return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
+    return "\n".join(f"{k}: {show(k, v)}" for k, v in d.items() if k != "problems") + \
+        "".join(f"\n  {p}" for p in d.get("problems", [])[:20])
 
 
 # ---- bench ------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import ConfigError, StackConfig, load_config, parse_config
+from .config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config, parse_config
 from .stack import TierStack
 from .trace import default_trace
 from .units import format_size
@@ -70,14 +72,27 @@ def run(args: argparse.Namespace) -> int:
         from .compare import run_compare
         return run_compare(args, reqs, trace)
     cfg = _stack_config(args, unique_blocks(reqs))
-    with TierStack.from_config(cfg, with_data=not args.no_data) as stack:
-        held = {t.name: t.num_resident for t in stack.tiers if t.num_resident}
-        if held and not args.warm:  # a replay is measured from empty tiers, as Belady is
-            stack.clear()
-            print(f"replay: starting cold: dropped the blocks an earlier run left in "
-                  f"{', '.join(f'{k} ({v})' for k, v in held.items())}; --warm keeps them", file=sys.stderr)
-        res = replay(stack, reqs, progress=not (args.quiet or args.json))
-        res["start"] = {"warm": bool(args.warm), "blocks_held_at_open": held}
+    if not args.no_data:  # the tiers are allocated: they must fit this machine's memory and disk
+        check_environment(cfg)
+    scratch = _Scratch(cfg, use=not args.no_data and not args.warm)
+    try:
+        cfg = fit_to_machine(scratch.cfg, check=not args.no_data)[0]
+        if args.no_data:
+            _check_metadata_memory(cfg)
+        with TierStack.from_config(cfg, with_data=not args.no_data) as stack:
+            held = {t.name: t.num_resident for t in stack.tiers if t.num_resident}
+            if held and not args.warm:  # a replay is measured from empty tiers, as Belady is
+                stack.clear()
+                print(f"replay: starting cold: dropped the blocks an earlier run left in "
+                      f"{', '.join(f'{k} ({v})' for k, v in held.items())}; --warm keeps them", file=sys.stderr)
+            res = replay(stack, reqs, progress=not (args.quiet or args.json))
+            res["start"] = {"warm": bool(args.warm), "blocks_held_at_open": held}
+    finally:
+        res_data = scratch.close()
+    if not args.no_data:
+        res["nvme_data"] = res_data
+        for line in scratch.lines():
+            print(line, file=sys.stderr)
     res["trace"] = str(trace)
     res["config"] = cfg.source
     cap = sum(t.capacity_blocks for t in stack.tiers)
@@ -95,8 +110,107 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+META_BYTES_PER_BLOCK = 256   # a metadata-only tier's per-slot arrays and index entry (about 85 B + 170 B)
+
+
+def _check_metadata_memory(cfg: StackConfig) -> None:
+    """A metadata-only replay allocates no blocks, but each slot of capacity still costs memory."""
+    from .config import available_memory, memory_headroom
+    tiers = [t for t in cfg.storage_tiers() if t.kind in ("cpu", "nvme") or t.capacity is not None
+             or t.capacity_blocks is not None]
+    n = sum(t.blocks(cfg.block_bytes) for t in tiers)
+    room = available_memory() - memory_headroom()
+    if n * META_BYTES_PER_BLOCK > room:
+        big = max(tiers, key=lambda t: t.blocks(cfg.block_bytes))
+        names = ", ".join(t.name for t in tiers)
+        raise ConfigError(f"{cfg.source}: tiers.{cfg.tiers.index(big)}.capacity: --no-data still keeps about "
+                          f"{META_BYTES_PER_BLOCK} B per block of capacity: {n} blocks ({names}) need "
+                          f"{format_size(n * META_BYTES_PER_BLOCK)} of memory, only {format_size(max(0, room))} "
+                          f"available (MemAvailable less headroom); tier {big.name!r} is the largest")
+
+
+class _Scratch:
+    """Where a replay's NVMe tiers keep their files. Cold (the default), each runs in a scratch
+    directory inside its configured path (so on that file system), removed at the end: a replay
+    leaves no data behind and never touches blocks a spill or a server left there. `--warm` runs
+    in the configured path itself and keeps what it wrote (for the next --warm run)."""
+
+    PREFIX = "replay-scratch-"
+
+    def __init__(self, cfg: StackConfig, use: bool) -> None:
+        self.made: list[tuple[str, str, list[str]]] = []   # (tier, scratch dir, directories created for it)
+        self.kept: list[tuple[str, str]] = []
+        self.report: dict[str, dict] = {}
+        tiers = []
+        for t in cfg.tiers:
+            if t.kind == "nvme" and use:
+                from kvtier.tiers.nvme_block import make_private_dirs
+                created, p = [], os.path.abspath(t.path)
+                while not os.path.lexists(p):
+                    created.append(p)
+                    p = os.path.dirname(p)
+                make_private_dirs(t.path)
+                _remove_stale(t.path)
+                d = os.path.join(t.path, f"{self.PREFIX}{os.getpid()}")
+                shutil.rmtree(d, ignore_errors=True)
+                self.made.append((t.name, d, created))
+                t = t.model_copy(update={"path": d})
+            elif t.kind == "nvme":
+                self.kept.append((t.name, t.path))
+            tiers.append(t)
+        self.cfg = cfg.model_copy(update={"tiers": tiers})
+
+    def close(self) -> dict:
+        for name, d, created in self.made:
+            self.report[name] = {"path": d, "bytes_on_disk": _du(d), "removed": True}
+            shutil.rmtree(d, ignore_errors=True)
+            for p in created:   # deepest first; only while empty
+                try:
+                    os.rmdir(p)
+                except OSError:
+                    break
+        for name, d in self.kept:
+            self.report[name] = {"path": d, "bytes_on_disk": _du(d), "removed": False}
+        return self.report
+
+    def lines(self) -> list[str]:
+        out = []
+        for name, r in self.report.items():
+            if r["removed"]:
+                out.append(f"replay: nvme tier {name!r} ran in the scratch directory {r['path']} "
+                           f"({format_size(r['bytes_on_disk'])} on disk), now removed; --warm runs in "
+                           f"{os.path.dirname(r['path'])} itself and keeps its blocks")
+            else:
+                out.append(f"replay: nvme tier {name!r} keeps {format_size(r['bytes_on_disk'])} on disk in "
+                           f"{r['path']} (--warm); remove that directory to free it")
+        return out
+
+
+def _du(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _remove_stale(path: str) -> None:
+    """Scratch directories of replays that were killed (their pid is gone)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for n in names:
+        pid = n[len(_Scratch.PREFIX):] if n.startswith(_Scratch.PREFIX) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(path, n), ignore_errors=True)
+
+
 def _stack_config(args: argparse.Namespace, unique: int) -> StackConfig:
-    base = load_config(args.config, check_env=not (args.capacity_fraction or args.capacity_blocks))
+    base = load_config(args.config, check_env=False)
     data = base.model_dump(exclude={"source"})
     if args.capacity_fraction is not None or args.capacity_blocks is not None:   # checked by _check_args
         n = args.capacity_blocks if args.capacity_blocks is not None else max(1, int(args.capacity_fraction * unique))
@@ -113,7 +227,8 @@ def _stack_config(args: argparse.Namespace, unique: int) -> StackConfig:
         data["policy"]["admission"] = args.admission
         for t in data["tiers"]:
             t["admission"] = None
-    return parse_config(data, source=base.source + (" (replay overrides)" if data != base.model_dump(exclude={"source"}) else ""))
+    changed = data != base.model_dump(exclude={"source"})
+    return parse_config(data, source=base.source + (" (replay overrides)" if changed else ""), check_env=False)
 
 
 def _fill(t: torch.Tensor, key: bytes) -> None:

@@ -334,16 +334,17 @@ def test_case6_orphaned_holder_is_named(tmp_path):
 
 
 # ---- 7. honest verify -----------------------------------------------------------------------
-def test_case7_verify_fails_on_wrong_seed_replaced_manifest_evicted_and_empty(tmp_path):
+def test_case7_verify_fails_on_wrong_seed_evicted_and_empty(tmp_path):
     c = cfg(tmp_path, nvme_blocks=64)
     r = verify(c)
     assert r.returncode == 1 and "no nvme tier" in js(r)["error"]["message"]      # empty: nothing there
     assert kv("restore", "-c", c, "--strict", "-q").returncode == 1
     assert spill(c, 20, seed=1).returncode == 0
-    assert verify(c, "--seed", "2").returncode == 1                                 # wrong seed
-    assert spill(c, 20, seed=2).returncode == 0                                     # manifest replaced
+    r = verify(c, "--seed", "2")                                                    # wrong seed
+    assert r.returncode == 1 and "wrong seed 2" in js(r)["error"]["message"] and r.stdout.count("\n") == 1
+    assert spill(c, 20, seed=2).returncode == 0          # recorded next to seed 1's (issue 19: it replaced it)
     r = verify(c, "--seed", "1")
-    assert r.returncode == 1 and "spilled with seed 2" in js(r)["error"]["message"]
+    assert r.returncode == 0 and js(r)["verified_blocks"] == 20
     import lmdb
     env = lmdb.open(str(tmp_path / "nvme" / "index"), max_dbs=4)                   # 5 blocks evicted
     db = env.open_db(b"entries")
@@ -352,9 +353,11 @@ def test_case7_verify_fails_on_wrong_seed_replaced_manifest_evicted_and_empty(tm
         for j in range(5):
             assert txn.delete(block_key(2, j), db=db)
     env.close()
-    r = verify(c)
+    r = verify(c, "--seed", "2")
     d = js(r)
     assert r.returncode == 1 and d["result"]["missing"] == 5 and d["result"]["verified_blocks"] == 15
+    r = verify(c)
+    assert r.returncode == 1 and js(r)["result"]["missing"] == 5 and js(r)["result"]["verified_blocks"] == 35
 
 
 def test_case10_fifo_manifest_does_not_hang(tmp_path):
@@ -419,6 +422,93 @@ def test_case9_sigint_and_sigterm_stop_cleanly(tmp_path):
     assert r.returncode == 0 and js(r)["verified_blocks"] == 64
 
 
-def test_case10_dram_beyond_physical_memory_is_refused_before_allocation(tmp_path):
-    r = kv("spill", "-c", cfg(tmp_path, cpu="capacity: 100TiB"), "-n", "1", "-q")
-    assert r.returncode == 2 and "physical memory" in r.stderr and "tiers.0.capacity" in r.stderr
+def test_case10_dram_beyond_available_memory_is_refused_before_allocation(tmp_path):
+    # beyond physical memory; and just below it (was accepted, then OOM-killed): always above what
+    # is available less the headroom (>= 256 MiB), however the machine's free memory moves meanwhile
+    below_physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - (128 << 20)
+    for cap in ("100TiB", str(below_physical)):
+        r = kv("spill", "-c", cfg(tmp_path, cpu=f"capacity: {cap}"), "-n", "1", "-q")
+        assert r.returncode == 2 and "tiers.0.capacity: tier 'cpu': asks" in r.stderr, r.stderr
+        assert "available to it" in r.stderr and not (tmp_path / "nvme").exists()
+
+
+# ---- issue 19: full and read-only file systems (a loop-mounted ext4 image) -------------------------
+def _small_fs(size):
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fs_util import small_fs
+    return small_fs(size)
+
+
+def _fill(path):
+    with open(os.path.join(path, "filler"), "wb", buffering=0) as f:
+        for n in (1 << 20, 4096, 512):
+            while True:
+                try:
+                    f.write(b"\xa5" * n)
+                except OSError:
+                    break
+
+
+def test_case11_disk_full_at_the_manifest_keeps_the_spill_verifiable(tmp_path, monkeypatch, capsys):
+    """The file system fills after the blocks are committed: the spill fails naming the manifest's
+    path and ENOSPC, leaves no temp file, and `restore --verify` still checks every block (against
+    its key: the manifest keeps the spill as begun)."""
+    from kvtier import cli, commands
+    with _small_fs("32M") as fs:
+        c = cfg(tmp_path, nvme_blocks=64, path=f"{fs.path}/nv")
+        real = commands.write_manifest
+
+        def fill_then_write(nvme, spills):
+            if spills[-1].get("digests") is not None:   # the final record, after the blocks are committed
+                _fill(fs.path)
+            return real(nvme, spills)
+        monkeypatch.setattr(commands, "write_manifest", fill_then_write)
+        assert cli.main(["spill", "-c", c, "-n", "40", "--seed", "6", "-q"]) == 1
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvtier: error:")]
+        assert len(err) == 1 and f"{fs.path}/nv/spill-manifest.json: [ENOSPC]" in err[0], err
+        assert "40 blocks of seed 6 are committed on NVMe" in err[0]
+        assert sorted(os.listdir(f"{fs.path}/nv")) == ["data.0", "fingerprint.json", "index", "secret",
+                                                       "spill-manifest.json"]   # no .tmp left
+        monkeypatch.undo()
+        r = verify(c)                                          # the disk is still full: reading needs no space
+        d = js(r)
+        assert r.returncode == 0 and (d["verified_blocks"], d["unrecorded"], d["seeds"]) == (40, 40, [6]), d
+        os.unlink(os.path.join(fs.path, "filler"))
+        assert spill(c, 10, seed=7).returncode == 0            # the begun record is completed from the index
+        r = verify(c)
+        assert r.returncode == 0 and (js(r)["verified_blocks"], js(r)["unrecorded"]) == (50, 0)
+
+
+def test_case11_spill_onto_a_read_only_file_system_is_erofs(tmp_path):
+    with _small_fs("16M") as fs:
+        c = cfg(tmp_path, nvme_blocks=16, path=f"{fs.path}/nv")
+        assert spill(c, 4).returncode == 0
+        fs.remount(read_only=True)
+        try:
+            r = spill(c, 4, seed=2)
+            assert r.returncode == 2 and "[EROFS]" in r.stderr and "EACCES" not in r.stderr, r.stderr
+            r = verify(c)
+            assert r.returncode == 0 and js(r)["verified_blocks"] == 4
+        finally:
+            fs.remount(read_only=False)
+
+
+def test_case12_verify_from_a_shared_manifest_of_no_block_fails(tmp_path, redis_server):
+    """admission second_hit keeps a one-off spill off the server: its manifest lists no block, and
+    `restore --verify` from it is "nothing to verify" (was "0 of 0", exit 0, verified: true)."""
+    yaml = tmp_path / "fleet.yaml"
+    yaml.write_text(f"""
+block_bytes: {BB}
+model: second-hit-{os.getpid()}
+tiers:
+  - {{name: cpu, kind: cpu, capacity_blocks: 8}}
+  - {{name: nvme, kind: nvme, path: "${{KVTIER_DATA}}", capacity_blocks: 64, io: posix}}
+  - {{name: shared, kind: redis, url: "{redis_server.url}", admission: second_hit}}
+""")
+    r = kv("spill", "-c", str(yaml), "-n", "12", "--seed", "4", "-q", "--json",
+           env={"KVTIER_DATA": str(tmp_path / "a")})
+    assert r.returncode == 0 and js(r)["on_shared"] == 0 and "none of the 12 blocks reached shared tier" in r.stderr
+    r = kv("restore", "-c", str(yaml), "--verify", "-q", "--json", env={"KVTIER_DATA": str(tmp_path / "b")})
+    d = js(r)
+    assert r.returncode == 1 and "nothing to verify" in d["error"]["message"] and d["result"]["verified"] is False
+    assert r.stdout.count("\n") == 1

@@ -1,6 +1,9 @@
 import os
+import sys
 
 import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
 
 from kvtier.config import ConfigError, load_config, parse_config, shipped_configs
 from kvtier.units import parse_size
@@ -100,7 +103,8 @@ def test_path_is_a_file(tmp_path):
 
 
 def test_capacity_larger_than_disk(tmp_path):
-    with pytest.raises(ConfigError, match=r"tiers.0.capacity: .* bytes free"):
+    with pytest.raises(ConfigError, match=r"tiers.0.capacity: tier 'n': asks 1\d+\.\d+ TiB of disk .* only .* "
+                                          r"available at " + str(tmp_path)):
         parse_config({"tiers": [{"name": "n", "kind": "nvme", "path": str(tmp_path), "capacity": "999TiB"}]})
 
 
@@ -109,9 +113,37 @@ def test_sizes():
     assert parse_size("256 KiB") == 262144
     assert parse_size("64G") == 64 * 10**9
     assert parse_size(4096) == 4096
-    for bad in ("", "1.2.3", "5 parsecs", -1, True):
+    assert parse_size("1EiB") == 1 << 60 and parse_size("1EB") == 10**18 and parse_size("2PiB") == 2 << 50
+    assert parse_size("1.5GiB") == 3 << 29
+    for bad in ("", "1.2.3", "5 parsecs", -1, True, "2EiB", "9" * 30):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+def test_1eib_in_a_config_is_a_size(tmp_path):
+    cfg = parse_config({"tiers": [{"name": "n", "kind": "nvme", "path": str(tmp_path), "capacity": "1EiB"}]},
+                       check_env=False)
+    assert cfg.tiers[0].capacity == 1 << 60
+
+
+@pytest.mark.parametrize("text,want", [
+    ("block_bytes: 64KiB\ntiers:\n  - {name: cpu, kind: cpu, capacity_blocks: " + "9" * 5000 + "}\n",
+     "line 3: tiers.0.capacity_blocks: an integer of 5000 digits"),
+    ("block_bytes: " + "1" * 5000 + "\ntiers: []\n", "line 1: block_bytes: an integer of 5000 digits"),
+    ("block_bytes: 64KiB\ntiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 8}\nblock_bytes: 128KiB\n",
+     "line 4: block_bytes: duplicate key 'block_bytes' (first at line 1)"),
+    ("tiers:\n  - {name: cpu, kind: cpu,\n     capacity_blocks: 8, capacity_blocks: 9}\n",
+     "line 3: tiers.0.capacity_blocks: duplicate key 'capacity_blocks' (first at line 3)"),
+    ("tiers:\n  - name: cpu\n    kind: cpu\n    capacity: 1GiB\n    kind: nvme\n",
+     "line 5: tiers.0.kind: duplicate key 'kind' (first at line 3)"),
+])
+def test_long_integers_and_duplicate_keys_are_one_error_naming_field_and_line(tmp_path, text, want):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, check_env=False)
+    assert str(e.value) == f"{p}: {want}" or str(e.value).startswith(f"{p}: {want}"), str(e.value)
+    assert "\n" not in str(e.value) and "4300" not in str(e.value)
 
 
 def test_two_nvme_tiers_cannot_share_a_directory(tmp_path):
@@ -153,3 +185,128 @@ def test_an_old_yaml_naming_a_retired_policy_is_one_clear_line(tmp_path, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{field}: policy '{name}' was retired" in err[0], err
     assert not (tmp_path / "nv").exists()   # refused before anything was opened
+
+
+# ---- capacities that fit the machine (fit_to_machine) -------------------------------------------
+GiB = 1 << 30
+
+
+def _cfg(tmp_path, cpu="1GiB", nvme="1GiB", bb="1MiB", path=None):
+    tiers = [{"name": "cpu", "kind": "cpu", "capacity": cpu}]
+    if nvme is not None:
+        tiers.append({"name": "nvme", "kind": "nvme", "path": str(path or tmp_path / "nv"), "capacity": nvme})
+    return parse_config({"block_bytes": bb, "tiers": tiers}, source="s.yaml", check_env=False)
+
+
+@pytest.fixture
+def ram(monkeypatch):
+    """A machine with 10 GiB available and a 1 GiB headroom (the real figures are tested below)."""
+    import kvtier.config as c
+    monkeypatch.setattr(c, "available_memory", lambda: 10 * GiB)
+    monkeypatch.setattr(c, "memory_headroom", lambda: GiB)
+
+
+def test_cpu_share_is_of_the_memory_kvtier_may_use(tmp_path, ram):
+    from kvtier.config import fit_to_machine
+    cfg, warnings = fit_to_machine(_cfg(tmp_path, cpu="50%", nvme=None))
+    assert cfg.tiers[0].blocks(cfg.block_bytes) == (9 * GiB // 2) >> 20 and warnings == []   # (10 - 1) / 2
+    cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="100%", nvme=None), reserved_memory=4 * GiB)
+    assert cfg.tiers[0].blocks(cfg.block_bytes) == (5 * GiB) >> 20                            # 10 - 4 - 1
+    with pytest.raises(ConfigError, match="resolve it with kvtier.config.fit_to_machine"):
+        _cfg(tmp_path, cpu="50%", nvme=None).tiers[0].blocks(1 << 20)   # unresolved: never a silent guess
+
+
+def test_cpu_tier_beyond_available_memory_is_refused_or_shrunk(tmp_path, ram):
+    from kvtier.config import fit_to_machine
+    with pytest.raises(ConfigError) as e:
+        fit_to_machine(_cfg(tmp_path, cpu="9.5GiB", nvme=None))
+    assert str(e.value) == ("s.yaml: tiers.0.capacity: tier 'cpu': asks 9.50 GiB of DRAM (9728 blocks), only "
+                            "9.00 GiB available to it (10.00 GiB available - 1.00 GiB headroom); lower it or give "
+                            "a share such as '50%'")
+    with pytest.raises(ConfigError, match=r"only 6.00 GiB available to it \(10.00 GiB available - 3.00 GiB "
+                                          r"reserved - 1.00 GiB headroom\)"):
+        fit_to_machine(_cfg(tmp_path, cpu="7GiB", nvme=None), reserved_memory=3 * GiB)
+    cfg, warnings = fit_to_machine(_cfg(tmp_path, cpu="9.5GiB", nvme=None), shrink=True)
+    assert cfg.tiers[0].blocks(cfg.block_bytes) == 9 * 1024 and len(warnings) == 1
+    assert "tier 'cpu' shrunk from 9.50 GiB to 9.00 GiB of DRAM" in warnings[0]
+    cfg, warnings = fit_to_machine(_cfg(tmp_path, cpu="9GiB", nvme=None))      # exactly fits: unchanged
+    assert cfg.tiers[0].capacity == 9 * GiB and warnings == []
+    fit_to_machine(_cfg(tmp_path, cpu="99GiB", nvme=None), check=False)        # only resolves
+
+
+def test_two_cpu_tiers_are_checked_together(tmp_path, ram):
+    from kvtier.config import fit_to_machine
+    cfg = parse_config({"block_bytes": "1MiB", "tiers": [{"name": "a", "kind": "cpu", "capacity": "6GiB"},
+                                                         {"name": "b", "kind": "cpu", "capacity": "6GiB"}]},
+                       source="s.yaml", check_env=False)
+    with pytest.raises(ConfigError, match="tiers.1.capacity: tier 'b': with the other cpu tiers asks 12.00 GiB"):
+        fit_to_machine(cfg)
+    cfg, warnings = fit_to_machine(cfg, shrink=True)
+    assert [t.blocks(cfg.block_bytes) for t in cfg.tiers] == [4608, 4608] and len(warnings) == 2
+
+
+def test_share_of_a_redis_tier_is_refused():
+    with pytest.raises(ConfigError, match="a share .* is for cpu and nvme tiers"):
+        parse_config({"tiers": [{"name": "c", "kind": "cpu", "capacity": "1GiB"},
+                                {"name": "r", "kind": "redis", "capacity": "10%"}]}, check_env=False)
+    for bad in ("0%", "101%", "-5%", "x%"):
+        with pytest.raises(ConfigError, match="tiers.0.capacity"):
+            parse_config({"tiers": [{"name": "c", "kind": "cpu", "capacity": bad}]}, check_env=False)
+
+
+def test_available_memory_is_memavailable_not_physical():
+    from kvtier.config import available_memory, memory_headroom
+    with open("/proc/meminfo") as f:
+        mi = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    a = available_memory()
+    assert 0 < a < phys and a <= mi["MemAvailable"] + (256 << 20)   # a memory cgroup can only lower it
+    assert 256 << 20 <= memory_headroom() <= 4 << 30
+
+
+def test_a_dram_tier_just_below_physical_memory_is_refused_before_allocation(tmp_path):
+    """Between available and physical memory (was OOM-killed: the check compared with physical
+    memory): refused at once, naming the tier and both sizes."""
+    from kvtier.config import fit_to_machine
+    below_physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - (128 << 20)
+    cfg = _cfg(tmp_path, cpu=below_physical, nvme=None, bb="64KiB")
+    with pytest.raises(ConfigError, match=r"tiers.0.capacity: tier 'cpu': asks .* of DRAM .* only .* available "
+                                          r"to it \(.* available - .* headroom\)"):
+        fit_to_machine(cfg)
+
+
+def test_nvme_share_and_check_on_a_small_file_system(tmp_path):
+    from fs_util import small_fs
+    from kvtier.config import DISK_HEADROOM, DISK_HEADROOM_PER_BLOCK, fit_to_machine
+    from kvtier.tiers.nvme_block import slot_stride
+    stride = slot_stride(65536)
+    with small_fs("32M") as fs:
+        free = fs.free_bytes()
+        cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="50%", bb="64KiB", path=f"{fs.path}/nv"))
+        n = cfg.tiers[1].blocks(65536)
+        assert n == (free - DISK_HEADROOM) // 2 // (stride + DISK_HEADROOM_PER_BLOCK)
+        with pytest.raises(ConfigError) as e:
+            fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="64MiB", bb="64KiB", path=f"{fs.path}/nv"))
+        assert f"tiers.1.capacity: tier 'nvme': asks " in str(e.value) and f"available at {fs.path}" in str(e.value)
+        cfg, warnings = fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="64MiB", bb="64KiB", path=f"{fs.path}/nv"),
+                                       shrink=True)
+        got = cfg.tiers[1].blocks(65536)
+        assert got == (free - DISK_HEADROOM) // (stride + DISK_HEADROOM_PER_BLOCK) and len(warnings) == 1
+        # its own data file counts as usable, and a share never resolves below what it holds
+        from kvtier.stack import TierStack
+        TierStack.from_config(cfg).close()
+        cfg2, _ = fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="10%", bb="64KiB", path=f"{fs.path}/nv"))
+        assert cfg2.tiers[1].blocks(65536) == got
+        fit_to_machine(cfg)   # the same capacity fits again, though the disk is now nearly full
+
+
+def test_read_only_file_system_is_erofs_not_eacces(tmp_path):
+    from fs_util import small_fs
+    from kvtier.config import check_environment
+    with small_fs("16M") as fs:
+        fs.remount(read_only=True)
+        try:
+            with pytest.raises(ConfigError, match=rf"tiers.1.path: {fs.path} is on a read-only file system \[EROFS\]"):
+                check_environment(_cfg(tmp_path, path=f"{fs.path}/nv"))
+        finally:
+            fs.remount(read_only=False)

@@ -103,19 +103,24 @@ def test_failed_plan_fails_loads_and_releases_every_pin():
 
 # ---- a CPU pool that does not fit memory: shrunk at start, the scheduler's tier follows ----------
 
-def test_fit_pool_slots_shrinks_or_refuses():
+def test_fit_pool_slots_shrinks_or_refuses(monkeypatch):
     import pytest
 
-    from kvtier.config import ConfigError
-    from kvtier.connector.startup import POOL_HEADROOM_BYTES, fit_pool_slots
-    bb = 1 << 20
-    assert fit_pool_slots("cpu", 100, bb, available=POOL_HEADROOM_BYTES + 200 * bb) == (100, None)
-    n, warn = fit_pool_slots("cpu", 100, bb, available=POOL_HEADROOM_BYTES + 40 * bb)
+    import kvtier.config
+    from kvtier.config import ConfigError, TierConfig
+    from kvtier.connector.startup import fit_pool_slots
+    monkeypatch.setattr(kvtier.config, "memory_headroom", lambda: 1 << 30)
+    bb, head = 1 << 20, 1 << 30
+    cpu = TierConfig(name="cpu", kind="cpu", capacity_blocks=100)
+    assert fit_pool_slots(cpu, bb, available=head + 200 * bb) == (100, None)
+    n, warn = fit_pool_slots(cpu, bb, available=head + 40 * bb)
     assert n == 40 and "shrunk to 40 blocks" in warn and "100.0 MiB asked" in warn
-    n, _ = fit_pool_slots("cpu", 100, bb, ranks=2, available=POOL_HEADROOM_BYTES + 40 * bb)
+    n, _ = fit_pool_slots(cpu, bb, ranks=2, available=head + 40 * bb)
     assert n == 20                              # two workers on the host share it
     with pytest.raises(ConfigError, match="refused"):
-        fit_pool_slots("cpu", 100, bb, available=POOL_HEADROOM_BYTES)
+        fit_pool_slots(cpu, bb, available=head)
+    half = TierConfig(name="cpu", kind="cpu", capacity="50%")
+    assert fit_pool_slots(half, bb, available=head + 40 * bb) == (20, None)   # a share of what is left
 
 
 def test_shrunk_pool_limits_the_schedulers_tier(monkeypatch):
@@ -123,13 +128,13 @@ def test_shrunk_pool_limits_the_schedulers_tier(monkeypatch):
 
     import kvtier.config
     from kvtier.connector.metadata import KVTierMetadata
-    from kvtier.connector.startup import POOL_HEADROOM_BYTES
     from kvtier.connector.worker import KVTierWorker
 
     buf = torch.randn(2, 16, 2, 4, 8)
     caches = {f"l{i}": buf[i] for i in range(2)}
     bb = 2 * 2 * 4 * 8 * 4
-    monkeypatch.setattr(kvtier.config, "available_memory", lambda: POOL_HEADROOM_BYTES + 5 * bb)
+    monkeypatch.setattr(kvtier.config, "memory_headroom", lambda: 1 << 30)
+    monkeypatch.setattr(kvtier.config, "available_memory", lambda: (1 << 30) + 5 * bb)
     w = KVTierWorker(lambda _bb: 8, pin=False)
     w.register_kv_caches(caches)
     assert w.pools[0].num_slots == 5

@@ -62,7 +62,8 @@ def _passes(llm, prompts, baseline):
 def test_tier_larger_than_the_disk_still_serves(model_dir, prompts, baseline, caplog):
     """1 GiB of NVMe configured on a 24 MiB file system: the tier is shrunk to the free space at
     start (one warning naming both sizes), and the requests are served, some from NVMe."""
-    with fs_util.small_ext4(24) as mnt:
+    with fs_util.small_fs("24M") as fs:
+        mnt = fs.path
         llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=8, nvme_path=os.path.join(mnt, "kv"),
                                                     nvme_capacity="1GiB"))
         try:
@@ -79,7 +80,8 @@ def test_disk_full_then_read_only_mid_run(model_dir, prompts, baseline):
     """The tier fits at start and holds blocks; then the file system fills up, and loads from NVMe
     are planned on the full disk; then it turns read-only (data and index writes fail with EROFS):
     every request completes with the baseline's tokens, the failures are counted, none raised."""
-    with fs_util.small_ext4(24) as mnt:
+    with fs_util.small_fs("24M") as fs:
+        mnt = fs.path
         llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=128, nvme_path=os.path.join(mnt, "kv"),
                                                     nvme_capacity="4MiB", nvme_write_lag_steps=0))
         try:
@@ -87,11 +89,11 @@ def test_disk_full_then_read_only_mid_run(model_dir, prompts, baseline):
             assert U.generate(llm, prompts, MAX_TOKENS) == baseline
             t0 = dict(s.sched.totals)
             assert t0.get("stored_blocks.nvme", 0) > 0
-            fs_util.fill(mnt)
+            fs.fill()
             _passes(llm, prompts, baseline)
             t1 = dict(s.sched.totals)
             assert t1.get("hit_blocks.nvme", 0) > t0.get("hit_blocks.nvme", 0)   # loads ran on the full disk
-            fs_util.make_read_only(mnt)
+            fs.make_read_only()
             _passes(llm, prompts, baseline)
             t2 = dict(s.sched.totals)
             failed = lambda t: t.get("store_failed_blocks.nvme", 0) + t.get("index_write_errors.nvme", 0)  # noqa: E731

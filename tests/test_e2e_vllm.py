@@ -410,7 +410,9 @@ serving: {{nvme_write_lag_steps: 0}}
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     nv = json.loads(r.stdout.strip().splitlines()[-1])["tiers"][1]
-    assert nv["resident_blocks"] == held and "differs in" in nv["note"]
+    assert nv["resident_blocks"] == held and "model" in nv["config_differs_in"]
+    assert nv["fingerprint_is"].startswith("written by the vLLM connector")
+    assert nv["block_bytes"] == s.config.block_bytes   # the tier's own, not the YAML's default
     sv = nv["serving"]   # the scheduler's totals, left in the directory at shutdown
     hits = {k.split(".")[1]: int(v) for k, v in t2.items() if k.startswith("hit_blocks.")}
     assert sv["blocks_looked_up"] == sum(hits.values()) + int(t2.get("miss_blocks", 0))

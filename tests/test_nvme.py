@@ -407,3 +407,79 @@ def test_the_directory_records_its_fingerprint(tmp_path):
     with mk(tmp_path, fingerprint=fp):
         pass
     assert json.loads(rec.read_text()) == want
+
+
+# ---- a real small file system: full, read-only (tests/fs_util.py) --------------------------------
+def _fill(path: str) -> int:
+    """Write a filler file under `path` until the file system is full; bytes written."""
+    n = 0
+    chunk = b"\xa5" * (1 << 20)
+    with open(os.path.join(path, "filler"), "wb", buffering=0) as f:
+        while True:
+            try:
+                n += f.write(chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                break
+        while True:  # the last partial block
+            try:
+                n += f.write(b"\xa5" * 4096)
+            except OSError:
+                break
+    os.sync()
+    return n
+
+
+def test_full_disk_at_the_index_commit_is_enospc_naming_the_path(tmp_path):
+    """The data file is preallocated, so a full disk shows first at the LMDB commit, which LMDB
+    reports as EIO (a short write): it is ENOSPC with the index path, and nothing is indexed."""
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fs_util import small_fs
+    with small_fs("16M") as fs:
+        d = os.path.join(fs.path, "nv")
+        with mk(d, cap=64, bb=65536) as t:
+            put(t, 1, range(4))
+            _fill(fs.path)
+            with pytest.raises(OSError) as e:
+                for lo in range(4, 64, 8):    # the index grows page by page until a commit finds no room
+                    put(t, 1, range(lo, lo + 8))
+                    put(t, 2, range(lo, lo + 8))
+            assert e.value.errno == errno.ENOSPC and f"index {d}/index: write failed: [ENOSPC]" in str(e.value)
+            held = {k for k in t.resident}
+        os.unlink(os.path.join(fs.path, "filler"))
+        with mk(d, cap=64, bb=65536) as t:    # what was committed is whole and served
+            assert set(t.resident) == held and block_key(1, 0) in held
+            res, _ = get(t, [t.resident[block_key(1, j)] for j in range(4)])
+            assert res.all_ok
+
+
+def test_read_only_file_system_is_erofs(tmp_path):
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from fs_util import small_fs
+    with small_fs("16M") as fs:
+        d = os.path.join(fs.path, "nv")
+        with mk(d, cap=8, bb=65536) as t:
+            put(t, 1, range(3))
+        fs.remount(read_only=True)
+        try:
+            for path in (d, os.path.join(fs.path, "new", "nv")):
+                with pytest.raises(OSError) as e:
+                    mk(path, cap=8, bb=65536)
+                assert e.value.errno == errno.EROFS and "EROFS" in str(e.value), e.value
+            with mk(d, cap=8, bb=65536, read_only=True) as t:    # reading still works
+                assert len(t.resident) == 3
+        finally:
+            fs.remount(read_only=False)
+
+
+def test_parent_directories_kvtier_creates_are_private(tmp_path):
+    import stat
+    d = tmp_path / "a" / "b" / "nv"
+    old = os.umask(0o022)
+    try:
+        mk(d, cap=4).close()
+    finally:
+        os.umask(old)
+    assert [oct(stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "a", tmp_path / "a" / "b", d)] == ["0o700"] * 3

@@ -44,18 +44,25 @@ def test_data_and_metadata_replays_agree(tmp_path, capsys, trace_path, policy):
 
 
 def test_replay_starts_cold_unless_warm(tmp_path, capsys, trace_path):
-    """A second replay on the same NVMe directory drops what the first left (same result as the
-    first); --warm keeps it and the NVMe tier serves some of it."""
+    """A cold replay (the default) runs its NVMe tier in a scratch directory, removed after: it
+    leaves nothing, so a second one gives the same result; a --warm run keeps its blocks in the
+    configured path and the next --warm run's NVMe tier serves some of them."""
     cfg = stack_yaml(tmp_path)
     argv = ("--trace", str(trace_path), "--config", cfg, "--limit", "300", "--no-belady")
     first = run_json(capsys, *argv)
     assert first["start"] == {"warm": False, "blocks_held_at_open": {}}
-    left = first["per_tier"][1]["demoted_in"] - first["per_tier"][1]["evicted"]
-    assert left > 0
+    nd = first["nvme_data"]["nvme"]
+    assert nd["removed"] and nd["path"].startswith(f"{tmp_path}/nvme/replay-scratch-") and nd["bytes_on_disk"] > 0
+    assert not (tmp_path / "nvme").exists()   # created for the scratch directory, removed with it
     again = run_json(capsys, *argv)
-    assert again["start"]["blocks_held_at_open"] == {"nvme": left}
+    assert again["start"]["blocks_held_at_open"] == {}
     assert [t["hit_blocks"] for t in again["per_tier"]] == [t["hit_blocks"] for t in first["per_tier"]]
-    assert again["hit_blocks"] == first["hit_blocks"]
+    warm1 = run_json(capsys, *argv, "--warm")
+    assert warm1["start"] == {"warm": True, "blocks_held_at_open": {}} and warm1["hit_blocks"] == first["hit_blocks"]
+    assert warm1["nvme_data"]["nvme"] == {"path": f"{tmp_path}/nvme", "removed": False,
+                                          "bytes_on_disk": warm1["nvme_data"]["nvme"]["bytes_on_disk"]}
+    left = warm1["per_tier"][1]["demoted_in"] - warm1["per_tier"][1]["evicted"]
+    assert left > 0
     warm = run_json(capsys, *argv, "--warm")
     assert warm["start"] == {"warm": True, "blocks_held_at_open": {"nvme": left}}
     assert warm["per_tier"][1]["hit_blocks"] > first["per_tier"][1]["hit_blocks"]

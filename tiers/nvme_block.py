@@ -65,12 +65,26 @@ def check_owned(st: os.stat_result, path: str, what: str, want_dir: bool) -> Non
                          f"(uid {os.geteuid()}); refused", path)
 
 
+def make_private_dirs(path: str) -> None:
+    """Create `path` and its missing parents, each 0700 (kvtier's directories are private)."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+
+
 def open_dir(path: str, create: bool, what: str = "nvme tier directory") -> int:
     """A directory fd for `path` (created 0700 when `create`); a symlink or another owner is refused.
     An existing directory open to group or others is narrowed to 0700."""
     if create:
         try:
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            make_private_dirs(os.path.dirname(path) or ".")
             os.mkdir(path, 0o700)
         except FileExistsError:
             pass

@@ -16,6 +16,7 @@ file, never a SIGBUS. `read_only` opens without writing anything (a live server'
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -58,6 +59,30 @@ def _unpack(v: bytes) -> Entry:
 
 
 _FSCK = "`kvtier fsck --rebuild -c CONFIG`, or `--dir DIR` for a directory the vLLM connector wrote"
+
+
+FULL_BYTES = 16 << 20   # a write that fails with this little free space failed for want of it
+
+
+def _cause(path: str, e: lmdb.Error) -> tuple[int, str]:
+    """(errno, reason) of an LMDB failure. LMDB turns a short write into EIO, and a full disk
+    gives one: with less than FULL_BYTES free, the cause is reported as ENOSPC; on a read-only
+    file system, as EROFS."""
+    code = getattr(e, "code", None) or errno.EIO
+    why = getattr(e, "reason", None) or str(e)
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        st = os.statvfs(probe)
+    except OSError:
+        return code, why
+    if st.f_flag & os.ST_RDONLY:
+        return errno.EROFS, "read-only file system"
+    free = (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
+    if code in (errno.EIO, errno.ENOSPC) and free < FULL_BYTES:
+        return errno.ENOSPC, f"no space left on device ({free} bytes free; LMDB said: {why})"
+    return code, why
 
 
 class NvmeIndexError(RuntimeError):
@@ -132,6 +157,10 @@ class NvmeIndex:
                 self.env = lmdb.open(path, map_size=self._map_size, max_dbs=4, subdir=True, mode=0o600,
                                      sync=True, metasync=True, lock=True, readahead=False)
         except lmdb.Error as e:
+            code, why = _cause(path, e)
+            if code in (errno.EROFS, errno.ENOSPC, errno.EACCES, errno.EIO):
+                raise OSError(code, f"cannot open LMDB index at {path}: [{errno.errorcode[code]}] {why}",
+                              path) from None
             raise NvmeIndexError(f"cannot open LMDB index at {path}: {e}") from None
         try:
             self._entries = self._open_db(b"entries")
@@ -257,8 +286,9 @@ class NvmeIndex:
                 self._map_size *= 2
                 log.info("nvme index %s: map full, growing to %d MiB", self.path, self._map_size >> 20)
                 self.env.set_mapsize(self._map_size)
-            except lmdb.Error as e:  # e.g. DiskError on a full disk: nothing was committed
-                raise OSError(getattr(e, "errno", None) or 5, f"index {self.path}: write failed: {e}",
+            except lmdb.Error as e:  # nothing was committed
+                code, why = _cause(self.path, e)
+                raise OSError(code, f"index {self.path}: write failed: [{errno.errorcode.get(code, code)}] {why}",
                               self.path) from None
 
     def map_size(self) -> int:
