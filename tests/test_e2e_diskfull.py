@@ -59,19 +59,23 @@ def _passes(llm, prompts, baseline):
     assert rev == baseline[::-1]
 
 
-def test_tier_larger_than_the_disk_still_serves(model_dir, prompts, baseline, caplog):
+def test_tier_larger_than_the_disk_still_serves(model_dir, prompts, baseline):
     """1 GiB of NVMe configured on a 24 MiB file system: the tier is shrunk to the free space at
     start (one warning naming both sizes), and the requests are served, some from NVMe."""
     with fs_util.small_fs("24M") as fs:
         mnt = fs.path
-        llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=8, nvme_path=os.path.join(mnt, "kv"),
+        llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=128, nvme_path=os.path.join(mnt, "kv"),
                                                     nvme_capacity="1GiB"))
         try:
             s, w = _parts()
+            nv = s.sched.tiers[1]
+            assert 0 < nv.capacity_blocks * nv.stride < 24 << 20          # shrunk to the disk at start
             _passes(llm, prompts, baseline)
             t = s.sched.totals
-            assert t.get("hook_errors", 0) == 0 and not any(k.startswith("hook_errors") for k in t)
+            assert t.get("hit_blocks.nvme", 0) > 0                          # and it serves
+            assert not any(k.startswith("hook_errors") for k in t)
             assert not any(k.startswith("hook_errors") for k in w.worker.totals)
+            assert w.worker.totals.get("nvme_open_failed", 0) == 0
         finally:
             U.shutdown(llm)
 
