@@ -464,7 +464,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.sched is None:
             return False, None
-        return self.sched.on_finished(request.request_id)
+        return self.sched.on_finished(request.request_id, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        """Lazy offload's write-behind keeps vLLM stepping after its last request (bounded)."""
+        return self.sched is not None and self.enabled and self.sched.has_pending_push_work()
 
     # ---- when a hook fails (connector/guard.py): the safe answer -------------------------
     def _hook_failed(self, name: str, e: BaseException) -> None:

@@ -12,6 +12,8 @@ ids, block hashes, block ids) so tests and offline drivers use it without vLLM.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -42,6 +44,10 @@ class _Req:
 
 
 class KVTierScheduler:
+    LAZY_PROBE = 4          # lazy: stored blocks in a row at the free queue's head that end the walk
+    BEHIND_MAX = 1 << 16    # lazy: finished requests' blocks waiting to be written behind, at most
+    DRAIN_S = 30.0          # lazy: seconds of idle steps after the last request to finish writing behind
+
     def __init__(self, tiers: Sequence[SlotTier] | None = None, block_tokens: int = 1, group_id: int = 0,
                  store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
                  max_blocks_per_step: int | None = 64, promote: bool | PromotionPolicy | None = True,
@@ -73,7 +79,9 @@ class KVTierScheduler:
         self.nvme = next((i for i, t in enumerate(self.tiers) if t.kind == "nvme"), None)
         self.nvme_dir: str | None = getattr(self.tiers[self.nvme], "dir", None) if self.nvme is not None else None
         self.gpu = None                      # SchedulerContext (lazy offload)
-        self._cursor: int | None = None      # lazy offload: resume the free-queue walk after this block
+        self._behind: deque[tuple[bytes, int]] = deque()  # lazy: finished requests' blocks to write behind
+        self._lazy_ops: dict[int, list[tuple[bytes, int]]] = {}  # lazy store op -> its (key, GPU block)
+        self._last_busy = time.monotonic()    # the last step that scheduled a request
         self._gpu_pinned: dict[int, list[int]] = {}   # store op -> GPU blocks protected for its copy
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self._reqs: dict[str, _Req] = {}
@@ -199,6 +207,8 @@ class KVTierScheduler:
         """`scheduled`: (request id, tokens computed once this step runs, its group-0 block ids or
         None to use the ids tracked from on_alloc/update_block_ids)."""
         scheduled = list(scheduled)
+        if scheduled:
+            self._last_busy = time.monotonic()
         try:  # a failure here (e.g. the NVMe index cannot be written) costs this step's stores only
             self.ctrl.expire()
             if self.store_enabled:
@@ -290,31 +300,46 @@ class KVTierScheduler:
             self.ctrl.store(r.keys[lo:full], block_ids[lo:full], self._info(r, lo))
 
     def _plan_lazy(self) -> None:
-        """Walk the GPU free queue from the cursor (LRU head first); protect and store up to
-        `max_blocks_per_step` hashed blocks kvtier lacks. Scans at most 8x that many blocks."""
-        budget = self.max_blocks_per_step
-        scan = None if budget is None else 8 * budget
+        """Lazy offload: up to `max_blocks_per_step` GPU blocks a step that kvtier lacks and vLLM
+        keeps only in its prefix cache, copied down before vLLM reuses them:
+
+        1. the free queue's LRU head (the blocks vLLM hands out next), walked from the head until
+           `LAZY_PROBE` stored blocks in a row show that the write-behind is ahead of vLLM;
+        2. then the blocks of finished requests, oldest first (`_behind`): written behind at the
+           step budget, and in steps of their own while the engine is idle (has_pending_push_work),
+           so a restart finds them.
+        A block vLLM already reused (its hash changed) is skipped and counted (`lazy_lost_blocks`).
+        Nothing is scanned twice: with a roomy GPU pool the head is stored and the walk stops at once."""
+        budget = self.max_blocks_per_step or (1 << 30)
         keys: list[bytes] = []
         gpu: list[int] = []
-        last = None
-        seen = 0
-        exhausted = True
-        for b in self.gpu.iter_free_blocks(self._cursor):
-            if scan is not None and seen >= scan:
-                exhausted = False
+        seen = held = 0
+        for b in self.gpu.iter_free_blocks(None):
+            if seen >= 2 * budget or len(keys) >= budget or held >= self.LAZY_PROBE:
                 break
             seen += 1
             k = b.block_hash
-            if k is None or self.ctrl.holds(k, 0):
-                last = b.block_id   # resume after skipped blocks (taken ones leave the free queue)
+            if k is None:
                 continue
+            if self.ctrl.holds(k, 0):
+                held += 1
+                continue
+            held = 0
             keys.append(k)
             gpu.append(b.block_id)
-            if budget is not None and len(keys) >= budget:
-                exhausted = False
-                break
-        self._cursor = None if exhausted else last
         self._count("n_lazy_scanned", seen)
+        taken = set(gpu)
+        behind = self._behind
+        while behind and len(keys) < budget:
+            k, bid = behind.popleft()
+            if bid in taken or self.ctrl.holds(k, 0):
+                continue
+            if self.gpu.get_block(bid).block_hash != k:   # vLLM evicted it before we got to it
+                self._count("lazy_lost_blocks")
+                continue
+            keys.append(k)
+            gpu.append(bid)
+            taken.add(bid)
         if not keys:
             return
         planned, op_id, _ = self.ctrl.store(keys, gpu)
@@ -322,16 +347,40 @@ class KVTierScheduler:
             ids = [gpu[i] for i in planned]
             self.gpu.touch(ids)                 # vLLM cannot reuse them until the copy is done
             self._gpu_pinned[op_id] = ids
+            self._lazy_ops[op_id] = [(keys[i], gpu[i]) for i in planned]
             self._count("lazy_offload_blocks", len(ids))
+
+    def _write_behind(self, r: _Req, block_ids: Sequence[int]) -> None:
+        """Queue a finished request's full blocks for lazy offload (oldest first), bounded."""
+        self._track(r.request)
+        for k, b in zip(r.keys, block_ids):
+            if not self.ctrl.holds(k, 0):
+                self._behind.append((k, b))
+        over = len(self._behind) - self.BEHIND_MAX
+        if over > 0:
+            for _ in range(over):
+                self._behind.popleft()
+            self._count("lazy_lost_blocks", over)
+
+    def has_pending_push_work(self) -> bool:
+        """Lazy offload still has finished requests' blocks to write behind, or copies in flight:
+        vLLM keeps stepping (empty steps) after its last request until they are done, for at most
+        `DRAIN_S` seconds after the last scheduled request."""
+        if self.offload != "lazy" or not (self._behind or self.ctrl.in_flight):
+            return False
+        return time.monotonic() - self._last_busy < self.DRAIN_S
 
     # ---- worker results ----------------------------------------------------------------
     def on_worker_meta(self, wm: KVTierWorkerMeta | None) -> None:
         if wm is None:
             return
-        for op_id in wm.stored:
+        for op_id, oks in wm.stored.items():
             pinned = self._gpu_pinned.pop(op_id, None)
             if pinned is not None and self.gpu is not None:
                 self.gpu.free_blocks(pinned)
+            lazy = self._lazy_ops.pop(op_id, None)
+            if lazy is not None:  # a failed copy: try again (the block may still be in vLLM's cache)
+                self._behind.extendleft(reversed([kb for kb, ok in zip(lazy, oks) if not ok]))
         self._async_inflight.difference_update(wm.loaded)
         for rid, ok in wm.loaded.items():  # a failed load: vLLM recomputes those blocks; offer them again
             r = self._reqs.get(rid)
@@ -340,10 +389,13 @@ class KVTierScheduler:
         self.ctrl.complete(wm)
 
     # ---- end of a request --------------------------------------------------------------
-    def on_finished(self, req_id: str) -> tuple[bool, dict | None]:
+    def on_finished(self, req_id: str, block_ids: Sequence[int] | None = None) -> tuple[bool, dict | None]:
         """(delay freeing its GPU blocks, params): delayed while an asynchronous load still writes
-        them (vLLM frees them when the workers report the load received)."""
-        self._reqs.pop(req_id, None)
+        them (vLLM frees them when the workers report the load received). Lazy offload queues its
+        full blocks (`block_ids`, group 0) to be written behind."""
+        r = self._reqs.pop(req_id, None)
+        if r is not None and block_ids and self.store_enabled and self.offload == "lazy" and self.gpu is not None:
+            self._write_behind(r, block_ids)
         if req_id in self._async_inflight:  # its lease pins what the load still reads; the report releases it
             return True, None
         self.ctrl.release(req_id)

@@ -1,4 +1,5 @@
-"""Lazy offload: the scheduler walks vLLM's GPU free queue (real BlockPool) from its LRU head."""
+"""Lazy offload over vLLM's real BlockPool: the free queue's LRU head (the blocks vLLM reuses next)
+and the write-behind of finished requests' blocks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ bp = pytest.importorskip("vllm.v1.core.block_pool")
 ku = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 
 
-def pool_with_hashed(n_hashed=5, n=12):
+def pool_with_hashed(n_hashed=5, n=None):
+    """A pool whose free queue is one unhashed block then `n_hashed` cached ones (the null block
+    aside); with a larger `n`, never-used blocks come first."""
+    n = n_hashed + 2 if n is None else n
     pool = bp.BlockPool(num_gpu_blocks=n, enable_caching=True, hash_block_size=4)
     blocks = pool.get_new_blocks(n_hashed + 1)
     for i, b in enumerate(blocks[:n_hashed]):
@@ -76,3 +80,45 @@ def test_lazy_skips_blocks_taken_by_vllm():
     pool.touch([hashed[1]])                                            # vLLM reuses one (prefix hit)
     meta = s.build_meta([])
     assert meta.stores[0].block_ids == [hashed[0].block_id, hashed[2].block_id, hashed[3].block_id]
+
+
+class _Req:
+    def __init__(self, rid, hashes, num_tokens):
+        self.request_id = rid
+        self.block_hashes = hashes
+        self.num_tokens = num_tokens
+
+
+def test_finished_requests_are_written_behind_not_scanned():
+    """A roomy pool: never-used blocks at the head, the finished request's cached blocks deep in
+    the queue. The walk stops at once (nothing there is about to be reused); the request's blocks
+    are written behind from its finish, also in steps with nothing scheduled, and then the engine
+    may idle (has_pending_push_work)."""
+    pool, hashed = pool_with_hashed(5, n=40)
+    s, tier = make(budget=2)
+    s.bind_gpu(BlockPoolContext(pool))
+    assert not s.build_meta([]).stores and s.totals["n_lazy_scanned"] == 4   # 2 x budget, all unused
+    assert not s.has_pending_push_work()
+    hashes = [bytes(b.block_hash)[:32] for b in hashed]
+    req = _Req("r", [ku.BlockHash(h) for h in hashes], 5 * 4 + 1)
+    s.lookup(req, 0)
+    ids = [b.block_id for b in hashed]
+    assert s.on_finished("r", ids) == (False, None)
+    assert s.has_pending_push_work()
+    stored = []
+    for _ in range(4):
+        stored += [op.block_ids for op in step(s).stores]
+    assert stored == [ids[:2], ids[2:4], ids[4:]]
+    assert tier.num_resident == 5 and not s.has_pending_push_work()
+
+
+def test_write_behind_skips_blocks_vllm_reused():
+    pool, hashed = pool_with_hashed(3, n=40)
+    s, tier = make(budget=8)
+    s.bind_gpu(BlockPoolContext(pool))
+    req = _Req("r", [ku.BlockHash(bytes(b.block_hash)[:32]) for b in hashed], 13)
+    s.lookup(req, 0)
+    s.on_finished("r", [b.block_id for b in hashed])
+    hashed[1].reset_hash()                      # vLLM evicted it for another request
+    assert [op.block_ids for op in step(s).stores] == [[hashed[0].block_id, hashed[2].block_id]]
+    assert s.totals["lazy_lost_blocks"] == 1

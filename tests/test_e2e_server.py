@@ -113,6 +113,30 @@ def test_sigterm_flushes_nvme_and_restart_serves_it(model_dir, tmp_path):
     assert f"{N * BLOCKS} restored from disk" in log, srv.tail()
 
 
+def test_shipped_lazy_config_persists_an_idle_servers_prompt(model_dir, tmp_path):
+    """The shipped vLLM stack (offload: lazy, prefix caching on): one prompt, then nothing. Its
+    blocks stay in vLLM's pool, but kvtier writes them behind in steps of their own once the
+    server is idle (has_pending_push_work), so a restart serves them from NVMe."""
+    d = str(tmp_path / "nvme")
+    cfg = _kvtier(config="gpu-cpu-nvme", cpu_capacity_blocks=64, nvme_path=d, nvme_capacity_blocks=256)
+    p = U.prompts(1, BLOCKS, seed=17)[0]
+    srv = S.Server(model_dir, tmp_path / "a.log", cfg, prefix_caching=True, extra_args=["--shutdown-timeout", "30"])
+    try:
+        srv.wait_ready(START_S)
+        first = srv.complete(p, max_tokens=1)["choices"][0]["text"]
+        # no other request: the write-behind runs in the engine's idle steps
+        assert _wait_metric(srv, "vllm:kvtier_stored_blocks_total", BLOCKS, tier="nvme") == BLOCKS
+    finally:
+        srv.stop()
+    srv = S.Server(model_dir, tmp_path / "b.log", cfg, prefix_caching=True, extra_args=["--shutdown-timeout", "30"])
+    try:
+        srv.wait_ready(START_S)
+        assert srv.complete(p, max_tokens=1)["choices"][0]["text"] == first
+        assert _wait_metric(srv, "vllm:kvtier_hit_blocks_total", BLOCKS, tier="nvme") == BLOCKS
+    finally:
+        srv.stop()
+
+
 def test_metrics_as_child_of_multiconnector(model_dir, tmp_path):
     """Under MultiConnector the stats reach the API server keyed by class name and are rebuilt
     through vLLM's connector registry: unregistered, the first stats failed the request (500)
