@@ -82,6 +82,8 @@ class KVTierScheduler:
         self._behind: deque[tuple[bytes, int]] = deque()  # lazy: finished requests' blocks to write behind
         self._lazy_ops: dict[int, list[tuple[bytes, int]]] = {}  # lazy store op -> its (key, GPU block)
         self._last_busy = time.monotonic()    # the last step that scheduled a request
+        self._slack: int | None = None        # lazy: blocks without a hash ahead of the cached ones
+        self._free_prev = 0
         self._gpu_pinned: dict[int, list[int]] = {}   # store op -> GPU blocks protected for its copy
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self._reqs: dict[str, _Req] = {}
@@ -313,21 +315,32 @@ class KVTierScheduler:
         budget = self.max_blocks_per_step or (1 << 30)
         keys: list[bytes] = []
         gpu: list[int] = []
-        seen = held = 0
-        for b in self.gpu.iter_free_blocks(None):
-            if seen >= 2 * budget or len(keys) >= budget or held >= self.LAZY_PROBE:
-                break
-            seen += 1
-            k = b.block_hash
-            if k is None:
-                continue
-            if self.ctrl.holds(k, 0):
-                held += 1
-                continue
-            held = 0
-            keys.append(k)
-            gpu.append(b.block_id)
-        self._count("n_lazy_scanned", seen)
+        # vLLM's free queue is [blocks without a hash][cached blocks, LRU first]: vLLM hands out the
+        # first part before it evicts a cached block. `_slack` is how many such blocks lay ahead at
+        # the last walk, less what vLLM took since (the drop of its free count): while that is a
+        # step's budget or more, no cached block is about to go and the head is not walked.
+        free_now = self.gpu.get_num_free_blocks()
+        if self._slack is not None:
+            self._slack -= max(0, self._free_prev - free_now)
+        self._free_prev = free_now
+        if self._slack is None or self._slack < budget:
+            seen = held = unhashed = 0
+            for b in self.gpu.iter_free_blocks(None):
+                if seen >= 2 * budget or len(keys) >= budget or held >= self.LAZY_PROBE:
+                    break
+                seen += 1
+                k = b.block_hash
+                if k is None:
+                    unhashed += 1
+                    continue
+                if self.ctrl.holds(k, 0):
+                    held += 1
+                    continue
+                held = 0
+                keys.append(k)
+                gpu.append(b.block_id)
+            self._slack = unhashed
+            self._count("n_lazy_scanned", seen)
         taken = set(gpu)
         behind = self._behind
         while behind and len(keys) < budget:

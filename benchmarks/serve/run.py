@@ -131,9 +131,13 @@ def dataset_args(name: str, a, trace_path: Path) -> list[str]:
 def run_one(model: str, label: str, kvtier: bool, pool_blocks: int | None, ds: list[str], a, out: Path) -> dict:
     cfg = None
     if kvtier:
+        extra = {"cpu_capacity_blocks": a.cpu_blocks}
+        if a.kvtier_config == "shipped":  # configs/gpu-cpu-nvme.yaml: lazy offload, NVMe write-through
+            extra = {"config": "gpu-cpu-nvme", "cpu_capacity_blocks": a.cpu_blocks, "nvme_capacity": a.nvme_capacity,
+                     "nvme_path": str(out / f"nvme-{label}")}
         cfg = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                          "kv_connector_extra_config": {"cpu_capacity_blocks": a.cpu_blocks}})
+                          "kv_connector_extra_config": extra})
     env = {"VLLM_CPU_OMP_THREADS_BIND": a.bind, "VLLM_LOGGING_LEVEL": "WARNING"}
     srv = S.Server(model, out / f"{label}.server.log", cfg, prefix_caching=True, env=env, skip_tokenizer=False,
                    max_num_seqs=a.concurrency, num_gpu_blocks=pool_blocks)
@@ -183,6 +187,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _medians(rows: list[dict]) -> dict:
+    """Per numeric field, the median over the rounds (one round: that round)."""
+    import statistics
+    return {k: statistics.median(r[k] or 0 for r in rows) if isinstance(rows[0][k], (int, float)) else rows[0][k]
+            for k in rows[0]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="benchmarks/serve/out")
@@ -195,6 +206,12 @@ def main() -> int:
     p.add_argument("--pressure-blocks", type=int, default=128,
                    help="vLLM's KV pool under pressure (--num-gpu-blocks-override)")
     p.add_argument("--cpu-blocks", type=int, default=2048, help="kvtier's CPU tier (512 KiB blocks: 1 GiB)")
+    p.add_argument("--kvtier-config", choices=("cpu", "shipped"), default="cpu",
+                   help="kvtier's stack: one CPU tier (eager), or the shipped vLLM config (gpu-cpu-nvme: lazy "
+                        "offload, NVMe write-through) with --cpu-blocks and --nvme-capacity")
+    p.add_argument("--nvme-capacity", default="2GiB", help="with --kvtier-config shipped")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each scenario's two servers this many times, alternating (medians reported)")
     p.add_argument("--bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for both servers "
                    "(default: every core but core 0, or '0' on one core)")
     p.add_argument("--datasets", default="prefix_repetition,trace")
@@ -217,21 +234,28 @@ def main() -> int:
     for dsn in a.datasets.split(","):
         for pool in a.pools.split(","):
             blocks = a.pressure_blocks if pool == "pressure" else None
-            for kv in (False, True):
-                label = f"{dsn}-{pool}-{'kvtier' if kv else 'vllm'}"
-                r = run_one(model, label, kv, blocks, dataset_args(dsn, a, trace_path), a, out)
-                r["scenario"] = f"{dsn}/{pool}"
-                r["model"] = a.model
-                rows.append(r)
-                print(json.dumps(r), flush=True)
+            for rnd in range(a.rounds):
+                for kv in ((False, True) if rnd % 2 == 0 else (True, False)):  # A/B, then B/A
+                    label = f"{dsn}-{pool}-{'kvtier' if kv else 'vllm'}" + (f"-r{rnd}" if a.rounds > 1 else "")
+                    r = run_one(model, label, kv, blocks, dataset_args(dsn, a, trace_path), a, out)
+                    r["scenario"] = f"{dsn}/{pool}"
+                    r["model"] = a.model
+                    r["round"] = rnd
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
     (out / "results.json").write_text(json.dumps({"args": vars(a), "trace": tinfo, "rows": rows}, indent=1))
     print(f"\n{'scenario':32} {'req/s':>15} {'TTFT p50 ms':>19} {'TTFT p99 ms':>19} {'kvtier hit tok':>14}")
     print(f"{'':32} {'vLLM':>7} {'+kvtier':>7} {'vLLM':>9} {'+kvtier':>9} {'vLLM':>9} {'+kvtier':>9}")
+    import statistics
     for s in dict.fromkeys(r["scenario"] for r in rows):
-        b = next(r for r in rows if r["scenario"] == s and not r["kvtier"])
-        k = next(r for r in rows if r["scenario"] == s and r["kvtier"])
+        b = _medians([r for r in rows if r["scenario"] == s and not r["kvtier"]])
+        k = _medians([r for r in rows if r["scenario"] == s and r["kvtier"]])
+        ratios = [rk["req_s"] / rb["req_s"] for rb, rk in zip([r for r in rows if r["scenario"] == s and not r["kvtier"]],
+                                                            [r for r in rows if r["scenario"] == s and r["kvtier"]])]
         print(f"{s:32} {b['req_s']:7.2f} {k['req_s']:7.2f} {b['ttft_p50_ms']:9.1f} {k['ttft_p50_ms']:9.1f} "
-              f"{b['ttft_p99_ms']:9.1f} {k['ttft_p99_ms']:9.1f} {int(k['kvtier_hit_tokens']):14d}")
+              f"{b['ttft_p99_ms']:9.1f} {k['ttft_p99_ms']:9.1f} {int(k['kvtier_hit_tokens']):14d}"
+              + (f"   req/s ratio per round {[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}"
+                 if a.rounds > 1 else ""))
     plot(rows, out / "serve.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'serve.png'}")
     return 0
