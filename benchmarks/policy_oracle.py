@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         for f in FRACTIONS:
             cap = max(1, int(f * u))
             base = simulate(reqs, cap, "vllm_lru", keys=keys)["hit_ratio"]
-            best = belady(reqs, cap, tie="deep")["hit_ratio"]
+            best = belady(reqs, cap)["hit_ratio"]
             cells = []
             for p, h in cols:
                 r = simulate(reqs, cap, p, FutureReuse.name, admission_params={"horizon_s": h}, keys=keys)["hit_ratio"]

@@ -55,7 +55,7 @@ def compare(reqs: Sequence[Request], default: str, fractions: Sequence[float] = 
     caps = [(None, capacity_blocks)] if capacity_blocks else [(f, max(1, int(f * u))) for f in fractions]
     points = []
     for frac, cap in caps:
-        b = belady(reqs, cap, block_tokens=block_tokens, tie="deep")
+        b = belady(reqs, cap, block_tokens=block_tokens)
         rows = {}
         for name in names:
             ev, _, adm = name.partition("+")     # "eviction+admission", e.g. "plru+bypass"

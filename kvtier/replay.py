@@ -81,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     res["trace"] = str(trace)
     res["config"] = cfg.source
     cap = sum(t.capacity_blocks for t in stack.tiers)
-    if not args.no_belady:
+    if not args.no_belady:  # under the rules replay serves by (full blocks, one token left)
         from .belady import belady
-        res["belady_hit_ratio"] = belady(reqs, cap)["hit_ratio"]
+        res["belady_hit_ratio"] = belady(reqs, cap, stack.cfg.block_tokens, vllm=True)["hit_ratio"]
     res["cost"] = cost_model(res, stack, args)
     if args.plot:
         res["plot"] = plot(reqs, args.plot, cfg.policy.eviction)
