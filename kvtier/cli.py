@@ -180,7 +180,7 @@ def _dispatch(args: argparse.Namespace) -> Any:
     if args.command == "workload":
         from .workloads import generate, stats, write_trace
         reqs = generate(args.shape, args.seed, args.block_tokens)
-        write_trace(reqs, args.out)
+        write_trace(reqs, args.out, args.block_tokens)
         print(f"{args.out}: {args.shape} seed {args.seed}: {stats(reqs, args.block_tokens)}")
         return 0
     from . import commands

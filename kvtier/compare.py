@@ -93,7 +93,7 @@ def run_compare(args, reqs: Sequence[Request], trace: str) -> int:
     if adm and adm != "all" and "+" not in default:
         default = f"{default}+{adm}"
     fr = [args.capacity_fraction] if args.capacity_fraction else list(FRACTIONS)
-    d = compare(reqs, default, fr, args.capacity_blocks, cfg.block_tokens)
+    d = compare(reqs, default, fr, args.capacity_blocks, getattr(reqs, "block_tokens", cfg.block_tokens))
     d["trace"] = str(trace)
     if args.json:
         import json

@@ -108,3 +108,22 @@ def test_trace_loader_errors(tmp_path):
     p.write_text("{not json\n")
     with pytest.raises(TraceError, match=":1: not valid JSON"):
         load_trace(p)
+
+
+def test_trace_block_tokens(tmp_path):
+    """`block_tokens` on every line or on none (512); a line that differs is one error naming both lines."""
+    p = tmp_path / "t.jsonl"
+    line = {"timestamp": 0, "input_length": 100, "output_length": 3, "hash_ids": [1, 2], "block_tokens": 64}
+    p.write_text("\n".join(json.dumps(line) for _ in range(3)) + "\n")
+    t = load_trace(p)
+    assert len(t) == 3 and t.block_tokens == 64
+    assert load_trace(TRACE, limit=3).block_tokens == 512
+    for bad, words in [(line | {"block_tokens": 16}, ":2: block_tokens 16, but line 1 has block_tokens 64"),
+                       ({k: v for k, v in line.items() if k != "block_tokens"},
+                        ":2: no block_tokens (512), but line 1 has block_tokens 64"),
+                       (line | {"block_tokens": 0}, ":2: field 'block_tokens' must be an integer in [1, 1048576]"),
+                       (line | {"block_tokens": "64"}, ":2: field 'block_tokens' must be an integer")]:
+        p.write_text(json.dumps(line) + "\n" + json.dumps(bad) + "\n")
+        with pytest.raises(TraceError) as e:
+            load_trace(p)
+        assert words in str(e.value), str(e.value)
