@@ -1,4 +1,4 @@
-"""`kvtier` command line: spill, restore, inspect, bench, replay."""
+"""`kvtier` command line: spill, restore, inspect, bench, replay, plan."""
 
 from __future__ import annotations
 
@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-tokens", type=int, default=512)
     p.add_argument("--out", "-o", required=True, help="output JSONL (.gz to compress)")
 
-    from . import replay
+    from . import replay, sizing_plan
     replay.add_parser(sub)
+    sizing_plan.add_parser(sub)
     return ap
 
 
@@ -177,6 +178,9 @@ def _dispatch(args: argparse.Namespace) -> Any:
     if args.command == "replay":
         from . import replay
         return replay.run(args)
+    if args.command == "plan":
+        from . import sizing_plan
+        return sizing_plan.run(args)
     if args.command == "workload":
         from .workloads import generate, stats, write_trace
         reqs = generate(args.shape, args.seed, args.block_tokens)

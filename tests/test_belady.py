@@ -52,6 +52,27 @@ def test_belady_vllm_rules():
     assert belady(reqs, 10)["hit_blocks"] == 2 and belady(reqs, 10, vllm=True)["hit_blocks"] == 1
 
 
+def test_belady_bounds_the_lru_curve(trace_path):
+    from kvtier.sizing import measure
+    reqs = load_trace(trace_path, limit=1500)
+    sz = measure(reqs)
+    for cap in (20, 300, 2000):
+        assert belady(reqs, cap, vllm=True)["hit_ratio"] >= sz.hit_ratio([cap])[0] - 1e-12
+
+
+def test_belady_prefix_rule():
+    # a resident deep block does not hit if its parent is gone
+    reqs = [R(1, 2), R(9), R(1, 2)]
+    assert belady(reqs, 10)["hit_blocks"] == 2
+    assert belady([R(1, 2), R(2)], 10)["hit_blocks"] == 1
+
+
+def test_belady_token_ratio_partial_last_block():
+    reqs = [R(1, 2, n=700), R(1, 2, n=700)]
+    r = belady(reqs, 10)
+    assert r["token_hit_ratio"] == pytest.approx(700 / 1400)
+
+
 def test_belady_bounds_lru():
     import random
     rnd = random.Random(1)
