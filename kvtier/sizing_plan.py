@@ -26,7 +26,7 @@ import numpy as np
 
 from .config import ConfigError, StackConfig, load_config
 from .replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS, load_gbps
-from .sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, measure
+from .sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, capacity_grid, measure
 from .trace import TraceReader, default_trace, load_trace, rescale_stack
 from .units import format_size, parse_size
 
@@ -41,7 +41,8 @@ def add_parser(sub) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--target-hit", default=None, metavar="R",
                    help="suggest a stack reaching block hit ratio R (0.4 or 40%%)")
-    g.add_argument("--budget", default=None, metavar="SIZE", help="suggest a stack with SIZE of DRAM (e.g. 64GiB)")
+    g.add_argument("--budget", default=None, metavar="SIZE",
+                   help="suggest a stack with SIZE of DRAM, e.g. 64GiB (fleet mode: SIZE of shared tier)")
     p.add_argument("--instances", type=int, default=1, help="fleet mode: N instances and one shared tier")
     p.add_argument("--routing", choices=ROUTINGS, default=None, help="fleet mode: request routing (default random)")
     p.add_argument("--sample", type=float, default=None, metavar="RATE",
@@ -55,7 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--load-gbps", default=None,
                    help="cost model: per-tier load bandwidth, e.g. 'cpu=20,nvme=5' (default by tier kind)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--quiet", "-q", action="store_true")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bars (plan has none)")
 
 
 def _target(v: str) -> float:
@@ -87,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
                 raise ValueError("must be > 0")
         except ValueError as e:
             raise ConfigError(f"--budget {args.budget!r}: {e}") from None
+    if args.png is not None and not Path(args.png).resolve().parent.is_dir():
+        raise ConfigError(f"--png {args.png}: {Path(args.png).resolve().parent}: no such directory [ENOENT]")
     tps = args.prefill_tokens_per_s
     if not (tps > 0 and math.isfinite(tps)):
         raise ConfigError(f"--prefill-tokens-per-s must be a finite number > 0, got {tps}")
@@ -236,6 +239,11 @@ def report(sz: Sizing, cfg: StackConfig, base: StackConfig, args, local, shared)
             p["stderr"] = float(e)
             p["resolved"] = bool(c >= sz.resolution())
         rep["curve"].append(p)
+    grid = capacity_grid(max(1, u), 64)
+    grid = grid[grid >= sz.resolution()]
+    rep["curve_log"] = [{"capacity_blocks": int(c), "hit_ratio": float(r),
+                         "token_hit_ratio": float(r) * sz.refs * sz.block_tokens / max(1, sz.input_tokens)}
+                        for c, r in zip(grid, sz.hit_ratio(grid))]
     if args.target_hit is not None or args.budget is not None:
         rep["suggestion"] = suggest(sz, base, cfg, local, shared, args, rep)
     return rep

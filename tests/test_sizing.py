@@ -195,6 +195,8 @@ def test_plan_suggests_a_stack_that_reaches_the_target(tmp_path, capsys, trace_p
     assert d["method"]["exact_vs_replay"] and d["method"]["kind"] == "lru stack distances"
     assert [t["name"] for t in d["stack"]["tiers"]] == ["cpu", "nvme"] and len(d["per_tier"]) == 2
     assert all(b["hit_ratio"] >= b["lru_hit_ratio"] - 1e-9 for b in d["belady"])
+    log = [p["hit_ratio"] for p in d["curve_log"]]
+    assert len(log) > 40 and log == sorted(log) and d["curve_log"][-1]["capacity_blocks"] == d["unique_blocks"]
     s = d["suggestion"]
     assert s["hit_ratio"] >= 0.15
     # the suggested YAML loads, and one lru tier of its reach in replay reaches the target
@@ -218,6 +220,7 @@ def test_plan_suggests_a_stack_that_reaches_the_target(tmp_path, capsys, trace_p
     (["--budget", "lots"], "--budget 'lots'"),
     (["--routing", "prefix"], "--routing needs --instances"),
     (["--instances", "0"], "--instances must be between 1 and 4096"),
+    (["--png", "/nonexistent-dir/p.png"], "--png /nonexistent-dir/p.png: /nonexistent-dir: no such directory"),
 ])
 def test_plan_bad_arguments_are_one_line(capsys, trace_path, argv, words):
     assert main(["plan", "--trace", str(trace_path), "--limit", "200", "--no-belady", *argv]) == 2
