@@ -1,13 +1,17 @@
-"""Offline Belady MIN under the chained-prefix rule: the yardstick for trace replay.
+"""Offline Belady MIN under the chained-prefix rule: the one yardstick (replay, compare, plot, plan).
 
-Replay: a request hits the longest prefix of its ``hash_ids`` that is cached; then every
-block of the request is inserted. When the cache is full, the resident block whose next use
-is farthest in the future leaves first (blocks never used again first); a new block whose own
-next use is farther than every resident block's is not kept (MIN with bypass, which is what
-"insert, then evict the farthest" amounts to). Ties on the next use are broken by `tie`:
-"none" (block id; reproduces the published 24.3% / 36.6% at 1% / 5% of the Mooncake
-conversation trace) or "deep" (the deeper block leaves first: under the prefix rule a
-descendant is useless without its ancestor; 24.6% at 1%, a slightly tighter yardstick).
+Replay: a request hits the longest prefix of its ``hash_ids`` that is cached; then its blocks
+are inserted. When the cache is full, the resident block whose next use is farthest in the
+future leaves first (blocks never used again first); a new block whose own next use is farther
+than every resident block's is not kept (MIN with bypass, which is what "insert, then evict the
+farthest" amounts to). Ties on the next use go deepest-first: the block deeper in its request
+leaves first, because under the prefix rule a descendant is useless without its ancestor (ties
+broken by block id can keep a child and drop its parent, which loses the child's hit too).
+
+`vllm=True` applies the rules `kvtier replay` and the vLLM connector serve under: only full
+blocks are inserted, and at least one token is left to compute (a request hits at most
+``(input_length - 1) // block_tokens`` blocks). The default is the plain prefix rule of
+`kvtier.sim.simulate` (every block can hit and is inserted).
 
 Needs the future, so it is never a runtime policy. O(refs log capacity): next uses are
 precomputed in one backward pass; a max-heap with lazy invalidation finds the victim.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from .trace import Request
+from .trace import BLOCK_TOKENS, Request
 
 _NEVER = 1 << 40
 
@@ -36,13 +40,12 @@ def next_uses(reqs: Sequence[Request]) -> list[list[int]]:
     return out
 
 
-def belady(reqs: Sequence[Request], capacity_blocks: int, block_tokens: int = 512, tie: str = "none") -> dict:
-    """Block and token hit ratio of offline MIN with `capacity_blocks` under the prefix rule."""
+def belady(reqs: Sequence[Request], capacity_blocks: int, block_tokens: int = BLOCK_TOKENS,
+           vllm: bool = False) -> dict:
+    """Block and token hit ratio of offline MIN (ties deepest-first) with `capacity_blocks` under
+    the prefix rule (`vllm=True`: full blocks only, at least one token left to compute)."""
     if capacity_blocks <= 0:
         raise ValueError("capacity_blocks must be > 0")
-    if tie not in ("none", "deep"):
-        raise ValueError(f"tie must be 'none' or 'deep', got {tie!r}")
-    deep = tie == "deep"
     nu = next_uses(reqs)
     cur: dict[int, int] = {}   # resident block -> its current priority (next_use << 16 | depth)
     heap: list[tuple[int, int]] = []  # (-priority, block), lazily invalidated
@@ -50,21 +53,29 @@ def belady(reqs: Sequence[Request], capacity_blocks: int, block_tokens: int = 51
     hits = refs = 0
     hit_tok = in_tok = 0
     cap = capacity_blocks
+    bt = block_tokens
     for i, r in enumerate(reqs):
         h = r.hash_ids
         n = len(h)
+        if vllm and not n:
+            continue  # as replay: a request without blocks is not counted
         refs += n
         in_tok += r.input_length
+        if vllm:
+            full = min(n, r.input_length // bt)
+            most = min(full, (r.input_length - 1) // bt)
+        else:
+            full = most = n
         k = 0
-        while k < n and h[k] in cur:
+        while k < most and h[k] in cur:
             k += 1
         hits += k
         if k:
-            hit_tok += min(k * block_tokens, r.input_length) if k == n else k * block_tokens
+            hit_tok += min(k * bt, r.input_length) if k == n else k * bt
         row = nu[i]
-        for j in range(n):
+        for j in range(full):
             b = h[j]
-            pri = (row[j] << 16) | (min(j, 0xFFFF) if deep else 0)
+            pri = (row[j] << 16) | min(j, 0xFFFF)
             if b in cur:
                 cur[b] = pri
                 push(heap, (-pri, b))

@@ -1,4 +1,4 @@
-"""`kvtier` command line: spill, restore, inspect, bench, replay."""
+"""`kvtier` command line: spill, restore, inspect, bench, replay, plan."""
 
 from __future__ import annotations
 
@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-tokens", type=int, default=512)
     p.add_argument("--out", "-o", required=True, help="output JSONL (.gz to compress)")
 
-    from . import demo, replay
+    from . import demo, replay, sizing_plan
     replay.add_parser(sub)
+    sizing_plan.add_parser(sub)
     demo.add_parser(sub)
     return ap
 
@@ -227,10 +228,13 @@ def _dispatch(args: argparse.Namespace) -> Any:
     if args.command == "demo":
         from . import demo
         return demo.run(args)
+    if args.command == "plan":
+        from . import sizing_plan
+        return sizing_plan.run(args)
     if args.command == "workload":
         from .workloads import generate, stats, write_trace
         reqs = generate(args.shape, args.seed, args.block_tokens)
-        write_trace(reqs, args.out)
+        write_trace(reqs, args.out, args.block_tokens)
         print(f"{args.out}: {args.shape} seed {args.seed}: {stats(reqs, args.block_tokens)}")
         return 0
     from . import commands

@@ -55,7 +55,7 @@ def compare(reqs: Sequence[Request], default: str, fractions: Sequence[float] = 
     caps = [(None, capacity_blocks)] if capacity_blocks else [(f, max(1, int(f * u))) for f in fractions]
     points = []
     for frac, cap in caps:
-        b = belady(reqs, cap, block_tokens=block_tokens, tie="deep")
+        b = belady(reqs, cap, block_tokens=block_tokens)
         rows = {}
         for name in names:
             ev, _, adm = name.partition("+")     # "eviction+admission", e.g. "lru+second_hit"
@@ -93,7 +93,7 @@ def run_compare(args, reqs: Sequence[Request], trace: str) -> int:
     if adm and adm != "all" and "+" not in default:
         default = f"{default}+{adm}"
     fr = [args.capacity_fraction] if args.capacity_fraction else list(FRACTIONS)
-    d = compare(reqs, default, fr, args.capacity_blocks, cfg.block_tokens)
+    d = compare(reqs, default, fr, args.capacity_blocks, getattr(reqs, "block_tokens", cfg.block_tokens))
     d["trace"] = str(trace)
     if args.json:
         import json

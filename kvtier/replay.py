@@ -22,7 +22,7 @@ import torch
 
 from .config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config, parse_config
 from .stack import TierStack
-from .trace import default_trace
+from .trace import BLOCK_TOKENS, default_trace, rescale_stack
 from .units import format_size
 
 DEFAULT_PREFILL_TPS = 10_000.0            # prefill tokens/s of the model being served
@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         from .compare import run_compare
         return run_compare(args, reqs, trace)
-    cfg = _stack_config(args, unique_blocks(reqs))
+    bt = reqs.block_tokens
+    cfg = _stack_config(args, unique_blocks(reqs), bt)
     if not args.no_data:  # the tiers are allocated: they must fit this machine's memory and disk
         check_environment(cfg)
     scratch = _Scratch(cfg, use=not args.no_data and not args.warm)
@@ -95,13 +96,14 @@ def run(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr)
     res["trace"] = str(trace)
     res["config"] = cfg.source
+    res["block_tokens"] = bt
     cap = sum(t.capacity_blocks for t in stack.tiers)
-    if not args.no_belady:
+    if not args.no_belady:  # under the rules replay serves by (full blocks, one token left)
         from .belady import belady
-        res["belady_hit_ratio"] = belady(reqs, cap)["hit_ratio"]
+        res["belady_hit_ratio"] = belady(reqs, cap, bt, vllm=True)["hit_ratio"]
     res["cost"] = cost_model(res, stack, args)
     if args.plot:
-        res["plot"] = plot(reqs, args.plot, cfg.policy.eviction)
+        res["plot"] = plot(reqs, args.plot, cfg.policy.eviction, bt)
     if args.json:
         import json
         print(json.dumps(res, default=str))
@@ -346,7 +348,7 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             "content_mismatches": bad, "seconds": dt, "blocks_per_s": refs / dt if dt else 0.0}
 
 
-def _load_gbps(args: argparse.Namespace) -> dict[str, float]:
+def load_gbps(args: argparse.Namespace) -> dict[str, float]:
     """--load-gbps 'NAME=GBPS,...' -> {name: GB/s}; each a finite number > 0."""
     out: dict[str, float] = {}
     if getattr(args, "load_gbps", None):
@@ -373,13 +375,13 @@ def _check_args(args: argparse.Namespace) -> None:
     tps = getattr(args, "prefill_tokens_per_s", DEFAULT_PREFILL_TPS)
     if not (tps > 0 and math.isfinite(tps)):
         raise ConfigError(f"--prefill-tokens-per-s must be a finite number > 0, got {tps}")
-    _load_gbps(args)
+    load_gbps(args)
 
 
 def cost_model(res: dict, stack: TierStack, args: argparse.Namespace) -> dict:
     """TTFT saved: prefill time of the hit tokens minus the time to load their bytes per tier."""
     gbps = dict(DEFAULT_LOAD_GBPS)
-    by_name = _load_gbps(args)
+    by_name = load_gbps(args)
     tps = float(getattr(args, "prefill_tokens_per_s", DEFAULT_PREFILL_TPS))
     bb = stack.block_bytes
     saved = load = 0.0
@@ -396,7 +398,7 @@ def cost_model(res: dict, stack: TierStack, args: argparse.Namespace) -> dict:
             "mean_ttft_saved_ms": 1000 * (saved - load) / n, "tiers": tiers}
 
 
-def plot(reqs: Sequence[Any], path: str, current: str) -> str:
+def plot(reqs: Sequence[Any], path: str, current: str, block_tokens: int = BLOCK_TOKENS) -> str:
     """Hit ratio vs single-tier capacity for every eviction policy, LRU and Belady."""
     import matplotlib
     matplotlib.use("Agg")
@@ -412,10 +414,11 @@ def plot(reqs: Sequence[Any], path: str, current: str) -> str:
     keys = make_keys(reqs)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in EVICTION.names():
-        ys = [simulate(reqs, max(1, int(f * u)), name, keys=keys)["hit_ratio"] for f in fracs]
+        ys = [simulate(reqs, max(1, int(f * u)), name, keys=keys, block_tokens=block_tokens)["hit_ratio"]
+              for f in fracs]
         ax.plot([100 * f for f in fracs], [100 * y for y in ys], marker="o", label=name,
                 linewidth=2.5 if name == current else 1.2)
-    ys = [belady(reqs, max(1, int(f * u)))["hit_ratio"] for f in fracs]
+    ys = [belady(reqs, max(1, int(f * u)), block_tokens)["hit_ratio"] for f in fracs]
     ax.plot([100 * f for f in fracs], [100 * y for y in ys], "k--", label="Belady (MIN)")
     ax.set_xscale("log")
     ax.set_xlabel("capacity (% of unique blocks)")

@@ -2,7 +2,10 @@
 
 Each line: ``timestamp`` (ms from start, number), ``input_length`` and ``output_length``
 (tokens, non-negative ints) and ``hash_ids`` (list of non-negative ints: chained hashes of
-``block_tokens``-token blocks; a block id stands for its whole prefix).
+``block_tokens``-token blocks; a block id stands for its whole prefix). An optional
+``block_tokens`` key (a positive int) gives the block size; absent, it is 512 (the Mooncake
+default). Every line of one trace has the same block size: all lines give the same value, or
+none gives it.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 BLOCK_TOKENS = 512
+MAX_BLOCK_TOKENS = 1 << 20
 BUNDLED = "mooncake_conversation.jsonl.gz"  # package data: Mooncake FAST'25 conversation trace (NOTICE)
 
 
@@ -78,24 +82,72 @@ def parse_request(obj: object, where: str = "request") -> Request:
     return Request(float(ts), inp, out, tuple(h))
 
 
-def load_trace(path: str | os.PathLike, limit: int | None = None) -> list[Request]:
-    """Read a Mooncake JSONL trace (plain or .gz); blank lines are skipped; errors name line and field."""
-    reqs: list[Request] = []
-    opener = gzip.open if os.fspath(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            where = f"{os.fspath(path)}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            reqs.append(parse_request(obj, where))
-            if limit is not None and len(reqs) >= limit:
-                break
-    return reqs
+class Trace(list):
+    """The requests of one trace (a list) and the block size of its hash ids."""
+
+    def __init__(self, reqs: Iterable[Request] = (), block_tokens: int = BLOCK_TOKENS) -> None:
+        super().__init__(reqs)
+        self.block_tokens = block_tokens
+
+
+def _block_tokens(obj: dict, where: str) -> int | None:
+    if "block_tokens" not in obj:
+        return None
+    v = obj["block_tokens"]
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_BLOCK_TOKENS:
+        raise TraceError(f"{where}: field 'block_tokens' must be an integer in [1, {MAX_BLOCK_TOKENS}], got {v!r}")
+    return v
+
+
+class TraceReader:
+    """Stream a Mooncake JSONL trace (plain or .gz) request by request, in file order; blank lines
+    are skipped; errors name line and field. `block_tokens` is the trace's block size once the
+    first request is read (BLOCK_TOKENS when the trace gives none); a line whose block size
+    differs from the first line's is an error naming both lines."""
+
+    def __init__(self, path: str | os.PathLike, limit: int | None = None) -> None:
+        self.path = path
+        self.limit = limit
+        self.block_tokens = BLOCK_TOKENS
+
+    def __iter__(self) -> Iterator[Request]:
+        path = os.fspath(self.path)
+        opener = gzip.open if path.endswith(".gz") else open
+        first: tuple[int, int | None] | None = None   # (line, declared block_tokens) of the first request
+        n = 0
+        if self.limit is not None and self.limit <= 0:
+            return
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                req = parse_request(obj, where)
+                bt = _block_tokens(obj, where)
+                if first is None:
+                    first = (lineno, bt)
+                    self.block_tokens = bt or BLOCK_TOKENS
+                elif bt != first[1]:
+                    def say(v: int | None) -> str:
+                        return f"block_tokens {v}" if v is not None else f"no block_tokens ({BLOCK_TOKENS})"
+                    raise TraceError(f"{where}: {say(bt)}, but line {first[0]} has {say(first[1])}: every line of "
+                                     f"a trace has the same block size")
+                yield req
+                n += 1
+                if self.limit is not None and n >= self.limit:
+                    return
+
+
+def load_trace(path: str | os.PathLike, limit: int | None = None) -> Trace:
+    """Read a Mooncake JSONL trace (plain or .gz) into a `Trace`: its requests and block size."""
+    reader = TraceReader(path, limit)
+    reqs = list(reader)
+    return Trace(reqs, reader.block_tokens)
 
 
 def unique_blocks(reqs: Iterable[Request]) -> int:
@@ -124,3 +176,18 @@ def split_by_time(reqs: Sequence[Request], frac: float = 0.5) -> tuple[list[Requ
     a = [r for r in reqs if r.timestamp < cut]
     b = [r for r in reqs if r.timestamp >= cut]
     return a, b
+
+
+def rescale_stack(cfg, block_tokens: int):
+    """`cfg` (a StackConfig) in blocks of `block_tokens` tokens: the same bytes per token and
+    the same capacities in tokens (capacities given in bytes stay; `capacity_blocks` scale)."""
+    from .config import parse_config
+    if cfg.block_tokens == block_tokens:
+        return cfg
+    data = cfg.model_dump(exclude={"source"})
+    data["block_bytes"] = max(1, -(-cfg.block_bytes * block_tokens // cfg.block_tokens))
+    for t in data["tiers"]:
+        if t.get("capacity_blocks") is not None:
+            t["capacity_blocks"] = max(1, t["capacity_blocks"] * cfg.block_tokens // block_tokens)
+    data["block_tokens"] = block_tokens
+    return parse_config(data, source=f"{cfg.source} (in {block_tokens}-token blocks)", check_env=False)

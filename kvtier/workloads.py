@@ -256,14 +256,16 @@ def generate(shape: str, seed: int = 0, block_tokens: int = 512, **params) -> li
     return SHAPES[shape](seed=seed, block_tokens=block_tokens, **params)
 
 
-def write_trace(reqs: Iterable[Request], path: str | os.PathLike) -> int:
-    """Write Mooncake JSONL (gzipped when the name ends in .gz); returns the number of lines."""
+def write_trace(reqs: Iterable[Request], path: str | os.PathLike, block_tokens: int | None = None) -> int:
+    """Write Mooncake JSONL (gzipped when the name ends in .gz); `block_tokens`, when given, goes on
+    every line (kvtier.trace reads it). Returns the number of lines."""
     opener = gzip.open if os.fspath(path).endswith(".gz") else open
+    extra = {} if block_tokens is None else {"block_tokens": int(block_tokens)}
     n = 0
     with opener(path, "wt", encoding="utf-8") as f:
         for r in reqs:
             f.write(json.dumps({"timestamp": int(r.timestamp), "input_length": r.input_length,
-                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids), **extra}) + "\n")
             n += 1
     return n
 
