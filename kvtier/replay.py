@@ -211,8 +211,14 @@ def _remove_stale(path: str) -> None:
             shutil.rmtree(os.path.join(path, n), ignore_errors=True)
 
 
-def _stack_config(args: argparse.Namespace, unique: int) -> StackConfig:
+def _stack_config(args: argparse.Namespace, unique: int, block_tokens: int = BLOCK_TOKENS) -> StackConfig:
     base = load_config(args.config, check_env=False)
+    if base.block_tokens != block_tokens:  # the trace's blocks are the unit (same bytes per token)
+        was = base.block_tokens
+        base = rescale_stack(base, block_tokens)
+        print(f"replay: the trace's blocks are {block_tokens} tokens, the config's {was}: replaying in "
+              f"{block_tokens}-token blocks of {format_size(base.block_bytes)} (the config's bytes per token)",
+              file=sys.stderr)
     data = base.model_dump(exclude={"source"})
     if args.capacity_fraction is not None or args.capacity_blocks is not None:   # checked by _check_args
         n = args.capacity_blocks if args.capacity_blocks is not None else max(1, int(args.capacity_fraction * unique))
