@@ -1,6 +1,6 @@
 """Cost of the eviction policies' own calls: time per block and memory per tracked block.
 
-Method. `kvtier.sim.simulate` is run once per policy with a recording proxy in front of the
+Method. `kvtier.offline.sim.simulate` is run once per policy with a recording proxy in front of the
 policy: every call the tier makes (on_insert / on_hit / on_remove_many / take_victims / ...)
 is logged with its arguments. The log is then replayed, `--repeat` times, directly against a
 fresh instance of the policy (deterministic: the same calls get the same answers), timing only
@@ -17,7 +17,7 @@ fresh instance; their memory is divided by the capacity too.
                                      [--admissions second_hit] [--set eval]
 
 `--set eval` measures on every generated workload shape and the bundled trace instead
-(`kvtier.compare.trace_set`): the cost of a policy depends on the traffic (blocks per request,
+(`kvtier.offline.compare.trace_set`): the cost of a policy depends on the traffic (blocks per request,
 hit share), so the bar is checked on each shape, not one trace.
 """
 
@@ -31,10 +31,10 @@ import sys
 import time
 import tracemalloc
 
-from kvtier.compare import trace_set
+from kvtier.offline.compare import trace_set
 from kvtier.policies import ADMISSION, EVICTION, AdmissionPolicy
-from kvtier.sim import make_keys, simulate
-from kvtier.trace import default_trace, load_trace, unique_blocks
+from kvtier.offline.sim import simulate
+from kvtier.offline.trace import default_trace, load_trace, make_keys, unique_blocks
 
 POLICIES = ["vllm_lru", "lru", "arc", "s3fifo"]
 LIMITS = {"ns_per_block": 1000.0, "bytes_per_block": 64.0}

@@ -1,11 +1,11 @@
 """The eviction-policy table of docs/policies.md: traces x capacities x policies, % of gap closed.
 
-Each trace is replayed with ``kvtier.compare.compare`` (``kvtier.sim.simulate`` through one
+Each trace is replayed with ``kvtier.offline.compare.compare`` (``kvtier.offline.sim.simulate`` through one
 SlotTier per policy; Belady's MIN with ties deepest-first as the bound) at 1%, 5%, 10% of its
 unique blocks. Gap closed = (policy - vllm_lru) / (belady - vllm_lru), in block hit ratio.
 Policies may be "EVICTION+ADMISSION" (e.g. ``lru+second_hit``).
 
-Traces: by default the generated workloads of every shape with ``kvtier.workloads.EVAL_SEEDS``
+Traces: by default the generated workloads of every shape with ``kvtier.offline.workloads.EVAL_SEEDS``
 plus the bundled Mooncake trace; ``--trace PATH`` (repeatable) replaces them by your own.
 ``kvtier replay --trace PATH --compare`` is the same comparison for one trace.
 
@@ -19,7 +19,7 @@ import json
 import sys
 import time
 
-from kvtier.compare import FRACTIONS, compare, trace_set
+from kvtier.offline.compare import FRACTIONS, compare, trace_set
 
 POLICIES = ["lru", "arc", "s3fifo", "vllm_lru"]
 

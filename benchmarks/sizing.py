@@ -2,9 +2,9 @@
 
 Method. For the bundled trace and a generated trace of about `--refs` block references (the
 `mix` workload scaled up), in one run:
-- curve: `kvtier.sizing.measure` over the requests in memory (the whole LRU curve, exact
+- curve: `kvtier.offline.sizing.measure` over the requests in memory (the whole LRU curve, exact
   stack distances; then SHARDS at `--sample`);
-- replay: `kvtier.replay.replay` on a one-tier metadata-only `lru` stack at 1%, 5% and 10% of
+- replay: `kvtier.offline.replay.replay` on a one-tier metadata-only `lru` stack at 1%, 5% and 10% of
   the unique blocks (what `kvtier replay --no-data --capacity-fraction F` runs after loading
   the trace), the three summed;
 each `--repeat` times, interleaved, medians reported, and the ratio curve / three replays.
@@ -28,8 +28,8 @@ import time
 
 CHILD = r"""
 import json, sys, time
-from kvtier.sizing import measure
-from kvtier.trace import TraceReader
+from kvtier.offline.sizing import measure
+from kvtier.offline.trace import TraceReader
 
 def status(key):  # kB -> bytes; VmHWM is this process's own peak (ru_maxrss counts the parent's at fork)
     line = next(l for l in open("/proc/self/status") if l.startswith(key + ":"))
@@ -58,9 +58,9 @@ def child(path: str, mode: str) -> dict:
 
 
 def replay_once(reqs, cap: int, bt: int) -> float:
-    from kvtier.config import parse_config
-    from kvtier.replay import replay
-    from kvtier.stack import TierStack
+    from kvtier.core.config import parse_config
+    from kvtier.offline.replay import replay
+    from kvtier.core.stack import TierStack
     cfg = parse_config({"block_bytes": 4096, "block_tokens": bt,
                         "tiers": [{"name": "cpu", "kind": "cpu", "capacity_blocks": cap}],
                         "policy": {"eviction": "lru"}}, source="<bench>", check_env=False)
@@ -71,7 +71,7 @@ def replay_once(reqs, cap: int, bt: int) -> float:
 
 
 def bench(name: str, reqs, path: str, repeat: int, sample: float) -> dict:
-    from kvtier.sizing import measure
+    from kvtier.offline.sizing import measure
     bt = getattr(reqs, "block_tokens", 512)
     refs = sum(len(r.hash_ids) for r in reqs)
     curve, sampled, three = [], [], []
@@ -112,8 +112,8 @@ def main() -> int:
     a = ap.parse_args()
     if a.repeat < 1 or a.refs < 1 or not 0 < a.sample <= 1:
         ap.error("--repeat and --refs must be >= 1, --sample in (0, 1]")
-    from kvtier.trace import default_trace, load_trace
-    from kvtier.workloads import generate, write_trace
+    from kvtier.offline.trace import default_trace, load_trace
+    from kvtier.offline.workloads import generate, write_trace
     rows = [bench("bundled (Mooncake conversation)", load_trace(default_trace()), str(default_trace()),
                   a.repeat, a.sample)]
     if not a.skip_big:

@@ -1,4 +1,4 @@
-"""The connector's configuration: the same YAML schema as the CLI (`kvtier.config.StackConfig`).
+"""The connector's configuration: the same YAML schema as the CLI (`kvtier.core.config.StackConfig`).
 
 vLLM's `kv_connector_extra_config` is `{"config": "<YAML path or shipped name>", ...overrides}`.
 Each override is a flat key for one field of that schema (table below); the result is
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.config import ConfigError, StackConfig, load_config, parse_config
+from kvtier.core.config import ConfigError, StackConfig, load_config, parse_config
 
 DEFAULT_CPU_BLOCKS = 256
 DEFAULT_NVME_BLOCKS = 1024

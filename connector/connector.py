@@ -29,14 +29,14 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                  KVConnectorRole)
 
-from kvtier.builder import build_controller, build_tiers
-from kvtier.config import ConfigError
-from kvtier.once import Once, cause
+from kvtier.core.builder import build_controller, build_tiers
+from kvtier.core.config import ConfigError
+from kvtier.core.once import Once, cause
 
 from .config import load_settings, tier_of
 from .guard import hook
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
-from kvtier.serving_stats import write_stats
+from kvtier.core.serving_stats import write_stats
 
 from .handoff import clear_reports, read_reports, write_report
 from .identity import model_identity
@@ -160,7 +160,7 @@ class KVTierConnector(KVConnectorBase_V1):
         it); a cpu tier given as a share takes the size of this process's worker pool when there is
         one (vLLM's single-process executor builds the worker first), else it is resolved here and
         follows the workers' pools at their first report (they size them after vLLM's KV cache)."""
-        from kvtier.config import fit_to_machine
+        from kvtier.core.config import fit_to_machine
         cfg, warnings = fit_to_machine(cfg, shrink=True, kinds=("nvme",))
         for w in warnings:
             log.warning("%s", w)

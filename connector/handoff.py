@@ -18,7 +18,7 @@ import logging
 import os
 import re
 
-from kvtier.serving_stats import write_private
+from kvtier.core.serving_stats import write_private
 
 from .metadata import KVTierWorkerMeta
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtier.tiers.cpu_pool import CpuPool, _copier, copy_blocks, cuda_available
+from kvtier.tiers.cpu_pool import CpuPool, copy_pool, copy_blocks, cuda_available
 
 from .device_copy import CudaStreams, DeviceCopier
 
@@ -372,7 +372,7 @@ class KVCopier:
                 return
         L = len(self.layout.tensors)
         workers = min(os.cpu_count() or 1, L)
-        futs = [_copier().submit(self._copy_rows, jobs, range(w, L, workers), to_kv) for w in range(1, workers)]
+        futs = [copy_pool().submit(self._copy_rows, jobs, range(w, L, workers), to_kv) for w in range(1, workers)]
         self._copy_rows(jobs, range(0, L, workers), to_kv)
         for f in futs:
             f.result()

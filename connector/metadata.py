@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier import plan
-from kvtier.plan import LoadOp, NvmeWriteOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
+from kvtier.core import plan
+from kvtier.core.plan import LoadOp, NvmeWriteOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
 
 try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
@@ -52,7 +52,7 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMeta(Report, KVConnectorWorkerMetadata):
-    """A worker's report for one step (see `kvtier.plan.Report`); vLLM aggregates it over ranks."""
+    """A worker's report for one step (see `kvtier.core.plan.Report`); vLLM aggregates it over ranks."""
 
 
 @dataclass

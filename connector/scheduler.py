@@ -5,7 +5,7 @@ blocks were offered to the store) and turns hooks into `TierController` calls:
 `get_num_new_matched_tokens` -> `acquire` (a lease), `update_state_after_alloc` -> `load`,
 `build_connector_meta` -> `store` for the blocks computed this step (or the lazy walk of the GPU
 free queue) and `take_plan`, `update_connector_output` -> `complete`, finish -> `release`.
-Every placement decision is the controller's (`kvtier.controller`). The API is plain (request
+Every placement decision is the controller's (`kvtier.core.controller`). The API is plain (request
 ids, block hashes, block ids) so tests and offline drivers use it without vLLM.
 """
 
@@ -17,9 +17,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from kvtier.controller import PENDING, TierController
-from kvtier.once import Once, cause
-from kvtier.keys import GROUP_ID_BYTES
+from kvtier.core.controller import PENDING, TierController
+from kvtier.core.once import Once, cause
+from kvtier.core.keys import GROUP_ID_BYTES
 from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier
@@ -54,7 +54,7 @@ class KVTierScheduler:
                  admission: Sequence[AdmissionPolicy | None] | None = None, ranks: int = 1,
                  demotion: str = "write_through", controller: TierController | None = None,
                  async_shared_loads: bool = True) -> None:
-        """Either a built `controller` (`kvtier.builder`) or `tiers` (top first; an NVMe tier is
+        """Either a built `controller` (`kvtier.core.builder`) or `tiers` (top first; an NVMe tier is
         an `NvmeControl`) and policies to build one. `promote`: a PromotionPolicy, True
         (inclusive) or False/None (serve in place).
 

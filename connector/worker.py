@@ -1,6 +1,6 @@
 """Worker side of the connector: the executor of the controller's plan inside vLLM.
 
-It runs the step's ops (`kvtier.plan`): `LoadOp`s in `start_load_kv` (NVMe reads, each block
+It runs the step's ops (`kvtier.core.plan`): `LoadOp`s in `start_load_kv` (NVMe reads, each block
 verified against its key and tag, then copies into vLLM's KV: on a GPU layer by layer on a
 loader thread, `wait_for_layer_load` waiting per layer; on the CPU backend at once, NVMe
 chunks as their reads land), `StoreOp`s in `wait_for_save` (after the forward that wrote
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvtier.once import Once, cause
+from kvtier.core.once import Once, cause
 from kvtier.tiers.cpu_pool import CpuPool
 
 from kvtier.tiers.handles import DoneHandle, IOResult
@@ -109,7 +109,7 @@ class KVTierWorker(Counting):
                      self.pools[0].num_slots)
             return
         self.layout = lay
-        from kvtier.config import TierConfig
+        from kvtier.core.config import TierConfig
         tier = self._cpu_tier or TierConfig(name="cpu", kind="cpu",
                                             capacity_blocks=self._cpu_blocks_fn(lay.block_bytes))
         n, warning = fit_pool_slots(tier, lay.block_bytes, self._ranks)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from xxhash import xxh3_64_intdigest
 
-from .base import ADMISSION, AdmissionPolicy, RequestInfo, _NO_INFO
+from .base import ADMISSION, AdmissionPolicy, RequestInfo, NO_INFO
 
 
 @ADMISSION.register
@@ -15,7 +15,7 @@ class AdmitAll(AdmissionPolicy):
 
     name = "all"
 
-    def admit(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[bool]:
+    def admit(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[bool]:
         return [True] * len(keys)
 
 
@@ -85,6 +85,6 @@ class SecondHit(AdmissionPolicy):
         self.threshold = threshold
         self.sketch = _CountMin(history, depth)
 
-    def admit(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[bool]:
+    def admit(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[bool]:
         add, t = self.sketch.add, self.threshold
         return [add(k) >= t for k in keys]

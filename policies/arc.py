@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
-from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
-from .slotlist import _NIL, SlotList
+from .base import EVICTION, EvictionPolicy, RequestInfo, NO_INFO
+from .slotlist import NIL, SlotList
 
 
 @EVICTION.register
@@ -22,14 +22,14 @@ class ARC(EvictionPolicy):
 
     def __init__(self, capacity: int, **params) -> None:
         super().__init__(capacity)
-        prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
+        prev, nxt, member = [NIL] * capacity, [NIL] * capacity, [0] * capacity
         self.t1 = SlotList(capacity, prev, nxt, member, tag=1)
         self.t2 = SlotList(capacity, prev, nxt, member, tag=2)
         self.b1: OrderedDict[bytes, None] = OrderedDict()
         self.b2: OrderedDict[bytes, None] = OrderedDict()
         self.p = 0.0
 
-    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
+    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> None:
         c = self.capacity
         b1, b2, t1, t2 = self.b1, self.b2, self.t1, self.t2
         for s, k in zip(reversed(slots), reversed(keys)):  # tail-first: a request's deepest block leaves first
@@ -49,7 +49,7 @@ class ARC(EvictionPolicy):
         while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
             b2.popitem(last=False)
 
-    def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+    def on_hit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         t1, t2 = self.t1, self.t2
         member = t1.member
         for s in reversed(slots):
@@ -88,13 +88,13 @@ class ARC(EvictionPolicy):
             seg, s = 1, nxt[after]
         elif tag == 1:
             x, i = t1.head, 0
-            while x != _NIL and i < n and x != after:
+            while x != NIL and i < n and x != after:
                 x, i = nxt[x], i + 1
             seg = 0 if (x == after and i < n) else 2
             s, i = nxt[after], i + 1
-        c_start = _NIL
+        c_start = NIL
         if seg == 0:
-            while s != _NIL and i < n:
+            while s != NIL and i < n:
                 s2 = nxt[s]
                 yield s
                 s, i = s2, i + 1
@@ -103,16 +103,16 @@ class ARC(EvictionPolicy):
         elif seg == 1:
             c_start = t1.head
             for _ in range(n):
-                if c_start == _NIL:
+                if c_start == NIL:
                     break
                 c_start = nxt[c_start]
         if seg == 1:
-            while s != _NIL:
+            while s != NIL:
                 s2 = nxt[s]
                 yield s
                 s = s2
             s = c_start
-        while s != _NIL:
+        while s != NIL:
             s2 = nxt[s]
             yield s
             s = s2

@@ -39,7 +39,7 @@ class RequestInfo:
         return (pos + 1) * self.block_tokens <= self.num_tokens
 
 
-_NO_INFO = RequestInfo()
+NO_INFO = RequestInfo()
 
 
 class EvictionPolicy(ABC):
@@ -56,10 +56,10 @@ class EvictionPolicy(ABC):
         self.capacity = capacity
 
     @abstractmethod
-    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None: ...
+    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> None: ...
 
     @abstractmethod
-    def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None: ...
+    def on_hit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None: ...
 
     @abstractmethod
     def on_remove(self, slot: int, key: bytes) -> None: ...
@@ -96,7 +96,7 @@ class AdmissionPolicy(ABC):
         pass
 
     @abstractmethod
-    def admit(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[bool]: ...
+    def admit(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[bool]: ...
 
     def on_evict(self, key: bytes) -> None:
         """A block left the tier (for ghost history)."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
-from .slotlist import _NIL, SlotList
+from .base import EVICTION, EvictionPolicy, RequestInfo, NO_INFO
+from .slotlist import NIL, SlotList
 
 _ORDERS = ("vllm", "call", "chain")
 
@@ -46,9 +46,9 @@ class LRU(EvictionPolicy):
         self._doom = doom_partial
         self._order = order
         self._req = None          # request of the last call, and the head-most slot of its blocks
-        self._anchor = _NIL
+        self._anchor = NIL
 
-    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
+    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> None:
         order = self._order
         if order == "chain":
             self._list.extend(slots)
@@ -60,7 +60,7 @@ class LRU(EvictionPolicy):
             s0 = run[0]
             run = run[1:]
             h = self._list.head
-            if h == _NIL:
+            if h == NIL:
                 self._list.push(s0)
             else:
                 self._list.insert_run_before(h, [s0])
@@ -69,7 +69,7 @@ class LRU(EvictionPolicy):
         if order == "vllm":
             rid = request_id(info)
             a = self._anchor
-            if rid is not None and rid == self._req and a != _NIL:
+            if rid is not None and rid == self._req and a != NIL:
                 self._list.insert_run_before(a, run)
             else:
                 self._list.extend(run)
@@ -78,7 +78,7 @@ class LRU(EvictionPolicy):
             return
         self._list.extend(run)
 
-    def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+    def on_hit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         if self._order == "chain":
             self._list.move_run_to_tail(slots)
             return
@@ -95,7 +95,7 @@ class LRU(EvictionPolicy):
     def on_remove_many(self, slots: Sequence[int], keys: Sequence[bytes]) -> None:
         self._list.unlink_many(slots)
         a, member, nxt = self._anchor, self._list.member, self._list.nxt
-        while a != _NIL and not member[a]:  # the anchor left: its successor (removed slots keep nxt)
+        while a != NIL and not member[a]:  # the anchor left: its successor (removed slots keep nxt)
             a = nxt[a]
         self._anchor = a
 

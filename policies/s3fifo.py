@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterator, Sequence
 
-from .base import EVICTION, EvictionPolicy, RequestInfo, _NO_INFO
-from .slotlist import _NIL, SlotList
+from .base import EVICTION, EvictionPolicy, RequestInfo, NO_INFO
+from .slotlist import NIL, SlotList
 
 
 @EVICTION.register
@@ -27,7 +27,7 @@ class S3FIFO(EvictionPolicy):
         super().__init__(capacity)
         if not 0.0 < small_ratio < 1.0:
             raise ValueError(f"s3fifo: small_ratio must be in (0, 1), got {small_ratio}")
-        prev, nxt, member = [_NIL] * capacity, [_NIL] * capacity, [0] * capacity
+        prev, nxt, member = [NIL] * capacity, [NIL] * capacity, [0] * capacity
         self.small = SlotList(capacity, prev, nxt, member, tag=1)
         self.main = SlotList(capacity, prev, nxt, member, tag=2)
         self.freq = bytearray(capacity)
@@ -36,7 +36,7 @@ class S3FIFO(EvictionPolicy):
         self.ghost: OrderedDict[bytes, None] = OrderedDict()
         self.max_freq = max_freq
 
-    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> None:
+    def on_insert(self, slots: Sequence[int], keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> None:
         ghost, freq = self.ghost, self.freq
         for s, k in zip(reversed(slots), reversed(keys)):  # tail-first, as vLLM frees a request's blocks
             freq[s] = 0
@@ -46,7 +46,7 @@ class S3FIFO(EvictionPolicy):
             else:
                 self.small.push(s)
 
-    def on_hit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+    def on_hit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         freq, m = self.freq, self.max_freq
         for s in slots:
             if freq[s] < m:
@@ -74,8 +74,8 @@ class S3FIFO(EvictionPolicy):
         ms = nxt[after] if tag == 2 else main.head
         vs = len(small)  # S size as the walk sees it (yielded or moved slots leave it)
         target = self.small_target
-        while ss != _NIL or ms != _NIL:
-            if ss != _NIL and (vs > target or ms == _NIL):
+        while ss != NIL or ms != NIL:
+            if ss != NIL and (vs > target or ms == NIL):
                 s = ss
                 ss = nxt[s]
                 vs -= 1
@@ -83,7 +83,7 @@ class S3FIFO(EvictionPolicy):
                     small.unlink(s)
                     freq[s] = 0
                     main.push(s)
-                    if ms == _NIL:
+                    if ms == NIL:
                         ms = s
                     continue
                 yield s
@@ -93,7 +93,7 @@ class S3FIFO(EvictionPolicy):
                 if freq[s] > 0:  # second chance in M
                     freq[s] -= 1
                     main.move_to_tail(s)
-                    if ms == _NIL:
+                    if ms == NIL:
                         ms = s
                     continue
                 yield s

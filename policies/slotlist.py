@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator, Sequence
 
-_NIL = -1
+NIL = -1
 
 
 class SlotList:
@@ -17,12 +17,12 @@ class SlotList:
 
     def __init__(self, capacity: int, prev: list[int] | None = None, nxt: list[int] | None = None,
                  member: list[int] | None = None, tag: int = 1) -> None:
-        self.prev = prev if prev is not None else [_NIL] * capacity
-        self.nxt = nxt if nxt is not None else [_NIL] * capacity
+        self.prev = prev if prev is not None else [NIL] * capacity
+        self.nxt = nxt if nxt is not None else [NIL] * capacity
         self.member = member if member is not None else [0] * capacity
         self.tag = tag
-        self.head = _NIL
-        self.tail = _NIL
+        self.head = NIL
+        self.tail = NIL
         self.size = 0
 
     def __len__(self) -> int:
@@ -35,8 +35,8 @@ class SlotList:
         """Append at the tail (newest)."""
         t = self.tail
         self.prev[slot] = t
-        self.nxt[slot] = _NIL
-        if t == _NIL:
+        self.nxt[slot] = NIL
+        if t == NIL:
             self.head = slot
         else:
             self.nxt[t] = slot
@@ -46,11 +46,11 @@ class SlotList:
 
     def unlink(self, slot: int) -> None:
         p, n = self.prev[slot], self.nxt[slot]
-        if p == _NIL:
+        if p == NIL:
             self.head = n
         else:
             self.nxt[p] = n
-        if n == _NIL:
+        if n == NIL:
             self.tail = p
         else:
             self.prev[n] = p
@@ -63,7 +63,7 @@ class SlotList:
         head, tail = self.head, self.tail
         for s in slots:
             p, n = prev[s], nxt[s]
-            if p == -1:  # _NIL
+            if p == -1:  # NIL
                 head = n
             else:
                 nxt[p] = n
@@ -81,7 +81,7 @@ class SlotList:
         t, n = self.tail, 0
         for s in slots:
             prev[s] = t
-            if t == _NIL:
+            if t == NIL:
                 self.head = s
             else:
                 nxt[t] = s
@@ -89,7 +89,7 @@ class SlotList:
             t = s
             n += 1
         if n:
-            nxt[t] = _NIL
+            nxt[t] = NIL
             self.tail = t
             self.size += n
 
@@ -101,7 +101,7 @@ class SlotList:
         p = prev[anchor]
         for s in slots:
             prev[s] = p
-            if p == _NIL:
+            if p == NIL:
                 self.head = s
             else:
                 nxt[p] = s
@@ -118,7 +118,7 @@ class SlotList:
         for s in slots:
             if s == tail:
                 continue
-            p, n = prev[s], nxt[s]   # s is not the tail, so n != _NIL
+            p, n = prev[s], nxt[s]   # s is not the tail, so n != NIL
             if p == -1:
                 head = n
             else:
@@ -136,7 +136,7 @@ class SlotList:
             return 0
         nxt, append = self.nxt, out.append
         s, left = self.head, n
-        while s != -1:  # _NIL, spelled as a constant in this hot loop
+        while s != -1:  # NIL, spelled as a constant in this hot loop
             if not pinned[s]:
                 append(s)
                 left -= 1
@@ -157,7 +157,7 @@ class SlotList:
         """
         s = self.nxt[after] if after is not None and after >= 0 and self.member[after] == self.tag else self.head
         nxt = self.nxt
-        while s != _NIL:
+        while s != NIL:
             n = nxt[s]
             yield s
             s = n

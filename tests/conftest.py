@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.trace import default_trace
+from kvtier.offline.trace import default_trace
 
 REPO = Path(__file__).resolve().parent.parent
 TRACE = default_trace()  # the bundled trace unless KVTIER_TRACE names another

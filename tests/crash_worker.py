@@ -28,7 +28,7 @@ def _say(line: str) -> None:
 
 
 def life(directory: str, seed: int, start: int, max_batches: int) -> None:
-    from kvtier.blockgen import block_data, block_key, split_block_key
+    from kvtier.offline.blockgen import block_data, block_key, split_block_key
     from kvtier.policies.lru import LRU
     from kvtier.tiers.nvme import NvmeTier
 
@@ -61,7 +61,7 @@ def life(directory: str, seed: int, start: int, max_batches: int) -> None:
 
 
 def serve() -> None:
-    import kvtier.blockgen  # noqa: F401 - warm the imports once
+    import kvtier.offline.blockgen  # noqa: F401 - warm the imports once
     import kvtier.policies.lru  # noqa: F401
     import kvtier.tiers.nvme  # noqa: F401
     _say("READY")

@@ -225,8 +225,8 @@ def test_case4_write_error_fails_spill_and_keeps_data(tmp_path, fault, errname):
 
 def test_case4_cpu_copy_stays_when_the_nvme_write_fails(tmp_path, monkeypatch):
     """In process: the CPU tier keeps every block whose write-back failed."""
-    from kvtier.blockgen import block_data, block_key
-    from kvtier.stack import TierStack
+    from kvtier.offline.blockgen import block_data, block_key
+    from kvtier.core.stack import TierStack
     from kvtier.tiers import io_engines
     c = cfg(tmp_path, nvme_blocks=64, policy="policy: {demotion: write_back}")
     with TierStack.from_config(c) as st:
@@ -283,7 +283,7 @@ def test_case5_foreign_owner_is_refused(tmp_path):
 # ---- 6. one writer, really ------------------------------------------------------------------
 HOLDER = """
 import os, sys, time
-from kvtier.stack import TierStack
+from kvtier.core.stack import TierStack
 st = TierStack.from_config(sys.argv[1])
 print(os.getpid(), flush=True)
 time.sleep(600)
@@ -348,7 +348,7 @@ def test_case7_verify_fails_on_wrong_seed_evicted_and_empty(tmp_path):
     import lmdb
     env = lmdb.open(str(tmp_path / "nvme" / "index"), max_dbs=4)                   # 5 blocks evicted
     db = env.open_db(b"entries")
-    from kvtier.blockgen import block_key
+    from kvtier.offline.blockgen import block_key
     with env.begin(write=True) as txn:
         for j in range(5):
             assert txn.delete(block_key(2, j), db=db)
@@ -372,8 +372,8 @@ def test_case10_fifo_manifest_does_not_hang(tmp_path):
 
 # ---- 8. keys ---------------------------------------------------------------------------------
 def test_case8_spill_keys_never_collide_with_replay_ids():
-    from kvtier.blockgen import block_key
-    from kvtier.keys import make_key
+    from kvtier.offline.blockgen import block_key
+    from kvtier.core.keys import make_key
     spilled = {block_key(0, j) for j in range(4096)}
     replay = {make_key(h) for h in range(1 << 16)} | {make_key(h << 32 | j) for h in range(4) for j in range(4096)}
     assert not spilled & replay
@@ -453,7 +453,7 @@ def test_case11_disk_full_at_the_manifest_keeps_the_spill_verifiable(tmp_path, m
     """The file system fills after the blocks are committed: the spill fails naming the manifest's
     path and ENOSPC, leaves no temp file, and `restore --verify` still checks every block (against
     its key: the manifest keeps the spill as begun)."""
-    from kvtier import cli, commands
+    from kvtier.cli import commands, main
     with _small_fs("32M") as fs:
         c = cfg(tmp_path, nvme_blocks=64, path=f"{fs.path}/nv")
         real = commands.write_manifest
@@ -463,7 +463,7 @@ def test_case11_disk_full_at_the_manifest_keeps_the_spill_verifiable(tmp_path, m
                 _fill(fs.path)
             return real(nvme, spills)
         monkeypatch.setattr(commands, "write_manifest", fill_then_write)
-        assert cli.main(["spill", "-c", c, "-n", "40", "--seed", "6", "-q"]) == 1
+        assert main(["spill", "-c", c, "-n", "40", "--seed", "6", "-q"]) == 1
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvtier: error:")]
         assert len(err) == 1 and f"{fs.path}/nv/spill-manifest.json: [ENOSPC]" in err[0], err
         assert "40 blocks of seed 6 are committed on NVMe" in err[0]

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from kvtier.belady import belady
-from kvtier.sim import simulate
-from kvtier.trace import Request, TraceError, load_trace, split_by_time, unique_blocks
+from kvtier.offline.belady import belady
+from kvtier.offline.sim import simulate
+from kvtier.offline.trace import Request, TraceError, load_trace, split_by_time, unique_blocks
 
-from kvtier.trace import default_trace
+from kvtier.offline.trace import default_trace
 
 TRACE = str(default_trace())
 
@@ -53,7 +53,7 @@ def test_belady_vllm_rules():
 
 
 def test_belady_bounds_the_lru_curve(trace_path):
-    from kvtier.sizing import measure
+    from kvtier.offline.sizing import measure
     reqs = load_trace(trace_path, limit=1500)
     sz = measure(reqs)
     for cap in (20, 300, 2000):

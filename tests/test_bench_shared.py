@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench_shared import bench_shared
+from kvtier.cli.bench_shared import bench_shared
 from kvtier.tiers.redis_conn import Namespace, RedisSettings, connect
 from kvtier.tiers.redis_data import RedisData
 
@@ -50,7 +50,7 @@ def test_bench_cli_redis_flag(redis_server):
 
 
 def test_bench_skips_redis_without_one():
-    from kvtier.bench_shared import shared_settings
+    from kvtier.cli.bench_shared import shared_settings
     assert shared_settings(argparse.Namespace(config=None, redis=None, skip_redis=False)) is None
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 BB = 65536
 
@@ -102,7 +102,7 @@ def test_inspect_shows_a_serving_schedulers_hit_ratios(tmp_path):
     import json
     import subprocess
     import sys
-    from kvtier.serving_stats import write_stats
+    from kvtier.core.serving_stats import write_stats
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"block_bytes: 64KiB\ntiers:\n  - {{name: cpu, kind: cpu, capacity_blocks: 8}}\n"
                    f"  - {{name: nvme, kind: nvme, path: {tmp_path / 'nv'}, capacity_blocks: 32, io: posix}}\n")
@@ -227,9 +227,9 @@ def test_spill_beyond_capacity_reports_and_counts_the_dropped(tmp_path, capsys):
 def test_inspect_says_what_a_connector_directory_was_written_under(tmp_path, capsys):
     """The YAML a server ran with, inspected: the tier's own block size and the connector's
     fingerprint from fingerprint.json, said plainly; no "hit ratio 0.0% ()" before any lookup."""
-    from kvtier.builder import make_eviction
-    from kvtier.config import load_config
-    from kvtier.serving_stats import write_stats
+    from kvtier.core.builder import make_eviction
+    from kvtier.core.config import load_config
+    from kvtier.core.serving_stats import write_stats
     from kvtier.tiers.nvme import NvmeTier
     y = tmp_path / "srv.yaml"
     y.write_text(f"block_bytes: 256KiB\ntiers:\n  - {{name: cpu, kind: cpu, capacity: 64MiB}}\n"

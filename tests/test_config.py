@@ -5,8 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from kvtier.config import ConfigError, load_config, parse_config, shipped_configs
-from kvtier.units import parse_size
+from kvtier.core.config import ConfigError, load_config, parse_config, shipped_configs
+from kvtier.core.units import parse_size
 
 
 def test_shipped_configs_load(tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_two_nvme_tiers_cannot_share_a_directory(tmp_path):
 @pytest.mark.parametrize("name,params,want", [("s3fifo", {"small_ratio": 2}, "small_ratio must be in"),
                                                ("lru", {"order": "random"}, "order must be one of")])
 def test_a_bad_policy_parameter_value_names_the_policy(name, params, want):
-    from kvtier.builder import build_controller, build_tiers
+    from kvtier.core.builder import build_controller, build_tiers
     cfg = parse_config({"block_bytes": 4096, "tiers": [{"name": "cpu", "kind": "cpu", "capacity_blocks": 4}],
                         "policy": {"eviction": name, "params": {name: params}}}, source="s.yaml", check_env=False)
     with pytest.raises(ConfigError) as ei:
@@ -175,7 +175,7 @@ def test_a_bad_policy_parameter_value_names_the_policy(name, params, want):
 def test_an_old_yaml_naming_a_retired_policy_is_one_clear_line(tmp_path, capsys, yaml_text, field, name, use):
     """A YAML written for an older kvtier fails at load with one line naming the field, the
     retired policy and what to use instead (the CLI's exit 2, no traceback)."""
-    from kvtier.cli import main
+    from kvtier.cli.main import main
     p = tmp_path / "old.yaml"
     tiers = "block_bytes: 4096\ntiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 8}\n"
     p.write_text(tiers + yaml_text.replace("NV", str(tmp_path / "nv")) + "\n")
@@ -201,23 +201,23 @@ def _cfg(tmp_path, cpu="1GiB", nvme="1GiB", bb="1MiB", path=None):
 @pytest.fixture
 def ram(monkeypatch):
     """A machine with 10 GiB available and a 1 GiB headroom (the real figures are tested below)."""
-    import kvtier.config as c
+    import kvtier.core.config as c
     monkeypatch.setattr(c, "available_memory", lambda: 10 * GiB)
     monkeypatch.setattr(c, "memory_headroom", lambda: GiB)
 
 
 def test_cpu_share_is_of_the_memory_kvtier_may_use(tmp_path, ram):
-    from kvtier.config import fit_to_machine
+    from kvtier.core.config import fit_to_machine
     cfg, warnings = fit_to_machine(_cfg(tmp_path, cpu="50%", nvme=None))
     assert cfg.tiers[0].blocks(cfg.block_bytes) == (9 * GiB // 2) >> 20 and warnings == []   # (10 - 1) / 2
     cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="100%", nvme=None), reserved_memory=4 * GiB)
     assert cfg.tiers[0].blocks(cfg.block_bytes) == (5 * GiB) >> 20                            # 10 - 4 - 1
-    with pytest.raises(ConfigError, match="resolve it with kvtier.config.fit_to_machine"):
+    with pytest.raises(ConfigError, match="resolve it with kvtier.core.config.fit_to_machine"):
         _cfg(tmp_path, cpu="50%", nvme=None).tiers[0].blocks(1 << 20)   # unresolved: never a silent guess
 
 
 def test_cpu_tier_beyond_available_memory_is_refused_or_shrunk(tmp_path, ram):
-    from kvtier.config import fit_to_machine
+    from kvtier.core.config import fit_to_machine
     with pytest.raises(ConfigError) as e:
         fit_to_machine(_cfg(tmp_path, cpu="9.5GiB", nvme=None))
     assert str(e.value) == ("s.yaml: tiers.0.capacity: tier 'cpu': asks 9.50 GiB of DRAM (9728 blocks), only "
@@ -235,7 +235,7 @@ def test_cpu_tier_beyond_available_memory_is_refused_or_shrunk(tmp_path, ram):
 
 
 def test_two_cpu_tiers_are_checked_together(tmp_path, ram):
-    from kvtier.config import fit_to_machine
+    from kvtier.core.config import fit_to_machine
     cfg = parse_config({"block_bytes": "1MiB", "tiers": [{"name": "a", "kind": "cpu", "capacity": "6GiB"},
                                                          {"name": "b", "kind": "cpu", "capacity": "6GiB"}]},
                        source="s.yaml", check_env=False)
@@ -255,7 +255,7 @@ def test_share_of_a_redis_tier_is_refused():
 
 
 def test_available_memory_is_memavailable_not_physical():
-    from kvtier.config import available_memory, memory_headroom
+    from kvtier.core.config import available_memory, memory_headroom
     with open("/proc/meminfo") as f:
         mi = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -267,7 +267,7 @@ def test_available_memory_is_memavailable_not_physical():
 def test_a_dram_tier_just_below_physical_memory_is_refused_before_allocation(tmp_path):
     """Between available and physical memory (was OOM-killed: the check compared with physical
     memory): refused at once, naming the tier and both sizes."""
-    from kvtier.config import fit_to_machine
+    from kvtier.core.config import fit_to_machine
     below_physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - (128 << 20)
     cfg = _cfg(tmp_path, cpu=below_physical, nvme=None, bb="64KiB")
     with pytest.raises(ConfigError, match=r"tiers.0.capacity: tier 'cpu': asks .* of DRAM .* only .* available "
@@ -277,7 +277,7 @@ def test_a_dram_tier_just_below_physical_memory_is_refused_before_allocation(tmp
 
 def test_nvme_share_and_check_on_a_small_file_system(tmp_path):
     from fs_util import small_fs
-    from kvtier.config import DISK_HEADROOM, DISK_HEADROOM_PER_BLOCK, fit_to_machine
+    from kvtier.core.config import DISK_HEADROOM, DISK_HEADROOM_PER_BLOCK, fit_to_machine
     from kvtier.tiers.nvme_block import slot_stride
     stride = slot_stride(65536)
     with small_fs("32M") as fs:
@@ -293,7 +293,7 @@ def test_nvme_share_and_check_on_a_small_file_system(tmp_path):
         got = cfg.tiers[1].blocks(65536)
         assert got == (free - DISK_HEADROOM) // (stride + DISK_HEADROOM_PER_BLOCK) and len(warnings) == 1
         # its own data file counts as usable, and a share never resolves below what it holds
-        from kvtier.stack import TierStack
+        from kvtier.core.stack import TierStack
         TierStack.from_config(cfg).close()
         cfg2, _ = fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="10%", bb="64KiB", path=f"{fs.path}/nv"))
         assert cfg2.tiers[1].blocks(65536) == got
@@ -302,7 +302,7 @@ def test_nvme_share_and_check_on_a_small_file_system(tmp_path):
 
 def test_read_only_file_system_is_erofs_not_eacces(tmp_path):
     from fs_util import small_fs
-    from kvtier.config import check_environment
+    from kvtier.core.config import check_environment
     with small_fs("16M") as fs:
         fs.remount(read_only=True)
         try:

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvtier.connector.metadata import KVTierWorkerMeta
 from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.policies import EVICTION
-from kvtier.tiers.base import SlotTier, _RESIDENT
+from kvtier.tiers.base import SlotTier, RESIDENT
 
 BT = 4  # tokens per block
 
@@ -178,7 +178,7 @@ class LeaseMachine(RuleBasedStateMachine):
         lease = self.s.leases.leases.get(rid)
         if lease is not None:  # every leased block is resident and pinned
             for t, slot in lease.blocks:
-                assert self.tier._state[slot] == _RESIDENT and self.tier._ref[slot] >= 1
+                assert self.tier._state[slot] == RESIDENT and self.tier._ref[slot] >= 1
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), accept=st.booleans())

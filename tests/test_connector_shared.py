@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from kvtier.builder import build_controller, build_tiers
-from kvtier.config import parse_config
+from kvtier.core.builder import build_controller, build_tiers
+from kvtier.core.config import parse_config
 from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.connector.worker import KVTierWorker
 from kvtier.tiers.redis_conn import Namespace, RedisSettings

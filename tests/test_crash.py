@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from kvtier.blockgen import block_data, split_block_key
+from kvtier.offline.blockgen import block_data, split_block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.nvme import NvmeTier
 

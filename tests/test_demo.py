@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import demo as D
+from kvtier.cli import demo as D
 
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_util as U  # noqa: E402
@@ -145,11 +145,11 @@ def test_demo_resets_only_its_own_leftovers(tmp_path):
 
 
 def test_demo_without_vllm_says_how_to_install(monkeypatch, capsys, tmp_path):
-    from kvtier import cli
+    from kvtier.cli import main
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
-    assert cli.main(["demo", "--dir", str(tmp_path / "d")]) == 1
+    assert main(["demo", "--dir", str(tmp_path / "d")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "scripts/setup demo" in err and "pip install vllm" in err, err
     assert not (tmp_path / "d").exists()

@@ -237,7 +237,7 @@ def test_two_instances_share(models, baseline, instances, redis_factory, tmp_pat
     a.quit()
     b.quit()
     # what `kvtier inspect` shows: the totals B's scheduler left in its NVMe directory at shutdown
-    from kvtier.serving_stats import hit_ratios, read_stats
+    from kvtier.core.serving_stats import hit_ratios, read_stats
     saved = read_stats(str(tmp_path / "b"))
     assert saved is not None and saved["totals"]["hit_blocks.shared"] == want
     assert hit_ratios(saved)["hit_ratio_by_tier"]["shared"] == 1.0

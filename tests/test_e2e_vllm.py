@@ -54,7 +54,7 @@ def _full_blocks(p):  # blocks a request may load: at least one token is left to
 
 
 def test_second_pass_served_by_kvtier(model_dir, prompts, baseline):
-    # the shipped YAML stack through kvtier.config, with an inline override of its capacity
+    # the shipped YAML stack through kvtier.core.config, with an inline override of its capacity
     llm = U.make_llm(model_dir, U.kvtier_config(config="cpu-only", cpu_capacity_blocks=64))
     try:
         s, w = _parts()
@@ -328,7 +328,7 @@ def test_nvme_corruption_recomputes(model_dir, prompts, baseline, nvme_written, 
     # (a new write), and reads back verified
     import torch
 
-    from kvtier.commands import stored_layout
+    from kvtier.cli.commands import stored_layout
     from kvtier.policies.lru import LRU
     from kvtier.tiers.nvme import NvmeTier
     lay = stored_layout(str(d))

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtier import cli
-from kvtier.builder import build_controller, build_tiers
-from kvtier.config import load_config
+from kvtier.cli import main
+from kvtier.core.builder import build_controller, build_tiers
+from kvtier.core.config import load_config
 from kvtier.connector.metadata import KVTierWorkerMeta
 from kvtier.connector.scheduler import KVTierScheduler
-from kvtier.keys import split_key
-from kvtier.sim import make_keys
-from kvtier.trace import load_trace
+from kvtier.core.keys import split_key
+from kvtier.offline.trace import make_keys
+from kvtier.offline.trace import load_trace
 
 BT = 512
 COUNTS = ("hit_blocks", "stored_blocks", "evicted_blocks", "demoted_blocks", "promoted_blocks",
@@ -88,7 +88,7 @@ tiers:
 {extra_tiers}policy: {policy}
 """)
     limit = 1500
-    assert cli.main(["replay", "--trace", str(trace_path), "--config", str(cfg), "--limit", str(limit),
+    assert main(["replay", "--trace", str(trace_path), "--config", str(cfg), "--limit", str(limit),
                      "--no-data", "--no-belady", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     name = {"hit_blocks": "hit_blocks", "stored_blocks": "stored", "evicted_blocks": "evicted",

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from kvtier.blockgen import block_data, block_key
+from kvtier.offline.blockgen import block_data, block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.base import TierFull
 from kvtier.tiers.nvme import DATA_FILE, FingerprintMismatch, NvmeTier

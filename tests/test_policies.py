@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvtier.keys import make_key
+from kvtier.core.keys import make_key
 from kvtier.policies import ADMISSION, EVICTION, PROMOTION, RETIRED, RequestInfo
 from kvtier.tiers.base import SlotTier
 
@@ -156,8 +156,8 @@ def test_vllm_lru_request_longer_than_the_cache_keeps_its_prefix():
     the next run evicts the deepest and blocks 0, 1 stay (the next turn hits 2); head-first
     (order="chain") LRU evicts the prefix first and the next turn hits nothing. The simulator,
     which stores only what fits, keeps blocks 0..3."""
-    from kvtier.sim import simulate
-    from kvtier.trace import Request
+    from kvtier.offline.sim import simulate
+    from kvtier.offline.trace import Request
     a = Request(0.0, 640, 1, tuple(range(10)))
     b = Request(1.0, 704, 1, tuple(range(11)))
     # one request at a time, stored run by run as the stack's put does for a long prompt

@@ -2,9 +2,9 @@
 
 import json
 
-from kvtier.cli import main
-from kvtier.compare import compare, gap_closed
-from kvtier.workloads import generate
+from kvtier.cli.main import main
+from kvtier.offline.compare import compare, gap_closed
+from kvtier.offline.workloads import generate
 
 
 def test_compare_rows_and_gap():
@@ -22,7 +22,7 @@ def test_compare_rows_and_gap():
 
 
 def test_replay_compare_cli(tmp_path, capsys):
-    from kvtier.workloads import write_trace
+    from kvtier.offline.workloads import write_trace
     t = tmp_path / "t.jsonl"
     write_trace(generate("api", 1, requests=300), t)
     assert main(["replay", "--trace", str(t), "--compare", "--capacity-blocks", "20", "--json"]) == 0

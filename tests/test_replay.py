@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvtier.cli import main
+from kvtier.cli.main import main
 
 
 def run_json(capsys, *argv):
@@ -70,8 +70,8 @@ def test_replay_starts_cold_unless_warm(tmp_path, capsys, trace_path):
 
 
 def test_single_tier_matches_simulator(capsys, trace_path):
-    from kvtier.sim import simulate
-    from kvtier.trace import load_trace, unique_blocks
+    from kvtier.offline.sim import simulate
+    from kvtier.offline.trace import load_trace, unique_blocks
     reqs = load_trace(trace_path, limit=2000)
     d = run_json(capsys, "--trace", str(trace_path), "--limit", "2000", "--capacity-fraction", "0.05",
                  "--policy", "lru", "--no-data")

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from kvtier.config import parse_config
-from kvtier.stack import TierStack
+from kvtier.core.config import parse_config
+from kvtier.core.stack import TierStack
 from kvtier.tiers.redis_conn import Namespace, RedisSettings
 from kvtier.tiers.redis_data import RedisData
 
@@ -230,7 +230,7 @@ def test_cli_spill_here_restore_elsewhere(redis_server, tmp_path, capsys):
     block comes from the shared tier; `kvtier inspect` counts this fingerprint's entries."""
     import json
 
-    from kvtier import cli
+    from kvtier.cli import main
     yaml = tmp_path / "fleet.yaml"
     yaml.write_text(f"""
 block_bytes: 128KiB
@@ -244,23 +244,23 @@ policy: {{demotion: write_back}}
     import os
     os.environ["KVTIER_DATA"] = str(tmp_path / "a")
     try:
-        assert cli.main(["spill", "--config", str(yaml), "--blocks", "100", "--seed", "7", "--json", "-q"]) == 0
+        assert main(["spill", "--config", str(yaml), "--blocks", "100", "--seed", "7", "--json", "-q"]) == 0
         d = json.loads(capsys.readouterr().out)
         assert d["on_shared"] == 100 and d["nvme_resident"] == 64
         os.environ["KVTIER_DATA"] = str(tmp_path / "b")  # another machine: nothing on its disk
-        assert cli.main(["restore", "--config", str(yaml), "--verify", "--json", "-q"]) == 0
+        assert main(["restore", "--config", str(yaml), "--verify", "--json", "-q"]) == 0
         d = json.loads(capsys.readouterr().out)
         assert (d["tier"], d["restored"], d["verified_blocks"], d["bad_served"]) == ("shared", 100, 100, 0)
-        assert cli.main(["inspect", "--config", str(yaml), "--json"]) == 0
+        assert main(["inspect", "--config", str(yaml), "--json"]) == 0
         d = json.loads(capsys.readouterr().out)
         sh = next(t for t in d["tiers"] if t["kind"] == "redis")
         assert sh["resident_blocks"] == 100 and sh["server_memory"]["maxmemory_policy"] == "allkeys-lru"
         # a block the server lost: restore --verify fails and says so
-        from kvtier.blockgen import block_key
-        from kvtier.config import load_config
+        from kvtier.offline.blockgen import block_key
+        from kvtier.core.config import load_config
         ns = Namespace(load_config(str(yaml), check_env=False).fingerprint())
         redis_server.client().delete(ns.name(block_key(7, 3)))
-        assert cli.main(["restore", "--config", str(yaml), "--verify", "--json", "-q"]) == 1
+        assert main(["restore", "--config", str(yaml), "--verify", "--json", "-q"]) == 1
         d = json.loads(capsys.readouterr().out)["result"]
         assert d["restored"] == 99 and d["missing"] == 1 and "absent from the shared tier" in d["problem"]
     finally:
@@ -275,7 +275,7 @@ def test_cli_with_the_shared_server_down(tmp_path, capsys, monkeypatch, caplog):
     import json
     import socket
 
-    from kvtier import cli
+    from kvtier.cli import main
     with socket.socket() as sock:      # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -290,17 +290,17 @@ tiers:
 """)
     monkeypatch.setenv("KVTIER_DATA", str(tmp_path / "a"))
     with caplog.at_level(logging.WARNING, logger="kvtier"):
-        assert cli.main(["spill", "--config", str(yaml), "--blocks", "20", "--json", "-q"]) == 0
+        assert main(["spill", "--config", str(yaml), "--blocks", "20", "--json", "-q"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["nvme_resident"] == 20 and d["on_shared"] is None
     assert "no spill manifest written there" in caplog.text
     monkeypatch.setenv("KVTIER_DATA", str(tmp_path / "b"))
-    assert cli.main(["restore", "--config", str(yaml), "-q"]) == 1
+    assert main(["restore", "--config", str(yaml), "-q"]) == 1
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvtier: error:")]
     assert len(err) == 1 and "shared tier redis://127.0.0.1:" in err[0] and "EHOSTUNREACH" in err[0], err
 
 def test_hit_ratio_leaves_out_blocks_gone_at_load():
-    from kvtier.serving_stats import hit_ratios
+    from kvtier.core.serving_stats import hit_ratios
     r = hit_ratios({"totals": {"hit_blocks.shared": 18, "gone_blocks.shared": 9, "hit_blocks.cpu": 2,
                                "miss_blocks": 1}, "time": 0})
     assert r["blocks_looked_up"] == 21 and r["hit_ratio_by_tier"]["shared"] == 9 / 21

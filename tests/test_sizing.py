@@ -1,4 +1,4 @@
-"""`kvtier plan` and kvtier.sizing: the one-pass LRU curve equals replay where the docs say so."""
+"""`kvtier plan` and kvtier.offline.sizing: the one-pass LRU curve equals replay where the docs say so."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvtier.cli import main
-from kvtier.config import parse_config
-from kvtier.replay import replay
-from kvtier.sim import make_keys, simulate
-from kvtier.sizing import capacity_grid, make_router, measure
-from kvtier.stack import TierStack
-from kvtier.trace import Request, default_trace, load_trace
-from kvtier.workloads import generate, write_trace
+from kvtier.cli.main import main
+from kvtier.core.config import parse_config
+from kvtier.offline.replay import replay
+from kvtier.offline.sim import simulate
+from kvtier.offline.sizing import capacity_grid, make_router, measure
+from kvtier.core.stack import TierStack
+from kvtier.offline.trace import Request, default_trace, load_trace, make_keys
+from kvtier.offline.workloads import generate, write_trace
 
 
 def R(*h, n=None, t=0.0):
@@ -144,7 +144,7 @@ def test_write_back_lower_tier_between_inclusive_and_exclusive(bundled):
 def test_fleet_with_an_unbounded_shared_tier_equals_a_fleet_replay(bundled):
     """N instances (one lru tier each) over one shared tier that holds everything: the fleet model's
     local and shared hits are those of N real stacks sharing one (metadata-only) shared tier."""
-    from kvtier.builder import build_tiers
+    from kvtier.core.builder import build_tiers
     reqs = bundled[0][:1000]
     n, cap = 3, 500
     for routing in ("random", "prefix"):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from kvtier.blockgen import block_data, block_key, split_block_key
+from kvtier.offline.blockgen import block_data, block_key, split_block_key
 
 BB = 65536
 BATCH = 8
@@ -33,7 +33,7 @@ tiers:
 def _check(tmp_path, seed, logged):
     """Reopen as a writer would: every logged block is there and reads back exactly."""
     from kvtier.policies.lru import LRU
-    from kvtier.stack import TierStack
+    from kvtier.core.stack import TierStack
     from kvtier.tiers.nvme import NvmeTier
     with TierStack.from_config(_cfg(tmp_path), with_data=False) as s:
         fp = s.cfg.fingerprint()
@@ -65,6 +65,6 @@ def test_spill_killed_at_a_chosen_point(tmp_path, point, k):
     present = _check(tmp_path, seed, logged)
     assert present >= max(logged, default=-1) + 1
     # the directory is whole: a full spill after the crash succeeds and verifies
-    from kvtier.cli import main
+    from kvtier.cli.main import main
     assert main(["spill", "--config", cfg, "--blocks", "64", "--seed", "7", "-q"]) == 0
     assert main(["restore", "--config", cfg, "--verify", "--strict", "-q"]) == 0

@@ -4,9 +4,9 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvtier.blockgen import block_data, block_key
-from kvtier.config import parse_config
-from kvtier.stack import TierStack
+from kvtier.offline.blockgen import block_data, block_key
+from kvtier.core.config import parse_config
+from kvtier.core.stack import TierStack
 
 BB = 8192
 

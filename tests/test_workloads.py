@@ -1,11 +1,11 @@
-"""kvtier.workloads: deterministic, Mooncake-valid, and each shape has its documented shape."""
+"""kvtier.offline.workloads: deterministic, Mooncake-valid, and each shape has its documented shape."""
 
 import json
 
 import pytest
 
-from kvtier.trace import load_trace, parse_request
-from kvtier.workloads import SHAPES, generate, stats, write_trace
+from kvtier.offline.trace import load_trace, parse_request
+from kvtier.offline.workloads import SHAPES, generate, stats, write_trace
 
 
 def small(shape, seed=0, **kw):
@@ -76,7 +76,7 @@ def test_unknown_shape():
 
 
 def test_cli_workload(tmp_path, capsys):
-    from kvtier.cli import main
+    from kvtier.cli.main import main
     out = tmp_path / "w.jsonl"
     assert main(["workload", "api", "--seed", "2", "-o", str(out)]) == 0
     assert len(load_trace(out)) == 20000

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
-from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
+from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
-_FREE, _PENDING, _RESIDENT = 0, 1, 2
+FREE, PENDING_SLOT, RESIDENT = 0, 1, 2
 
 
 class TierFull(RuntimeError):
@@ -177,7 +177,7 @@ class SlotTier:
         """Pin: a block with ref_cnt > 0 is never yielded by the cursor nor evicted."""
         ref, st = self._ref, self._state
         for b in block_ids:
-            if st[b] == _FREE:
+            if st[b] == FREE:
                 raise KeyError(f"tier {self.name!r}: touch of free slot {b}")
             ref[b] += 1
 
@@ -196,7 +196,7 @@ class SlotTier:
             return True
         return False
 
-    def hit(self, block_ids: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         """Record a use (reorders the eviction cursor)."""
         self.eviction.on_hit(block_ids, info)
 
@@ -208,7 +208,7 @@ class SlotTier:
         from the head.
         """
         start = after.block_id if isinstance(after, BlockView) else after
-        if start is not None and (self._state[start] != _RESIDENT or self._ref[start] != 0):
+        if start is not None and (self._state[start] != RESIDENT or self._ref[start] != 0):
             start = None
         ref, keys = self._ref, self._key_of
         for s in self.eviction.victims(start):
@@ -227,7 +227,7 @@ class SlotTier:
         return self.eviction.take_victims(n, self._ref)
 
     # ---- allocation --------------------------------------------------------------------
-    def allocate(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[int]:
+    def allocate(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[int]:
         """Reserve a pinned, invisible slot per key; commit() publishes them."""
         free, slot_of = self._free, self._slot_of
         if len(keys) > len(free):
@@ -241,18 +241,18 @@ class SlotTier:
         del free[cut:]
         state, key_of, ref = self._state, self._key_of, self._ref
         for s, k in zip(slots, keys):
-            state[s] = _PENDING
+            state[s] = PENDING_SLOT
             key_of[s] = k
             ref[s] = 1
         self._pending.update(slots)
         return slots
 
-    def commit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+    def commit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         """Pending -> resident: visible to lookup, evictable once unpinned."""
         state = self._state
         if not self._pending.issuperset(slots):  # the fast check; this loop finds the culprit
             for s in slots:
-                if state[s] != _PENDING:
+                if state[s] != PENDING_SLOT:
                     raise ValueError(f"tier {self.name!r}: commit of slot {s} that is not pending")
         self._on_commit(slots)
         slot_of, key_of, ref = self._slot_of, self._key_of, self._ref
@@ -271,7 +271,7 @@ class SlotTier:
         else:
             slot_of.update(zip(keys, slots))
         for s in new:
-            state[s] = _RESIDENT
+            state[s] = RESIDENT
             ref[s] -= 1
         if new:
             self._pending.difference_update(new)
@@ -280,12 +280,12 @@ class SlotTier:
     def abort(self, slots: Sequence[int]) -> None:
         """Pending -> free (the write failed or was cancelled)."""
         for s in slots:
-            if self._state[s] == _PENDING:
+            if self._state[s] == PENDING_SLOT:
                 self._release(s)
 
     def _release(self, s: int) -> None:
         self._pending.discard(s)
-        self._state[s] = _FREE
+        self._state[s] = FREE
         self._key_of[s] = None
         self._ref[s] = 0
         if s < self._cap:  # a slot beyond a limit() retires
@@ -300,7 +300,7 @@ class SlotTier:
             return []
         self._cap = n
         self._free = [s for s in self._free if s < n]
-        gone = [s for s in range(n, len(self._state)) if self._state[s] == _RESIDENT and self._ref[s] == 0]
+        gone = [s for s in range(n, len(self._state)) if self._state[s] == RESIDENT and self._ref[s] == 0]
         return self.evict(gone) if gone else []
 
     def evict(self, block_ids: Sequence[int]) -> list[bytes]:
@@ -308,7 +308,7 @@ class SlotTier:
         state, ref, key_of = self._state, self._ref, self._key_of
         out = []
         for s in block_ids:
-            if state[s] != _RESIDENT:
+            if state[s] != RESIDENT:
                 raise ValueError(f"tier {self.name!r}: evict of slot {s} that is not resident")
             if ref[s]:
                 raise ValueError(f"tier {self.name!r}: evict of pinned slot {s} (ref_cnt {ref[s]})")
@@ -317,7 +317,7 @@ class SlotTier:
         slot_of = self._slot_of
         for s, k in zip(block_ids, out):  # resident and unpinned: releasing is state + key only
             del slot_of[k]
-            state[s] = _FREE
+            state[s] = FREE
             key_of[s] = None
         self.eviction.on_remove_many(block_ids, out)
         cap = self._cap
@@ -328,12 +328,12 @@ class SlotTier:
         """Mark (slot, key) pairs resident at open time (persistent tiers), oldest first."""
         slots, keys = [], []
         for s, k in entries:
-            self._state[s] = _RESIDENT
+            self._state[s] = RESIDENT
             self._key_of[s] = k
             self._slot_of[k] = s
             slots.append(s)
             keys.append(k)
-        self._free = [s for s in range(self._cap - 1, -1, -1) if self._state[s] == _FREE]
+        self._free = [s for s in range(self._cap - 1, -1, -1) if self._state[s] == FREE]
         on_insert = self.eviction.on_insert
         for s, k in zip(slots, keys):  # one by one: no request's order to apply, the oldest leaves first
             on_insert([s], [k])

@@ -36,7 +36,7 @@ _copy_pool: ThreadPoolExecutor | None = None
 _memmove = ctypes.memmove  # a foreign call: releases the GIL while it copies
 
 
-def _copier() -> ThreadPoolExecutor:
+def copy_pool() -> ThreadPoolExecutor:
     global _copy_pool
     if _copy_pool is None:
         _copy_pool = ThreadPoolExecutor(max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="kvtier-copy")
@@ -72,7 +72,7 @@ def copy_blocks(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], bloc
         _move(triples)
         return
     step = (n + workers - 1) // workers
-    futs = [_copier().submit(_move, triples[i:i + step]) for i in range(step, n, step)]
+    futs = [copy_pool().submit(_move, triples[i:i + step]) for i in range(step, n, step)]
     _move(triples[:step])
     for f in futs:
         f.result()

@@ -28,7 +28,7 @@ import torch
 
 from kvtier.policies.base import EvictionPolicy
 
-from .base import _PENDING, _RESIDENT
+from .base import PENDING_SLOT, RESIDENT
 from .handles import IOHandle, IOResult
 from .io_engines import MAX_IO_BYTES
 from .nvme_control import DATA_FILE, INDEX_DIR, LOCK_FILE, FingerprintMismatch, NvmeControl  # noqa: F401
@@ -117,7 +117,7 @@ class NvmeTier(NvmeControl):
         self._need_data()
         self._check_bufs(slots, srcs, "write")
         for s in slots:
-            if self._state[s] != _PENDING or s in self._doomed:
+            if self._state[s] != PENDING_SLOT or s in self._doomed:
                 raise ValueError(f"tier {self.name!r}: write to slot {s} that is not pending (allocate it first)")
             h = self._inflight.pop(s, None)
             if h is not None:
@@ -150,8 +150,8 @@ class NvmeTier(NvmeControl):
         slots = list(slots)
         for s in slots:
             st = self._state[s]
-            if s in self._doomed or not (st == _RESIDENT or (st == _PENDING and self._written.get(s))):
-                if st == _PENDING and s in self._inflight:
+            if s in self._doomed or not (st == RESIDENT or (st == PENDING_SLOT and self._written.get(s))):
+                if st == PENDING_SLOT and s in self._inflight:
                     self._inflight.pop(s).wait()
                     if self._written.get(s):
                         continue
@@ -166,7 +166,7 @@ class NvmeTier(NvmeControl):
                           self.data.path if self.data else self.path,
                           "not served (read-only: index unchanged)" if self.read_only else "quarantined",
                           r.errors[:3])
-                n = self.quarantine([s for s in corrupt if self._state[s] == _RESIDENT],
+                n = self.quarantine([s for s in corrupt if self._state[s] == RESIDENT],
                                     r.errors[0] if r.errors else "failed verification")
                 self.corrupt_blocks += len(corrupt) - n
             self.io_errors += sum(1 for ok, b in zip(r.ok, bad) if not ok and not b)

@@ -25,10 +25,10 @@ from typing import Sequence
 
 import xxhash
 
-from kvtier.once import Once
-from kvtier.policies.base import EvictionPolicy, RequestInfo, _NO_INFO
+from kvtier.core.once import Once
+from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
-from .base import _PENDING, _RESIDENT, SlotTier
+from .base import PENDING_SLOT, RESIDENT, SlotTier
 from .nvme_block import (HEADER_BYTES, SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint,
                          slot_stride)
 from .io_engines import crash_point
@@ -63,7 +63,7 @@ def fingerprint_hash(fp: dict) -> str:
     return xxhash.xxh3_64_hexdigest(json.dumps(fp, sort_keys=True).encode())
 
 
-def _diff(stored: dict, ours: dict) -> dict[str, tuple[object, object]]:
+def fingerprint_diff(stored: dict, ours: dict) -> dict[str, tuple[object, object]]:
     return {k: (stored.get(k), ours.get(k)) for k in set(stored) | set(ours) if stored.get(k) != ours.get(k)}
 
 
@@ -238,7 +238,7 @@ class NvmeControl(SlotTier):
         d = self.path
         stored = self._open_at(d)
         if stored is not None and stored != self.fingerprint:
-            diffs = _diff(stored, self.fingerprint)
+            diffs = fingerprint_diff(stored, self.fingerprint)
             if on_mismatch == "refuse":
                 raise FingerprintMismatch(d, diffs)
             self._close_dir()
@@ -248,7 +248,7 @@ class NvmeControl(SlotTier):
                         self.path, ", ".join(sorted(diffs)), d)
             stored = self._open_at(d)
             if stored is not None and stored != self.fingerprint:
-                raise FingerprintMismatch(d, _diff(stored, self.fingerprint))
+                raise FingerprintMismatch(d, fingerprint_diff(stored, self.fingerprint))
         self.dir = d
         stride = self.index.get_meta("slot_stride")
         if stride is not None and int(stride) != self.stride:
@@ -369,13 +369,13 @@ class NvmeControl(SlotTier):
             self._sum[s] = c
 
     def commit_written(self, slots: Sequence[int], sums: Sequence[int | tuple[int, ...]],
-                       info: RequestInfo = _NO_INFO) -> None:
+                       info: RequestInfo = NO_INFO) -> None:
         """These pending slots were written and flushed with these checksums (one per rank when
         several ranks wrote their shards): publish them."""
         self.set_checksums(slots, sums)
         self.commit(slots, info)
 
-    def allocate(self, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list[int]:
+    def allocate(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[int]:
         if self.read_only:
             raise OSError(_errno.EROFS, f"tier {self.name!r}: {self.dir} is open read-only", self.dir)
         if self.index is not None:
@@ -386,7 +386,7 @@ class NvmeControl(SlotTier):
                                      f"limit of {mk} bytes")
         return super().allocate(keys, info)
 
-    def commit(self, slots: Sequence[int], info: RequestInfo = _NO_INFO) -> None:
+    def commit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         for s in slots:
             if s in self._doomed:
                 raise ValueError(f"tier {self.name!r}: commit of slot {s} that was dropped")
@@ -464,7 +464,7 @@ class NvmeControl(SlotTier):
         Unpinned slots are freed at once; pinned ones when their last pin is released.
         Returns the dropped keys.
         """
-        slots = [s for s in dict.fromkeys(slots) if self._state[s] == _RESIDENT and s not in self._doomed]
+        slots = [s for s in dict.fromkeys(slots) if self._state[s] == RESIDENT and s not in self._doomed]
         keys = [self._key_of[s] for s in slots]
         if self.index is not None and keys and not self.read_only:
             self._index_delete(keys, why)
@@ -474,7 +474,7 @@ class NvmeControl(SlotTier):
             if self._ref[s] == 0:
                 self._release(s)
             else:
-                self._state[s] = _PENDING  # invisible, not evictable, not readable
+                self._state[s] = PENDING_SLOT  # invisible, not evictable, not readable
                 self._pending.discard(s)
                 self._doomed.add(s)
         return keys

@@ -17,7 +17,7 @@ import time
 
 from .nvme_block import (HEADER_BYTES, BlockCodec, NoSecret, load_secret, open_dir, recorded_fingerprint,
                          slot_stride)
-from .nvme_control import (INDEX_DIR, DirectoryInUse, FingerprintMismatch, _diff, data_file, fingerprint_hash,
+from .nvme_control import (INDEX_DIR, DirectoryInUse, FingerprintMismatch, fingerprint_diff, data_file, fingerprint_hash,
                            lock_holder, make_fingerprint)
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
@@ -41,7 +41,7 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
         except NoSecret as e:
             stored = _read_index(path, NvmeIndex.fingerprint, None)
             if stored is not None and stored != fp:     # say which fields differ, as opening does
-                raise FingerprintMismatch(path, _diff(stored, fp)) from None
+                raise FingerprintMismatch(path, fingerprint_diff(stored, fp)) from None
             if e.errno != errno.ENOENT:
                 raise
             return _lost_secret(dfd, path, fp, fph, rebuild, shrink_to)
@@ -49,12 +49,12 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
             rec = recorded_fingerprint(dfd, path)
             if rec is not None and int(fingerprint_hash(rec), 16) == held:
                 # the writer's own fingerprint (e.g. the connector's: vLLM's model, parallelism)
-                config_differs = sorted(_diff(rec, fp))
+                config_differs = sorted(fingerprint_diff(rec, fp))
                 fp, fph, block_bytes = rec, held, int(rec["block_bytes"])
             else:
                 stored = _read_index(path, NvmeIndex.fingerprint, None) or rec
                 if stored is not None:
-                    raise FingerprintMismatch(path, _diff(stored, fp))
+                    raise FingerprintMismatch(path, fingerprint_diff(stored, fp))
                 raise NoSecret(errno.EINVAL, f"secret file {path}/secret belongs to fingerprint {held:016x}, "
                                f"this config's is {fph:016x}", path)
         ranks = 0

@@ -240,10 +240,10 @@ class Breaker:
         if first:
             log.warning("kvtier: shared tier %s unreachable (%s: %s): its blocks are misses until it "
                         "answers; retrying with backoff up to %.0f s", self.where, type(e).__name__,
-                        _clean(e), self.MAX_S)
+                        error_text(e), self.MAX_S)
 
 
-def _clean(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
     """An exception's text, first line, with any URL redacted."""
     s = str(e).splitlines()[0] if str(e) else ""
     return " ".join(redact(w) if "://" in w else w for w in s.split(" "))

@@ -391,8 +391,8 @@ class RedisData:
         try:
             self.client.ping()
         except Exception as e:
-            from .redis_conn import _clean
-            return f"{type(e).__name__}: {_clean(e)}"
+            from .redis_conn import error_text
+            return f"{type(e).__name__}: {error_text(e)}"
         return None
 
     @property

@@ -86,7 +86,7 @@ def trace_dataset(path: Path, n: int, max_blocks: int, out_cap: int, seed: int =
     `max_blocks` blocks, the output is the trace's / 16, at most `out_cap`."""
     from collections import defaultdict
 
-    from kvtier.trace import default_trace
+    from kvtier.offline.trace import default_trace
 
     with gzip.open(default_trace(), "rt") as f:
         reqs = [json.loads(line) for line in f if line.strip()]

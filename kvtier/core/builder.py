@@ -12,8 +12,8 @@ from typing import Any, Sequence
 
 from kvtier.policies import ADMISSION, EVICTION, PROMOTION, AdmissionPolicy, EvictionPolicy, PromotionPolicy
 
-from .config import ConfigError, StackConfig, TierConfig
-from .controller import TierController
+from kvtier.core.config import ConfigError, StackConfig, TierConfig
+from kvtier.core.controller import TierController
 
 DATA_MODES = ("full", "control", "none")
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from kvtier.blockgen import block_key
+from kvtier.offline.blockgen import block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.io_engines import ALIGN, MAX_IO_BYTES, round_up
 from kvtier.tiers.nvme import NvmeTier
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from .units import parse_size
+    from kvtier.core.units import parse_size
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None)
     p.add_argument("--block-bytes", default="2MiB")

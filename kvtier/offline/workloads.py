@@ -36,7 +36,7 @@ import os
 import random
 from typing import Callable, Iterable
 
-from .trace import Request
+from kvtier.offline.trace import Request
 
 TUNING_SEEDS = (0,)
 EVAL_SEEDS = (1, 2)
@@ -258,7 +258,7 @@ def generate(shape: str, seed: int = 0, block_tokens: int = 512, **params) -> li
 
 def write_trace(reqs: Iterable[Request], path: str | os.PathLike, block_tokens: int | None = None) -> int:
     """Write Mooncake JSONL (gzipped when the name ends in .gz); `block_tokens`, when given, goes on
-    every line (kvtier.trace reads it). Returns the number of lines."""
+    every line (kvtier.offline.trace reads it). Returns the number of lines."""
     opener = gzip.open if os.fspath(path).endswith(".gz") else open
     extra = {} if block_tokens is None else {"block_tokens": int(block_tokens)}
     n = 0

@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from .config import ConfigError
+from kvtier.core.config import ConfigError
 
 log = logging.getLogger("kvtier")
 
@@ -38,7 +38,7 @@ def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from kvtier import __version__
     ap = _Parser(prog="kvtier", description="KV-cache tiering: CPU DRAM and NVMe tiers for LLM serving")
     ap.add_argument("--version", action="version", version=f"kvtier {__version__}")
     ap.add_argument("--log-level", default="WARNING",
@@ -89,15 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-redis", action="store_true")
     p.add_argument("--skip-cpu", action="store_true")
 
-    p = sub.add_parser("workload", help="write a generated Mooncake-format trace (kvtier.workloads)")
+    p = sub.add_parser("workload", help="write a generated Mooncake-format trace (kvtier.offline.workloads)")
     p.add_argument("shape", choices=["agent", "chat", "rag", "api", "mix"])
     p.add_argument("--seed", type=int, default=1, help="seed (default 1: an evaluation seed; 0 is the tuning seed)")
     p.add_argument("--block-tokens", type=int, default=512)
     p.add_argument("--out", "-o", required=True, help="output JSONL (.gz to compress)")
 
-    from . import demo, replay, sizing_plan
+    from kvtier.cli import demo, plan
+    from kvtier.cli import replay
     replay.add_parser(sub)
-    sizing_plan.add_parser(sub)
+    plan.add_parser(sub)
     demo.add_parser(sub)
     return ap
 
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     import threading
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
-    from .commands import CommandFailed
+    from kvtier.cli.commands import CommandFailed
     try:
         return int(_dispatch(args) or 0)
     except CommandFailed as e:
@@ -223,21 +224,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> Any:
     if args.command == "replay":
-        from . import replay
+        from kvtier.cli import replay
         return replay.run(args)
     if args.command == "demo":
-        from . import demo
+        from kvtier.cli import demo
         return demo.run(args)
     if args.command == "plan":
-        from . import sizing_plan
-        return sizing_plan.run(args)
+        from kvtier.cli import plan
+        return plan.run(args)
     if args.command == "workload":
-        from .workloads import generate, stats, write_trace
+        from kvtier.offline.workloads import generate, stats, write_trace
         reqs = generate(args.shape, args.seed, args.block_tokens)
         write_trace(reqs, args.out, args.block_tokens)
         print(f"{args.out}: {args.shape} seed {args.seed}: {stats(reqs, args.block_tokens)}")
         return 0
-    from . import commands
+    from kvtier.cli import commands
     return {"spill": commands.cmd_spill, "restore": commands.cmd_restore, "inspect": commands.cmd_inspect,
             "bench": commands.cmd_bench, "fsck": commands.cmd_fsck}[args.command](args)
 

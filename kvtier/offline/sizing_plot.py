@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sizing import Sizing, capacity_grid
-from .units import format_size
+from kvtier.offline.sizing import Sizing, capacity_grid
+from kvtier.core.units import format_size
 
 
 def plot(rep: dict, sz: Sizing, path: str) -> str:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
+from kvtier.core.keys import make_key
+
 BLOCK_TOKENS = 512
 MAX_BLOCK_TOKENS = 1 << 20
 BUNDLED = "mooncake_conversation.jsonl.gz"  # package data: Mooncake FAST'25 conversation trace (NOTICE)
@@ -25,7 +27,7 @@ BUNDLED = "mooncake_conversation.jsonl.gz"  # package data: Mooncake FAST'25 con
 
 def bundled_trace() -> Path:
     """The Mooncake conversation trace shipped inside the package (gzipped)."""
-    return Path(__file__).resolve().parent / "data" / BUNDLED
+    return Path(__file__).resolve().parent.parent / "data" / BUNDLED
 
 
 def default_trace() -> Path:
@@ -181,7 +183,7 @@ def split_by_time(reqs: Sequence[Request], frac: float = 0.5) -> tuple[list[Requ
 def rescale_stack(cfg, block_tokens: int):
     """`cfg` (a StackConfig) in blocks of `block_tokens` tokens: the same bytes per token and
     the same capacities in tokens (capacities given in bytes stay; `capacity_blocks` scale)."""
-    from .config import parse_config
+    from kvtier.core.config import parse_config
     if cfg.block_tokens == block_tokens:
         return cfg
     data = cfg.model_dump(exclude={"source"})
@@ -191,3 +193,18 @@ def rescale_stack(cfg, block_tokens: int):
             t["capacity_blocks"] = max(1, t["capacity_blocks"] * cfg.block_tokens // block_tokens)
     data["block_tokens"] = block_tokens
     return parse_config(data, source=f"{cfg.source} (in {block_tokens}-token blocks)", check_env=False)
+
+
+def make_keys(reqs: Sequence[Request]) -> list[list[bytes]]:
+    """Per request, its chain of block keys (one bytes object per unique block, shared)."""
+    cache: dict[int, bytes] = {}
+    out = []
+    for r in reqs:
+        row = []
+        for h in r.hash_ids:
+            k = cache.get(h)
+            if k is None:
+                k = cache[h] = make_key(h)
+            row.append(k)
+        out.append(row)
+    return out

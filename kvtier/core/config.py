@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .units import parse_size
+from kvtier.core.units import parse_size
 
 DEFAULT_CONFIG = "cpu-nvme.yaml"
 
@@ -191,7 +191,7 @@ class TierConfig(_Model):
         if isinstance(self.capacity, str):
             raise ConfigError(f"tiers[{self.name}].capacity: {self.capacity} is a share of this machine's free "
                               f"{'memory' if self.kind == 'cpu' else 'disk'}: resolve it with "
-                              f"kvtier.config.fit_to_machine first")
+                              f"kvtier.core.config.fit_to_machine first")
         n = (self.capacity or 0) // block_bytes
         if n <= 0:
             raise ConfigError(f"tiers[{self.name}].capacity: {self.capacity} bytes holds no block of {block_bytes} bytes")
@@ -262,7 +262,7 @@ class StackConfig(_Model):
         return [t for t in self.tiers if t.kind != "gpu"]
 
     def fingerprint(self, **overrides: Any) -> dict[str, Any]:
-        from . import FORMAT_VERSION
+        from kvtier import FORMAT_VERSION
         fp = {"block_bytes": self.block_bytes, "block_tokens": self.block_tokens, "model": self.model,
               "dtype": self.dtype, "layout": self.layout, "rank": self.rank, "format_version": FORMAT_VERSION}
         fp.update(overrides)
@@ -548,7 +548,7 @@ def fit_to_machine(cfg: StackConfig, *, reserved_memory: int = 0, shrink: bool =
     with one warning line each (returned). `check=False` only resolves the shares (for commands
     that allocate nothing: inspect, fsck, metadata-only replay). `kinds`: the tiers to look at
     (the vLLM connector's scheduler checks the disk; its workers size their own DRAM pools)."""
-    from .units import format_size as fs
+    from kvtier.core.units import format_size as fs
     bb = cfg.block_bytes
     stride = _stride(bb)
     blocks: dict[int, int] = {}           # tier index -> capacity in blocks, where resolved or changed

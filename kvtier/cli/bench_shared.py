@@ -151,7 +151,7 @@ def shared_settings(args) -> object | None:
     if url:
         return RedisSettings(url=url, cluster=bool(getattr(args, "redis_cluster", False)), timeout_s=30.0,
                              connect_timeout_s=5.0)
-    from .config import load_config
+    from kvtier.core.config import load_config
     cfg = load_config(getattr(args, "config", None))
     rt = [t for t in cfg.tiers if t.kind == "redis"]
     if not rt:

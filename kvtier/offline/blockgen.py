@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .keys import GROUP_ID_BYTES, make_key
+from kvtier.core.keys import GROUP_ID_BYTES, make_key
 
 
 SPILL_PREFIX = b"kvtier-spill\0"

@@ -1,9 +1,9 @@
 """TierController: the one control plane. It decides what lives where and never touches bytes.
 
 Used alike by the vLLM connector's scheduler side (`kvtier.connector.scheduler`), the offline
-stack (`kvtier.stack`: CLI spill / restore / bench) and trace replay (`kvtier.replay`).
+stack (`kvtier.core.stack`: CLI spill / restore / bench) and trace replay (`kvtier.offline.replay`).
 Each caller hands the plan it takes (`take_plan`) to an executor that moves the bytes (the
-connector's workers, `kvtier.executor.LocalExecutor`, or `NullExecutor` for replay without
+connector's workers, `kvtier.core.executor.LocalExecutor`, or `NullExecutor` for replay without
 data) and feeds the executor's report back through `complete`.
 
 Decisions, all here:
@@ -33,14 +33,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
-from kvtier.leases import Lease, LeaseTable
-from kvtier.once import Once
-from kvtier.policies.base import _NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
+from kvtier.core.leases import Lease, LeaseTable
+from kvtier.core.once import Once
+from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
 
-from .plan import Counting, LoadOp, NvmeWriteOp, Plan, Report, StoreOp
+from kvtier.core.plan import Counting, LoadOp, NvmeWriteOp, Plan, Report, StoreOp
 
-log = logging.getLogger("kvtier.controller")
+log = logging.getLogger("kvtier.core.controller")
 
 DEMOTION = ("write_through", "write_back")
 
@@ -71,14 +71,14 @@ class _Store:
     keys: list[bytes]
     promotion: bool = False
     exclusive_from: tuple[int, list[tuple[int, bytes]]] | None = None  # (lower tier, its copies)
-    info: RequestInfo = field(default_factory=lambda: _NO_INFO)
+    info: RequestInfo = field(default_factory=lambda: NO_INFO)
     pos: list[int] | None = None      # chain position of each slot (the policies' insert order)
 
     def commit(self, tier: SlotTier, good: list[int]) -> None:
         """Commit slots (indices `good`) run by run of consecutive chain positions, each run with
         its own RequestInfo.start, so the eviction policy learns where each block sits."""
         slots, pos = self.slots, self.pos
-        if pos is None or self.info is _NO_INFO:
+        if pos is None or self.info is NO_INFO:
             tier.commit([slots[j] for j in good], self.info)
             return
         i = 0
@@ -194,7 +194,7 @@ class TierController(Counting):
         self.leases.expire()
 
     # ---- loads ---------------------------------------------------------------------------
-    def load(self, request_id: str, num_blocks: int, dsts: Sequence[int], info: RequestInfo = _NO_INFO,
+    def load(self, request_id: str, num_blocks: int, dsts: Sequence[int], info: RequestInfo = NO_INFO,
              checksums: bool = True) -> list[LoadOp]:
         """Commit the request's lease to its first `num_blocks` blocks and plan their loads into
         `dsts` (caller's block ids: vLLM's GPU blocks or buffer indices). Records the hits with
@@ -254,7 +254,7 @@ class TierController(Counting):
                                         info=info, pos=pos)
 
     # ---- stores --------------------------------------------------------------------------
-    def store(self, keys: Sequence[bytes], srcs: Sequence[int], info: RequestInfo = _NO_INFO,
+    def store(self, keys: Sequence[bytes], srcs: Sequence[int], info: RequestInfo = NO_INFO,
               admit: bool = True, retry: bool = False) -> tuple[list[int], int, list[int]]:
         """Plan storing blocks (caller's block ids `srcs`) into the top tier; blocks the top tier
         holds or is receiving are skipped. Returns (indices of the blocks planned, the store op
@@ -296,7 +296,7 @@ class TierController(Counting):
         """`n` blocks found no room in tier `t` (every slot pinned or being copied down)."""
         self._count(f"store_dropped_blocks.{self.names[t]}", n)
 
-    def _admit(self, t: int, items: list, keys: Sequence[bytes], info: RequestInfo = _NO_INFO) -> list:
+    def _admit(self, t: int, items: list, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list:
         pol = self.admission[t]
         if pol is None or not items:
             return items

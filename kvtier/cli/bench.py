@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .units import parse_size
+from kvtier.core.units import parse_size
 
 
 def bench_cpu(block_bytes: int, total: int, repeat: int) -> list[dict]:
@@ -65,7 +65,7 @@ def bench_cpu(block_bytes: int, total: int, repeat: int) -> list[dict]:
 
 
 def bench_nvme(directory: str, block_bytes: int, total: int, repeat: int) -> list[dict]:
-    from .bench_nvme import run_nvme_bench
+    from kvtier.cli.bench_nvme import run_nvme_bench
 
     n = max(1, total // block_bytes)
     r = run_nvme_bench(directory, block_bytes, n, repeats=repeat)
@@ -107,7 +107,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     if not args.skip_nvme:
         directory = args.dir
         if directory is None:   # the config's nvme path: its file system is the one measured
-            from .config import load_config
+            from kvtier.core.config import load_config
             cfg = load_config(args.config, check_env=False)  # its tiers are not built, only the path used
             nv = [t for t in cfg.tiers if t.kind == "nvme"]
             directory = nv[0].path if nv else None
@@ -117,7 +117,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             for bb in sizes:
                 rows += bench_nvme(d, bb, total, args.repeat)
         notes.append(f"nvme files in a temporary directory under {directory or tempfile.gettempdir()}, removed after")
-    from .bench_shared import bench_shared, shared_settings
+    from kvtier.cli.bench_shared import bench_shared, shared_settings
     rs = shared_settings(args)
     if rs is not None:
         threads = getattr(args, "redis_threads", 4)
@@ -129,8 +129,8 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _check_memory(need: int, what: str) -> None:
-    from .config import available_memory, memory_headroom
-    from .units import format_size
+    from kvtier.core.config import available_memory, memory_headroom
+    from kvtier.core.units import format_size
     room = available_memory() - memory_headroom()
     if need > room:
         raise ValueError(f"--total: {what} need {format_size(need)} of memory, only {format_size(max(0, room))} "
@@ -144,7 +144,7 @@ def _bench_dir(directory: str | None, total: int, block_bytes: int) -> Iterator[
     import os
     import shutil
     from kvtier.tiers.nvme_block import make_private_dirs, slot_stride
-    from .units import format_size
+    from kvtier.core.units import format_size
     top = None
     if directory is not None and not os.path.lexists(directory):
         top = os.path.abspath(directory)

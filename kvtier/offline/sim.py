@@ -1,6 +1,6 @@
 """Single-tier metadata replay of a request trace: the controller on one tier, no bytes.
 
-The same TierController and policies that run inside vLLM (`kvtier.replay.replay` on a one-tier
+The same TierController and policies that run inside vLLM (`kvtier.offline.replay.replay` on a one-tier
 stack with no data), so a policy measured here is the policy served; it exists for sweeps
 (capacities x policies) and the yardstick comparisons next to Belady.
 
@@ -13,24 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from kvtier.keys import make_key
-
-from .trace import BLOCK_TOKENS, Request
-
-
-def make_keys(reqs: Sequence[Request]) -> list[list[bytes]]:
-    """Per request, its chain of block keys (one bytes object per unique block, shared)."""
-    cache: dict[int, bytes] = {}
-    out = []
-    for r in reqs:
-        row = []
-        for h in r.hash_ids:
-            k = cache.get(h)
-            if k is None:
-                k = cache[h] = make_key(h)
-            row.append(k)
-        out.append(row)
-    return out
+from kvtier.offline.trace import BLOCK_TOKENS, Request
 
 
 def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = "lru",
@@ -38,7 +21,7 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
              admission_params: dict[str, Any] | None = None, block_tokens: int = BLOCK_TOKENS,
              keys: list[list[bytes]] | None = None, warmup: int = 0, vllm: bool = False) -> dict:
     """Replay `requests` through one metadata-only tier of `capacity_blocks` slots: the
-    controller and the policies vLLM runs (`kvtier.replay.replay` on a one-tier stack, no bytes).
+    controller and the policies vLLM runs (`kvtier.offline.replay.replay` on a one-tier stack, no bytes).
 
     `keys` may be passed (from make_keys) to reuse them across runs. The first `warmup`
     requests fill the cache but are not counted. The default is the prefix rule Belady is
@@ -46,9 +29,9 @@ def simulate(requests: Sequence[Request], capacity_blocks: int, eviction: str = 
     served system does and `kvtier replay` measures (full blocks only, at least one token
     left to compute).
     """
-    from .config import parse_config
-    from .replay import replay
-    from .stack import TierStack
+    from kvtier.core.config import parse_config
+    from kvtier.offline.replay import replay
+    from kvtier.core.stack import TierStack
 
     if capacity_blocks <= 0:
         raise ValueError("capacity_blocks must be > 0")

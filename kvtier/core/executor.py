@@ -1,4 +1,4 @@
-"""Executors outside vLLM: they run a controller's plan and report back (`kvtier.plan.Report`).
+"""Executors outside vLLM: they run a controller's plan and report back (`kvtier.core.plan.Report`).
 
 - `LocalExecutor`: moves real bytes between the caller's buffers and the tiers' data planes
   (CPU pools, NVMe data files), in one process: the CLI's spill / restore / bench, replay with data.
@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .plan import Plan, Report
+from kvtier.core.plan import Plan, Report
 
 
 class NullExecutor:

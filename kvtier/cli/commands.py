@@ -11,10 +11,10 @@ import sys
 import time
 from typing import Any, Callable
 
-from .blockgen import block_data, block_key, fill_block
-from .config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config
-from .stack import TierStack
-from .units import format_size
+from kvtier.offline.blockgen import block_data, block_key, fill_block
+from kvtier.core.config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config
+from kvtier.core.stack import TierStack
+from kvtier.core.units import format_size
 
 MANIFEST = "spill-manifest.json"
 MANIFEST_FORMAT = 2   # 2: one record per spill (`spills`); 1 (no `format`): the last spill's only
@@ -51,7 +51,7 @@ def open_nvme_read_only(cfg: StackConfig, with_data: bool = True, as_stored: boo
     allocated beyond one I/O engine (works on a live server's directory). `as_stored` (the
     index alone): open it under the fingerprint, block size and capacity it was written with
     (e.g. by the vLLM connector, whose fingerprint names the model), not the config's."""
-    from kvtier.builder import make_eviction
+    from kvtier.core.builder import make_eviction
     from kvtier.tiers.nvme import NvmeTier
     from kvtier.tiers.nvme_control import NvmeControl
     t = _nvme_cfg(cfg)
@@ -436,7 +436,7 @@ def cmd_restore(args: argparse.Namespace) -> int:
     t = _nvme_cfg(cfg)
     if any(c.kind == "redis" for c in cfg.tiers) and read_manifest_if_dir(t.path) is None:
         # this data dir holds no spill (another machine's, or empty): restore from the fleet's tier
-        from kvtier.builder import build_tier
+        from kvtier.core.builder import build_tier
         idx = next(i for i, c in enumerate(cfg.storage_tiers()) if c.kind == "redis")
         shared = build_tier(cfg, idx, "full")
         try:
@@ -492,7 +492,7 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
     not list (its spill could not record it) is checked against its key alone. `problem` says why
     a verify fails (wrong seed, other namespace, missing or corrupt blocks, nothing to verify);
     `read` is False when that was known before reading anything."""
-    from .blockgen import split_block_key
+    from kvtier.offline.blockgen import split_block_key
     base = {"index_entries": nvme.num_resident, "engine": _engine(nvme), "tier": nvme.name}
     manifest = read_manifest(nvme.dir) if nvme.dir and os.path.isdir(nvme.dir) else None
     if manifest is not None and (manifest.get("namespace") != nvme.namespace
@@ -671,7 +671,7 @@ def _recorded_fingerprint(path: str) -> dict | None:
 
 
 def inspect_stats(cfg: StackConfig) -> dict:
-    from kvtier.serving_stats import hit_ratios, read_stats
+    from kvtier.core.serving_stats import hit_ratios, read_stats
     from kvtier.tiers.nvme_control import make_fingerprint
     tiers = []
     for t in cfg.storage_tiers():
@@ -711,7 +711,7 @@ def inspect_stats(cfg: StackConfig) -> dict:
 
 def inspect_shared(cfg: StackConfig, t: Any) -> dict:
     """The shared tier's entries for this config's fingerprint, and how the server evicts."""
-    from kvtier.builder import build_tier
+    from kvtier.core.builder import build_tier
     idx = next(i for i, c in enumerate(cfg.storage_tiers()) if c is t)
     shared = build_tier(cfg, idx, "control")
     try:
@@ -793,7 +793,7 @@ def _fsck_text(d: dict) -> str:
 
 # ---- bench ------------------------------------------------------------------------------
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from kvtier.cli.bench import run_bench
     r = run_bench(args)
     _print(args, r, _bench_text)
     return 0

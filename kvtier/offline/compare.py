@@ -1,7 +1,7 @@
 """The default eviction policy next to the yardsticks, on any Mooncake-format trace.
 
 For each capacity (a fraction of the trace's unique blocks, or a block count) every policy
-is replayed with ``kvtier.sim.simulate`` (the controller on one metadata-only tier)
+is replayed with ``kvtier.offline.sim.simulate`` (the controller on one metadata-only tier)
 and Belady's MIN (ties deepest-first) gives the bound. Reported per policy: block and token hit
 ratios and the share of the vLLM-ordered-LRU -> Belady gap it closes,
 ``(hit - vllm_lru) / (belady - vllm_lru)``.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from .trace import BLOCK_TOKENS, Request, default_trace, load_trace, split_by_time, unique_blocks
+from kvtier.offline.trace import BLOCK_TOKENS, Request, default_trace, load_trace, split_by_time, unique_blocks
 
 FRACTIONS = (0.01, 0.05, 0.1)
 BASELINES = ("vllm_lru", "lru", "arc", "s3fifo")
@@ -21,7 +21,7 @@ def trace_set(which: str, paths: Sequence[str] = ()) -> Iterator[tuple[str, list
     """(name, requests) of the issue-12 trace sets: `paths` when given; else "eval" = the
     evaluation seeds of every generated shape + the bundled trace, "tune" = the tuning seeds + the
     bundled trace's first half by time."""
-    from .workloads import EVAL_SEEDS, SHAPES, TUNING_SEEDS, generate
+    from kvtier.offline.workloads import EVAL_SEEDS, SHAPES, TUNING_SEEDS, generate
     if paths:
         for p in paths:
             yield p, load_trace(p)
@@ -46,8 +46,9 @@ def compare(reqs: Sequence[Request], default: str, fractions: Sequence[float] = 
             extra: Sequence[str] = ()) -> dict:
     """Rows per capacity: `default`, the baselines, any `extra` policies, and Belady. A policy
     name may be "EVICTION+ADMISSION" (e.g. "lru+second_hit"); a bare name admits every block."""
-    from .belady import belady
-    from .sim import make_keys, simulate
+    from kvtier.offline.belady import belady
+    from kvtier.offline.sim import simulate
+    from kvtier.offline.trace import make_keys
 
     u = unique_blocks(reqs)
     keys = make_keys(reqs)
@@ -86,7 +87,7 @@ def text(d: dict) -> str:
 
 def run_compare(args, reqs: Sequence[Request], trace: str) -> int:
     """`kvtier replay --compare`: the default policy (from --policy or the config) vs the yardsticks."""
-    from .config import load_config
+    from kvtier.core.config import load_config
     cfg = load_config(args.config, check_env=False)
     default = args.policy or cfg.policy.eviction
     adm = args.admission or cfg.policy.admission

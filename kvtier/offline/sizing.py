@@ -43,7 +43,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .trace import BLOCK_TOKENS, Request
+from kvtier.offline.trace import BLOCK_TOKENS, Request
 
 GROUPS = 32              # sub-samples for the sampling error
 MIN_SAMPLE_BLOCKS = 10_000  # a smaller sample gets a warning: its error is large on skewed traffic

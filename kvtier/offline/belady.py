@@ -11,7 +11,7 @@ broken by block id can keep a child and drop its parent, which loses the child's
 `vllm=True` applies the rules `kvtier replay` and the vLLM connector serve under: only full
 blocks are inserted, and at least one token is left to compute (a request hits at most
 ``(input_length - 1) // block_tokens`` blocks). The default is the plain prefix rule of
-`kvtier.sim.simulate` (every block can hit and is inserted).
+`kvtier.offline.sim.simulate` (every block can hit and is inserted).
 
 Needs the future, so it is never a runtime policy. O(refs log capacity): next uses are
 precomputed in one backward pass; a max-heap with lazy invalidation finds the victim.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
-from .trace import BLOCK_TOKENS, Request
+from kvtier.offline.trace import BLOCK_TOKENS, Request
 
 _NEVER = 1 << 40
 

@@ -1,4 +1,4 @@
-"""`kvtier plan`: size the tiers from a trace (the curves come from `kvtier.sizing`).
+"""`kvtier plan`: size the tiers from a trace (the curves come from `kvtier.offline.sizing`).
 
 For each tier of the stack: block and token hit ratio, load bytes and the modelled TTFT saved as
 a function of its capacity (the other tiers as configured), next to Belady's MIN at a few points;
@@ -24,11 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, StackConfig, load_config
-from .replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS, load_gbps
-from .sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, capacity_grid, measure
-from .trace import TraceReader, default_trace, load_trace, rescale_stack
-from .units import format_size, parse_size
+from kvtier.core.config import ConfigError, StackConfig, load_config
+from kvtier.cli.replay import load_gbps
+from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS
+from kvtier.offline.sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, capacity_grid, measure
+from kvtier.offline.trace import TraceReader, default_trace, load_trace, rescale_stack
+from kvtier.core.units import format_size, parse_size
 
 FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)   # table rows: shares of the unique blocks
 BELADY_FRACTIONS = (0.01, 0.05, 0.1)
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_belady and not fleet:  # a fleet has no one cache to bound
         rep["belady"] = _belady(reqs, sz, [c for _, c in _effective(local, shared, sz)], bt)
     if args.png:
-        from .sizing_plot import plot
+        from kvtier.offline.sizing_plot import plot
         rep["png"] = plot(rep, sz, args.png)
     if args.json:
         import json
@@ -289,7 +290,7 @@ def _fleet(sz: Sizing, local, shared, args, bb: int) -> dict:
 
 def _belady(reqs, sz: Sizing, configured: list[int], bt: int) -> list[dict]:
     """Belady's MIN (ties deepest-first, replay's rules) at the configured reach and 1/5/10%."""
-    from .belady import belady
+    from kvtier.offline.belady import belady
     u = sz.unique_blocks
     caps = sorted({max(1, int(f * u)) for f in BELADY_FRACTIONS} | {c for c in configured if c})
     lru = sz.hit_ratio(caps)
@@ -312,7 +313,7 @@ def _round_mib(blocks: int, bb: int) -> int:
 def _yaml(base: StackConfig, capacity: dict[str, int], head: str) -> str:
     """`base` as YAML with the tiers named in `capacity` resized (bytes); credentials are left out."""
     import yaml
-    from .config import parse_config
+    from kvtier.core.config import parse_config
     keep = ("name", "kind", "capacity", "capacity_blocks", "path", "io", "url", "cluster", "eviction", "admission")
     lines = [f"# {head}", f"block_bytes: {_size_str(base.block_bytes)}"]
     if base.block_tokens != 512:

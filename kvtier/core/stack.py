@@ -16,14 +16,14 @@ from typing import Any, Sequence
 
 import torch
 
-from kvtier.policies.base import RequestInfo, _NO_INFO
+from kvtier.policies.base import RequestInfo, NO_INFO
 
-from .builder import build_controller, build_tiers, fresh_evictions
-from .config import StackConfig, load_config
-from .controller import TierController
-from .executor import LocalExecutor, NullExecutor
-from .leases import Lease
-from .plan import Plan
+from kvtier.core.builder import build_controller, build_tiers, fresh_evictions
+from kvtier.core.config import StackConfig, load_config
+from kvtier.core.controller import TierController
+from kvtier.core.executor import LocalExecutor, NullExecutor
+from kvtier.core.leases import Lease
+from kvtier.core.plan import Plan
 
 log = logging.getLogger("kvtier.startup")
 
@@ -83,7 +83,7 @@ class TierStack:
     def startup_line(self) -> str:
         """Tiers and capacities, I/O engines, data directories, blocks restored, policies, fingerprint."""
         from kvtier.tiers.nvme_control import fingerprint_hash
-        from .units import format_size
+        from kvtier.core.units import format_size
         parts = []
         for t in self.tiers:
             p = f"{t.name} {t.capacity_blocks} blocks ({format_size(t.capacity_blocks * self.block_bytes)})"
@@ -139,7 +139,7 @@ class TierStack:
         return loaded
 
     def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor] | None = None,
-            info: RequestInfo = _NO_INFO) -> int:
+            info: RequestInfo = NO_INFO) -> int:
         """Serve the present prefix of `keys` into `dsts`; returns blocks served. A block that
         fails verification ends the prefix there. Promotion as the policy says."""
         rid = f"get-{next(self._ids)}"
@@ -155,7 +155,7 @@ class TierStack:
         return n
 
     def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor] | None = None,
-            info: RequestInfo = _NO_INFO) -> int:
+            info: RequestInfo = NO_INFO) -> int:
         """Store blocks into the top tier (rounds until every admitted block found room);
         returns blocks stored."""
         if self.with_data and srcs is None:

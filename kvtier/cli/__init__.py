@@ -1,0 +1,3 @@
+"""The `kvtier` command line."""
+
+from .main import main  # noqa: F401  (the `kvtier` console script)

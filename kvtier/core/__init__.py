@@ -1,0 +1,1 @@
+"""The core: block keys, plan ops, leases, the controller, config, the builder, the executor."""

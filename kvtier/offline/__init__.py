@@ -1,0 +1,1 @@
+"""Offline analysis: traces, replay, simulation, Belady, workloads, sizing."""
