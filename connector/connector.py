@@ -348,8 +348,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if self.worker is not None:
             nvme_dir = getattr(self.worker.nvme, "dir", None)
             final = self.worker.close(timeout_s=_flush_budget_s())
-            if final is not None and final.nvme_written:
-                n = sum(1 for v in final.nvme_written.values() for c in v if c >= 0)
+            if final is not None and final.copied:
+                n = sum(1 for v in final.copied.values() for c in v if c >= 0)
                 peers = [c for c in live_connectors("scheduler") if c.sched is not None]
                 if peers:
                     peers[0].sched.on_worker_meta(final)

@@ -30,8 +30,8 @@ def write_report(nvme_dir: str, meta: KVTierWorkerMeta) -> str:
     """Write this rank's unreported NVMe writes; returns the file's path."""
     return write_private(os.path.join(nvme_dir, f"shutdown-report.{int(meta.rank)}.json"),
                           {"rank": int(meta.rank),
-                           "nvme_written": {str(int(op)): [int(c) for c in sums]
-                                            for op, sums in meta.nvme_written.items()}}, fsync=True)
+                           "copied": {str(int(op)): [int(c) for c in sums]
+                                            for op, sums in meta.copied.items()}}, fsync=True)
 
 
 def read_reports(nvme_dir: str, remove: bool = True) -> KVTierWorkerMeta | None:
@@ -48,8 +48,8 @@ def read_reports(nvme_dir: str, remove: bool = True) -> KVTierWorkerMeta | None:
             with os.fdopen(fd, "rb") as f:
                 d = json.loads(f.read(64 << 20))
             m = KVTierWorkerMeta(rank=int(d["rank"]),
-                                 nvme_written={int(op): [int(c) for c in sums]
-                                               for op, sums in dict(d["nvme_written"]).items()})
+                                 copied={int(op): [int(c) for c in sums]
+                                               for op, sums in dict(d["copied"]).items()})
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("kvtier: ignoring shutdown report %s: %s", p, e)
             m = None

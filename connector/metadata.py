@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core import plan
-from kvtier.core.plan import LoadOp, NvmeWriteOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
+from kvtier.core.plan import LoadOp, CopyOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
 
 try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
@@ -37,7 +37,7 @@ class KVTierMetadata(KVConnectorMetadata):
 
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
-    nvme_writes: list[NvmeWriteOp] = field(default_factory=list)
+    copies: list[CopyOp] = field(default_factory=list)
     nvme_dir: str | None = None          # where the worker opens the NVMe data file
     nvme_capacity: int = 0
     remote_tier: int | None = None       # index of the shared tier (its ops name blocks by key)
@@ -47,7 +47,7 @@ class KVTierMetadata(KVConnectorMetadata):
     failed_loads: dict[str, list[int]] = field(default_factory=dict)  # accepted, not planned: load errors
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.stores and not self.nvme_writes and not self.failed_loads
+        return not self.loads and not self.stores and not self.copies and not self.failed_loads
 
 
 @dataclass

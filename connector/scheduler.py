@@ -224,7 +224,7 @@ class KVTierScheduler:
                        "kvtier: planning this step's stores failed (%s: %s); they are skipped (future misses)",
                        type(e).__name__, e, exc_info=e)
         plan = self.ctrl.take_plan()
-        meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, nvme_writes=plan.copies,
+        meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, copies=plan.copies,
                               remote_tier=self.ctrl.remote, tier_names=self.ctrl.names,
                               async_loads=self._async_step, failed_loads=self._failed_loads,
                               idle=not scheduled and bool(self._async_inflight))
@@ -269,7 +269,7 @@ class KVTierScheduler:
         for op in plan.stores:
             rep.stored[op.op_id] = [False] * len(op.slots)
         for op in plan.copies:  # every rank's report, as if each had failed it
-            rep.nvme_written_ranks[op.op_id] = {r: [-1] * len(op.src_slots) for r in range(self.ctrl.ranks)}
+            rep.copied_ranks[op.op_id] = {r: [-1] * len(op.src_slots) for r in range(self.ctrl.ranks)}
         self._failed_loads, self._async_step = {}, []
         self.on_worker_meta(rep)
         meta = KVTierMetadata(failed_loads=failed, remote_tier=self.ctrl.remote, tier_names=self.ctrl.names)

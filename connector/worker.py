@@ -4,7 +4,7 @@ It runs the step's ops (`kvtier.core.plan`): `LoadOp`s in `start_load_kv` (NVMe 
 verified against its key and tag, then copies into vLLM's KV: on a GPU layer by layer on a
 loader thread, `wait_for_layer_load` waiting per layer; on the CPU backend at once, NVMe
 chunks as their reads land), `StoreOp`s in `wait_for_save` (after the forward that wrote
-them), and CPU -> NVMe copies (`NvmeWriteOp`) written behind: a flusher thread writes,
+them), and CPU -> NVMe copies (`CopyOp`) written behind: a flusher thread writes,
 fdatasyncs and hands the per-slot tags to the report of a later step (at most
 `nvme_write_lag_steps` later; 0 = this step). The report (`KVTierWorkerMeta`) goes back to
 the controller. Jobs live next door: `kv_layout.py` (vLLM's KV layout, gather / scatter),
@@ -28,8 +28,8 @@ from kvtier.tiers.handles import DoneHandle, IOResult
 from .kv_layout import KVCopier, KVLayout, RowCopy, ViewCopy
 from .startup import fit_pool_slots
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
-from .flusher import WriteBehind
-from .staging import Staging
+from kvtier.core.write_behind import WriteBehind
+from kvtier.core.staging import Staging
 
 log = logging.getLogger("kvtier.connector")
 
@@ -424,7 +424,7 @@ class KVTierWorker(Counting):
     def save(self) -> None:
         self.finish_loads()
         meta = self._meta
-        if meta is None or not (meta.stores or meta.nvme_writes):
+        if meta is None or not (meta.stores or meta.copies):
             return
         if self.layout is None or self.disabled:
             self.fail_step_stores()
@@ -468,14 +468,14 @@ class KVTierWorker(Counting):
             self._count(f"seconds_stored.{name}", dt)
             self._count(f"blocks_stored.{name}", n)
         meta.stores = []
-        if meta.nvme_writes:
+        if meta.copies:
             self._write_nvme(meta, failed_cpu)
 
     def _write_nvme(self, meta: KVTierMetadata, failed_cpu: set[int]) -> None:
         """Queue CPU slots -> NVMe slots; the flusher writes, fdatasyncs and returns per-slot
         checksums (-1: not durable), reported by `take_result` once done (see `_reap_writes`).
         Copies to the shared tier go to its data plane the same way (0: written, -1: not)."""
-        ops, meta.nvme_writes = list(meta.nvme_writes), []
+        ops, meta.copies = list(meta.copies), []
         puts = [op for op in ops if op.tier == meta.remote_tier]
         ops = [op for op in ops if op.tier != meta.remote_tier]
         if puts:
@@ -500,7 +500,7 @@ class KVTierWorker(Counting):
                        len(ops) - len(started), e)
             for op in ops:
                 if id(op) not in started:
-                    self._result.nvme_written[op.op_id] = [-1] * len(op.slots)
+                    self._result.copied[op.op_id] = [-1] * len(op.slots)
             if not batch:
                 return
         self.writes.submit(self._step, self.nvme, batch, failed_cpu)
@@ -512,7 +512,7 @@ class KVTierWorker(Counting):
         # (an NVMe write of one is only left unindexed; on the server, others would read it)
         bad = [op for op in ops if failed_cpu.intersection(op.src_slots)]
         for op in bad:
-            self._result.nvme_written[op.op_id] = [-1] * len(op.src_slots)
+            self._result.copied[op.op_id] = [-1] * len(op.src_slots)
         ops = [op for op in ops if not failed_cpu.intersection(op.src_slots)]
         if not ops:
             return
@@ -527,7 +527,7 @@ class KVTierWorker(Counting):
             self._once(("remote_write",) + cause(e), logging.WARNING,
                        "kvtier: shared-tier write of %d ops failed: %s", len(ops), e)
             for op in ops:
-                self._result.nvme_written[op.op_id] = [-1] * len(op.src_slots)
+                self._result.copied[op.op_id] = [-1] * len(op.src_slots)
             return
         self.puts.submit(self._step, self.remote, batch, failed_cpu)
         if self.puts.lag == 0:
@@ -540,7 +540,7 @@ class KVTierWorker(Counting):
             for done, dt in behind.reap(self._step, wait):
                 n = 0
                 for op, out in done:
-                    self._result.nvme_written[op.op_id] = out
+                    self._result.copied[op.op_id] = out
                     n += sum(1 for c in out if c >= 0)
                 self._count(f"bytes_stored.{name}", n * self.layout.block_bytes)
                 self._count(f"seconds_stored.{name}", dt)
@@ -643,10 +643,10 @@ class KVTierWorker(Counting):
             if op.op_id not in self._result.stored:
                 self._result.stored[op.op_id] = [False] * len(op.slots)
                 n += len(op.slots)
-        for op in meta.nvme_writes:
-            self._result.nvme_written[op.op_id] = [-1] * len(op.src_slots)
+        for op in meta.copies:
+            self._result.copied[op.op_id] = [-1] * len(op.src_slots)
             n += len(op.src_slots)
-        meta.stores, meta.nvme_writes = [], []
+        meta.stores, meta.copies = [], []
         self._count("blocks_store_dropped", n)
 
     def stats(self) -> dict:
@@ -681,7 +681,7 @@ class KVTierWorker(Counting):
             pending = len(self.writes)
             late = self.writes.drain(limit)
             self._reap_writes(wait=True)
-            n = sum(1 for v in self._result.nvme_written.values() for c in v if c >= 0)
+            n = sum(1 for v in self._result.copied.values() for c in v if c >= 0)
             if late:
                 log.error("kvtier: shutdown: %d of %d NVMe write batches still running after %.1f s; "
                           "left behind (their blocks are not indexed)", late, pending, limit)

@@ -323,8 +323,8 @@ def test_ranks_writing_behind_commit_once_every_rank_reported(tmp_path):
         w.save()
     from kvtier.connector.metadata import KVTierWorkerMeta
     m0, m1 = w0.take_result(), w1.take_result()
-    late = KVTierWorkerMeta(rank=1, nvme_written=m1.nvme_written)   # rank 1's NVMe report comes later
-    m1.nvme_written = {}
+    late = KVTierWorkerMeta(rank=1, copied=m1.copied)   # rank 1's NVMe report comes later
+    m1.copied = {}
     s.on_worker_meta(m0.aggregate(m1))                     # this step: CPU stores of both, NVMe of rank 0
     assert len(nv.index) == 0 and nv.num_resident == 0 and cpu.num_resident == 2
     assert s.pinned_blocks() == 4    # 2 CPU sources pinned and 2 NVMe slots pending until every rank reported

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connector.metadata import KVTierMetadata, LoadOp, NvmeWriteOp, StoreOp
+from kvtier.connector.metadata import KVTierMetadata, LoadOp, CopyOp, StoreOp
 from kvtier.connector.nvme import NvmeControl
 from kvtier.connector.kv_layout import KVLayout
 from kvtier.connector.worker import KVTierWorker
@@ -182,9 +182,9 @@ def test_nvme_loads_of_two_requests_in_one_step(tmp_path, chunk_bytes):
     ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))  # creates the dir and secret
     keys = [b"k%d" % i for i in range(5)]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5])],
-                          nvme_writes=[NvmeWriteOp(2, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14], keys)], **nv))
+                          copies=[CopyOp(2, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14], keys)], **nv))
     w.save()
-    sums = w.take_result().nvme_written[2]
+    sums = w.take_result().copied[2]
     assert len(sums) == 5 and min(sums) >= 0
     for t in caches.values():
         t[8:14].zero_()

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.connector.staging import Staging
+from kvtier.core.staging import Staging
 from kvtier.tiers import cpu_pool as cp
 from kvtier.tiers.cpu_pool import PAGE, CpuPool, CudaHostRegistry, HostBuffer, host_buffer, host_memory_stats
 

@@ -145,7 +145,7 @@ def _report(capsys, title, passes):
 
 
 @pytest.fixture(scope="module")
-def nvme_written(model_dir, prompts, baseline, tmp_path_factory):
+def copied(model_dir, prompts, baseline, tmp_path_factory):
     """Pass 1 with a CPU + NVMe stack (write-through); the NVMe directory it leaves behind."""
     d = tmp_path_factory.mktemp("nvme") / "tier"
     llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d),
@@ -174,11 +174,11 @@ def _copy_tier(src, dst):
 
 
 @pytest.mark.parametrize("promote", [True, False])
-def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_path, capsys, promote):
+def test_nvme_restart_restores(model_dir, prompts, baseline, copied, tmp_path, capsys, promote):
     """A new LLM (new connector objects, empty CPU tier) on the same NVMe path: every full block of
     the repeat pass is an external hit from NVMe; a third pass hits the CPU (promoted on read) or,
     with promotion off, NVMe again (every prompt's blocks read through the step's staging rows)."""
-    src, pass1 = nvme_written
+    src, pass1 = copied
     d = _copy_tier(src, tmp_path / "tier")
     llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d), promote=promote,
                                                 nvme_capacity_blocks=NVME_BLOCKS))
@@ -210,14 +210,14 @@ def test_nvme_restart_restores(model_dir, prompts, baseline, nvme_written, tmp_p
         U.shutdown(llm)
 
 
-def test_weights_identify_the_model(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
+def test_weights_identify_the_model(model_dir, prompts, baseline, copied, tmp_path, capsys):
     """The fingerprint names the weights, not the path: the same weights copied to another path are
     served from the NVMe tier written by the first; other weights written in place under that path
     are a new fingerprint (its blocks namespaced away, none served) and the tokens are the new
     model's own."""
     import shutil
 
-    src, _ = nvme_written
+    src, _ = copied
     d = _copy_tier(src, tmp_path / "tier")
     m = tmp_path / "served-model"
     shutil.copytree(model_dir, m)
@@ -254,13 +254,13 @@ def test_weights_identify_the_model(model_dir, prompts, baseline, nvme_written, 
     assert p2["cpu"] + p2["nvme"] == want * U.BLOCK     # and then served from what it stored
 
 
-def test_fsck_checks_the_connectors_directory_without_its_config(nvme_written, tmp_path):
+def test_fsck_checks_the_connectors_directory_without_its_config(copied, tmp_path):
     """`kvtier fsck --dir` checks (and rebuilds) a directory the connector wrote: the fingerprint
     it recorded (vLLM's model digest, KV dtype, parallelism) is one no YAML reproduces."""
     import json
     import subprocess
 
-    src, _ = nvme_written
+    src, _ = copied
     d = _copy_tier(src, tmp_path / "tier")
     rec = json.loads((d / "fingerprint.json").read_text())
     assert rec["model"].startswith("weights:") and rec["tp"] == 1
@@ -274,13 +274,13 @@ def test_fsck_checks_the_connectors_directory_without_its_config(nvme_written, t
             assert out["rebuilt_entries"] == out["blocks_verified"]
 
 
-def test_nvme_corruption_recomputes(model_dir, prompts, baseline, nvme_written, tmp_path, capsys):
+def test_nvme_corruption_recomputes(model_dir, prompts, baseline, copied, tmp_path, capsys):
     """Flip bytes of some blocks in the NVMe data file between the passes: they fail their checksum,
     are reported through get_block_ids_with_load_errors, vLLM recomputes them; tokens identical."""
     from kvtier.tiers.nvme_block import HEADER_BYTES, slot_stride
     from kvtier.tiers.nvme_index import NvmeIndex
 
-    src, pass1 = nvme_written
+    src, pass1 = copied
     d = _copy_tier(src, tmp_path / "tier")
     idx = NvmeIndex(str(d / "index"), NVME_BLOCKS)
     entries = sorted(idx.items(), key=lambda kv: kv[1].slot)

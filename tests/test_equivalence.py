@@ -50,7 +50,7 @@ def fake_vllm(cfg_path: str, reqs) -> dict:
         for op in meta.loads:
             if op.via:
                 wm.stored[op.op_id] = [True] * len(op.slots)
-        wm.nvme_written = {op.op_id: [0] * len(op.src_slots) for op in meta.nvme_writes}
+        wm.copied = {op.op_id: [0] * len(op.src_slots) for op in meta.copies}
         s.on_worker_meta(wm)
         s.on_finished(req.request_id)
     out = {c: {t.name: int(s.ctrl.totals.get(f"{c}.{t.name}", 0)) for t in s.tiers} for c in COUNTS}

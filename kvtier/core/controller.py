@@ -38,7 +38,7 @@ from kvtier.core.once import Once
 from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
 
-from kvtier.core.plan import Counting, LoadOp, NvmeWriteOp, Plan, Report, StoreOp
+from kvtier.core.plan import Counting, LoadOp, CopyOp, Plan, Report, StoreOp
 
 log = logging.getLogger("kvtier.core.controller")
 
@@ -327,7 +327,7 @@ class TierController(Counting):
         self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
         self._copies[op_id] = _Copy(src_tier, src, t, slots)
-        self._plan.copies.append(NvmeWriteOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
+        self._plan.copies.append(CopyOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
         self._count(f"store_planned_blocks.{self.names[t]}", len(src))
         return len(src)
 

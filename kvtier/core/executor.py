@@ -30,7 +30,7 @@ class NullExecutor:
         for op in plan.stores:
             rep.stored[op.op_id] = [True] * len(op.slots)
         for op in plan.copies:
-            rep.nvme_written[op.op_id] = [0] * len(op.src_slots)
+            rep.copied[op.op_id] = [0] * len(op.src_slots)
         return rep, loaded
 
 
@@ -82,13 +82,13 @@ class LocalExecutor:
             if getattr(tier, "remote", False):
                 r = tier.put(op.keys, bufs).wait()
                 self._count(f"bytes_written.{tier.name}", r.nbytes)
-                rep.nvme_written[op.op_id] = [0 if ok and (op.src_tier, s) not in failed else -1
+                rep.copied[op.op_id] = [0 if ok and (op.src_tier, s) not in failed else -1
                                               for ok, s in zip(r.ok, op.src_slots)]
                 continue
             r = tier.write(op.slots, bufs).wait()
             self._count(f"bytes_written.{tier.name}", r.nbytes)
             self.errors.extend(r.errors)
             sums = tier.checksums(op.slots) if hasattr(tier, "checksums") else [0] * len(op.slots)
-            rep.nvme_written[op.op_id] = [c if ok and (op.src_tier, s) not in failed else -1
+            rep.copied[op.op_id] = [c if ok and (op.src_tier, s) not in failed else -1
                                           for c, ok, s in zip(sums, r.ok, op.src_slots)]
         return rep, loaded

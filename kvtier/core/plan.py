@@ -37,7 +37,7 @@ class StoreOp:
 
 
 @dataclass
-class NvmeWriteOp:
+class CopyOp:
     """Copy slots of one tier into reserved slots of the next (write-through or write-back), or
     into the shared tier (`slots` then empty: the server names blocks by `keys`). In vLLM the
     source is always the CPU tier."""
@@ -48,9 +48,6 @@ class NvmeWriteOp:
     keys: list[bytes] = field(default_factory=list)  # the block keys, sealed into each block's header
     src_tier: int = 0
     tier: int = 1
-
-
-CopyOp = NvmeWriteOp
 
 
 @dataclass
@@ -73,17 +70,17 @@ class Report:
 
     stored: dict[int, list[bool]] = field(default_factory=dict)
     loaded: dict[str, bool] = field(default_factory=dict)
-    nvme_written: dict[int, list[int]] = field(default_factory=dict)
+    copied: dict[int, list[int]] = field(default_factory=dict)
     corrupt: dict[int, list[int]] = field(default_factory=dict)
     rank: int = 0
-    nvme_written_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    copied_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     gone: list[bytes] = field(default_factory=list)   # shared tier: keys a read found absent or bad
     capacity: dict[int, int] = field(default_factory=dict)  # tier -> slots its data plane holds (when fewer)
 
     def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
         """Copy op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
-        out = {op: dict(r) for op, r in self.nvme_written_ranks.items()}
-        for op, sums in self.nvme_written.items():
+        out = {op: dict(r) for op, r in self.copied_ranks.items()}
+        for op, sums in self.copied.items():
             out.setdefault(op, {})[self.rank] = list(sums)
         return out
 
@@ -106,11 +103,11 @@ class Report:
         for t, n in other.capacity.items():
             capacity[t] = min(n, capacity.get(t, n))
         return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
-                          nvme_written_ranks=written, gone=gone, capacity=capacity)
+                          copied_ranks=written, gone=gone, capacity=capacity)
 
     def is_empty(self) -> bool:
-        return not self.stored and not self.loaded and not self.nvme_written and not self.corrupt \
-            and not self.nvme_written_ranks and not self.gone and not self.capacity
+        return not self.stored and not self.loaded and not self.copied and not self.corrupt \
+            and not self.copied_ranks and not self.gone and not self.capacity
 
 
 class Counting:
