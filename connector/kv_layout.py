@@ -164,7 +164,7 @@ def _layers_view(lay: KVLayout) -> torch.Tensor | None:
     return torch.as_strided(base, (len(ts), lay.num_blocks, lb), (d, lb, 1))
 
 
-def _copy_run_torch(kv3: torch.Tensor, rows: torch.Tensor, run: tuple, to_kv: bool) -> bool:
+def _copy_run_torch(kv3: torch.Tensor, rows: torch.Tensor, run: tuple, to_outside: bool) -> bool:
     """One run (blocks b0.., rows r0..) of every layer as one torch copy; False when the run goes
     up on one side and down on the other (torch views have no negative strides: numpy takes it)."""
     b0, r0, n, db, dr = run
@@ -176,7 +176,7 @@ def _copy_run_torch(kv3: torch.Tensor, rows: torch.Tensor, run: tuple, to_kv: bo
     rw = rows[r0:r0 + n].transpose(0, 1)
     if kv.shape[-1] % 8 == 0:  # 8-byte elements: a wider inner loop than bytes
         kv, rw = kv.view(torch.int64), rw.view(torch.int64)
-    if to_kv:
+    if to_outside:
         kv.copy_(rw)
     else:
         rw.copy_(kv)
@@ -264,12 +264,27 @@ class KVCopier:
             src.extend(v[lay.offsets[li]:lay.offsets[li + 1]] for li in range(len(lay.layer_bytes)))
         return ViewCopy(self.gpu_views(block_ids), src)
 
+    # ---- the executor's outside (`kvtier.core.executor.Outside`) ----------------------------
+    direct_reads = False   # a lower tier reads into host rows (staging, DRAM slots), never into the KV
+
+    @property
+    def layered(self) -> bool:
+        """Loads overlap the forward, layer by layer (the device copier)."""
+        return self.device is not None
+
+    def job(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int],
+            bufs: Sequence[torch.Tensor]) -> Job:
+        return self.rows_job(host, block_ids, rows, bufs)
+
+    def direct(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        raise RuntimeError("the KV takes no direct reads")
+
     # ---- a GPU: asynchronous, ordered by events ---------------------------------------------
     def store_async(self, jobs: Sequence[Job]) -> object | None:
         """Enqueue KV -> host copies after the forward; returns the event to `sync` (or None:
         the copies ran synchronously)."""
         if self.device is None:
-            self.run(jobs, to_kv=False)
+            self.run(jobs, to_outside=False)
             return None
         ev = None
         for j in jobs:
@@ -280,7 +295,7 @@ class KVCopier:
         """Enqueue host -> KV copies; returns one event per layer for `wait_layer` (None: the
         copies ran synchronously, on the CPU backend)."""
         if self.device is None:
-            self.run(jobs, to_kv=True)
+            self.run(jobs, to_outside=True)
             return None
         events = None
         for j in jobs:  # the side stream runs them in order: the last job's events cover all
@@ -295,20 +310,20 @@ class KVCopier:
             self.device.streams.sync(event)
 
     # ---- the host (CPU backend) and per-view copies -----------------------------------------
-    def run(self, jobs: Sequence[Job], to_kv: bool) -> None:
+    def run(self, jobs: Sequence[Job], to_outside: bool) -> None:
         """Every job now, on this thread (and the cores)."""
         rows = [j for j in jobs if isinstance(j, RowCopy)]
         if rows:
-            self.copy_rows(rows, to_kv)
+            self.copy_rows(rows, to_outside)
         for j in jobs:
             if isinstance(j, ViewCopy):
-                if to_kv:
+                if to_outside:
                     self.copy(j.dst, j.src)
                 else:
                     self.copy(j.src, j.dst)
             elif isinstance(j, DeviceJob):
                 dev = self.device
-                if to_kv:
+                if to_outside:
                     events = dev.load(j.host, j.block_ids, j.rows)
                     if events:
                         dev.streams.sync(events[-1])
@@ -335,23 +350,23 @@ class KVCopier:
         elif d2:
             copy_blocks(d2, s2, d2[0].numel() * d2[0].element_size())
 
-    def copy_runs(self, li: int, rows3, runs, to_kv: bool) -> None:
+    def copy_runs(self, li: int, rows3, runs, to_outside: bool) -> None:
         """Layer `li` of runs of blocks <-> layer `li` of rows of `rows3` ([row, layer, bytes],
         numpy): one copy per run, in either direction (numpy takes the negative strides)."""
         flat = self._flat_np[li]
         for b0, r0, n, db, dr in runs:
             kv, rows = flat[_sl(b0, n, db)], rows3[_sl(r0, n, dr), li]
-            if to_kv:
+            if to_outside:
                 np.copyto(kv, rows)
             else:
                 np.copyto(rows, kv)
 
-    def _copy_rows(self, jobs: list, layers: Sequence[int], to_kv: bool) -> None:
+    def _copy_rows(self, jobs: list, layers: Sequence[int], to_outside: bool) -> None:
         for li in layers:
             for j in jobs:
-                self.copy_runs(li, j.rows3, j.runs, to_kv)
+                self.copy_runs(li, j.rows3, j.runs, to_outside)
 
-    def copy_rows(self, jobs: list, to_kv: bool) -> None:
+    def copy_rows(self, jobs: list, to_outside: bool) -> None:
         """Every layer of `jobs`: one torch copy per run over all layers when the KV layers are one
         strided view (torch's OpenMP team splits it over the cores), else the layers split over
         the cores in plain threads (numpy drops the GIL).
@@ -364,7 +379,7 @@ class KVCopier:
             rest = []
             for j in jobs:
                 rows_t = torch.from_numpy(j.rows3)  # a view: no copy
-                left = [r for r in j.runs if not _copy_run_torch(self.kv3, rows_t, r, to_kv)]
+                left = [r for r in j.runs if not _copy_run_torch(self.kv3, rows_t, r, to_outside)]
                 if left:
                     rest.append(RowCopy(j.rows3, left))
             jobs = rest
@@ -372,8 +387,8 @@ class KVCopier:
                 return
         L = len(self.layout.tensors)
         workers = min(os.cpu_count() or 1, L)
-        futs = [copy_pool().submit(self._copy_rows, jobs, range(w, L, workers), to_kv) for w in range(1, workers)]
-        self._copy_rows(jobs, range(0, L, workers), to_kv)
+        futs = [copy_pool().submit(self._copy_rows, jobs, range(w, L, workers), to_outside) for w in range(1, workers)]
+        self._copy_rows(jobs, range(0, L, workers), to_outside)
         for f in futs:
             f.result()
 

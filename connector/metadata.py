@@ -38,7 +38,8 @@ class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
     copies: list[CopyOp] = field(default_factory=list)
-    nvme_dir: str | None = None          # where the worker opens the NVMe data file
+    nvme_tier: int | None = None         # index of the NVMe tier, whose data file the worker opens ...
+    nvme_dir: str | None = None          # ... there
     nvme_capacity: int = 0
     remote_tier: int | None = None       # index of the shared tier (its ops name blocks by key)
     async_loads: list[str] = field(default_factory=list)  # requests vLLM loads asynchronously

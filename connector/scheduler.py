@@ -235,6 +235,7 @@ class KVTierScheduler:
 
     def _name_nvme(self, meta: KVTierMetadata) -> None:
         if self.nvme_dir is not None:  # the worker opens the data plane from it (loads and stores)
+            meta.nvme_tier = self.nvme
             meta.nvme_dir = self.nvme_dir
             meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
 

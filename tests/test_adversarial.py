@@ -239,7 +239,7 @@ def test_case4_cpu_copy_stays_when_the_nvme_write_fails(tmp_path, monkeypatch):
         with pytest.raises(OSError, match="EIO"):
             st.put(keys[8:], [block_data(1, j, BB) for j in range(8, 12)])  # needs write-back: fails
         assert all(k in cpu for k in keys[:8]) and {k for k in keys if k in nvme} == before
-        assert not any(k in cpu or k in nvme for k in keys[8:]) and nvme.io_errors >= 1
+        assert not any(k in cpu or k in nvme for k in keys[8:]) and st.ctrl.totals["io_errors.nvme"] >= 1
 
 
 # ---- 5. private, unfoolable files -----------------------------------------------------------

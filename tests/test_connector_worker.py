@@ -174,11 +174,11 @@ def test_nvme_loads_of_two_requests_in_one_step(tmp_path, chunk_bytes):
     whether the copies run per read chunk or all at once."""
     caches = cpu_layout_caches()
     w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0)
-    if chunk_bytes is not None:
-        w.nvme_load_chunk_bytes = chunk_bytes   # one block per chunk: copies interleave with reads
     w.register_kv_caches(caches)
+    if chunk_bytes is not None:
+        w.ex.LOAD_CHUNK_BYTES = chunk_bytes   # one block per chunk: copies interleave with reads
     orig = {n: t.clone() for n, t in caches.items()}
-    nv = dict(nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
+    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
     ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))  # creates the dir and secret
     keys = [b"k%d" % i for i in range(5)]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5])],

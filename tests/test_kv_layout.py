@@ -147,7 +147,7 @@ def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst)]))
     w.start_load()
     assert rec.calls[0] == ("fence",)
-    layer_events = w._layer_events
+    layer_events = w.ex.layer_events
     assert len(layer_events) == 3 and not any(c[0] == "sync" for c in rec.calls[-4:])  # the host did not wait
     for li, n in enumerate(names):
         w.wait_layer(n)

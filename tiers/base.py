@@ -94,6 +94,7 @@ class SlotTier:
     """
 
     kind = "slots"
+    data_plane = None   # the object that holds the bytes in this process (its `medium`), or None
 
     def __init__(self, name: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy) -> None:
         if capacity_blocks <= 0:

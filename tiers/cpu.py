@@ -20,6 +20,7 @@ class CpuTier(SlotTier):
                  pin: str | bool = "auto", with_data: bool = True) -> None:
         super().__init__(name, capacity_blocks, block_bytes, eviction)
         self.pool = CpuPool(capacity_blocks, block_bytes, pin) if with_data else None
+        self.data_plane = self.pool
 
     def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor]) -> IOHandle:
         return self.pool.write(slots, srcs)

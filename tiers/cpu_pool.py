@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from .handles import DoneHandle, IOHandle, IOResult
+from .handles import DoneHandle, IOHandle, IOResult, Medium
 
 log = logging.getLogger("kvtier.cpu")
 
@@ -267,7 +267,10 @@ def host_buffer(nbytes: int, pin: str | bool = "auto", row_bytes: int = 1, what:
 
 
 class CpuPool:
-    """`num_slots` x `block_bytes` of host memory (a `HostBuffer`); `views[i]` is slot i as a uint8 tensor."""
+    """`num_slots` x `block_bytes` of host memory (a `HostBuffer`); `rows` is [slot, block bytes],
+    `views[i]` is slot i as a uint8 tensor."""
+
+    medium = Medium.HOST
 
     def __init__(self, num_slots: int, block_bytes: int, pin: str | bool = "auto") -> None:
         self.num_slots = num_slots
@@ -276,7 +279,8 @@ class CpuPool:
         self.host = host_buffer(total, pin, row_bytes=block_bytes, what="cpu pool")
         self.pinned = self.host.pinned
         self.buffer = self.host.tensor
-        self.views: list[torch.Tensor] = list(self.buffer.view(num_slots, block_bytes).unbind(0))
+        self.rows = self.buffer.view(num_slots, block_bytes)   # [slot, block bytes]
+        self.views: list[torch.Tensor] = list(self.rows.unbind(0))
         log.info("cpu pool: %d slots x %d B = %d MiB, %s", num_slots, block_bytes, total >> 20,
                  f"pinned ({len(self.host.chunks)} registrations)" if self.pinned else "pageable")
 
@@ -296,6 +300,7 @@ class CpuPool:
         """Unregister the pool's memory; it is unmapped once no view of it is left (unmapping
         under a live view would leave it pointing at nothing)."""
         self.views = []
+        self.rows = None  # type: ignore[assignment]
         self.buffer = None  # type: ignore[assignment]
         self.pinned = False
         self.host.close()

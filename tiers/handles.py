@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import enum
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+
+class Medium(enum.Enum):
+    """What a tier's data plane stores blocks on (its `medium`): the executor's handlers are
+    chosen by (source medium, destination medium) (`kvtier.core.executor`)."""
+
+    HOST = "DRAM slots"            # tiers.cpu_pool.CpuPool
+    FILE = "a file of slots"       # tiers.nvme_data.NvmeData
+    SHARED = "a shared server"     # tiers.redis_data.RedisData
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
 
 from .base import PENDING_SLOT, RESIDENT
 from .handles import IOHandle, IOResult
@@ -58,6 +58,7 @@ class NvmeTier(NvmeControl):
         self.io_errors = 0
         self._written: dict[int, bool] = {}        # pending slot -> its last write succeeded
         self._inflight: dict[int, IOHandle] = {}   # pending slot -> write handle not yet waited
+        self._durable: set[int] = set()            # slots an executor wrote and flushed, being committed
         super().__init__(name, path, capacity_blocks, block_bytes, eviction, fingerprint, on_mismatch,
                          open_index=with_data, read_only=read_only, allow_shrink=allow_shrink)
         if not with_data:
@@ -73,8 +74,24 @@ class NvmeTier(NvmeControl):
         log.info("nvme tier %r: %s, %d blocks restored%s", name, self.dir, self.restored_blocks,
                  f", {self.dropped_on_open} dropped" if self.dropped_on_open else "")
 
+    @property
+    def data_plane(self) -> NvmeData | None:
+        return self.data
+
+    def commit_written(self, slots: Sequence[int], sums: Sequence[int | tuple[int, ...]],
+                       info: RequestInfo = NO_INFO) -> None:
+        """Slots written and flushed through the data plane by an executor (not `write`): durable
+        already, so committed without another fdatasync."""
+        self._durable.update(slots)
+        try:
+            super().commit_written(slots, sums, info)
+        finally:
+            self._durable.difference_update(slots)
+
     # ---- control plane: the bytes are durable before the index says so -----------------
     def _before_index_put(self, slots: Sequence[int]) -> None:
+        if self._durable.issuperset(slots):
+            return
         for s in slots:
             h = self._inflight.pop(s, None)
             if h is not None:

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .handles import IOHandle, IOResult
+from .handles import IOHandle, IOResult, Medium
 from .io_engines import MAX_IO_BYTES, select_engine
 from .nvme_block import BlockCodec, load_secret, open_dir, slot_stride
 from .nvme_control import data_file, oserror
@@ -49,6 +49,8 @@ class NvmeData:
     the blocks' keys. `read_only` opens the file as it is: nothing created, sized or written.
     The file is only ever grown, never truncated: a smaller capacity leaves the slots beyond it.
     """
+
+    medium = Medium.FILE
 
     def __init__(self, directory: str, capacity_blocks: int, block_bytes: int, io: str = "auto",
                  io_threads: int = 4, direct: bool | str = "auto", max_io_bytes: int = MAX_IO_BYTES,

@@ -81,6 +81,7 @@ class _RemoteBase:
     kind = "redis"
     remote = True
     capacity_blocks = 0
+    data_plane = None
 
     def hit(self, slots, info=None) -> None:
         """Slot tiers reorder their eviction; the server does its own LRU on GET."""
@@ -110,6 +111,7 @@ class RedisTier(_RemoteBase):
         self.conn = RedisData(settings, self.ns, block_bytes, threads=threads if data else 1, count=count,
                               name=name)
         self.with_data = data
+        self.data_plane = self.conn if data else None
         self._known = _Known(KNOWN_MAX)
         self._probes: OrderedDict[tuple, tuple[Future, float, int]] = OrderedDict()
         self._prober = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-lookup")

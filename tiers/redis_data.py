@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
+from .handles import DoneHandle, FutureHandle, IOHandle, IOResult, Medium
 from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect
 
 log = logging.getLogger("kvtier.redis")
@@ -101,6 +101,8 @@ class _Reader:
 
 class RedisData:
     """Blocks of `block_bytes` under the keys of `ns` (one fingerprint, one rank) on one server."""
+
+    medium = Medium.SHARED
 
     def __init__(self, settings: RedisSettings, ns: Namespace, block_bytes: int, threads: int = 4,
                  count: Callable[[str, float], None] | None = None, name: str = "shared") -> None:

@@ -1,94 +1,637 @@
-"""Executors outside vLLM: they run a controller's plan and report back (`kvtier.core.plan.Report`).
+"""The data plane: one executor runs a controller's plan (`kvtier.core.plan`) and reports back.
 
-- `LocalExecutor`: moves real bytes between the caller's buffers and the tiers' data planes
-  (CPU pools, NVMe data files), in one process: the CLI's spill / restore / bench, replay with data.
-- `NullExecutor`: moves nothing and reports success: replay and simulation without data.
-Inside vLLM the executor is the connector's worker side (`kvtier.connector.worker`).
+The CLI, replay with data and the vLLM connector's workers all run this class; they differ only
+in the *outside* (where blocks live outside the tiers) and how often they report:
+
+- `Buffers`: a caller's tensors, one per block (the CLI's spill / restore / bench, replay);
+- `kvtier.connector.kv_layout.KVCopier`: vLLM's KV cache (gather / scatter, on a GPU on a side
+  stream ordered against the forward, one event per layer).
+
+Each tier's data plane declares its medium (`kvtier.tiers.handles.Medium`); an op is run by the
+handler of its (source medium, destination medium):
+
+    outside -> host     store: blocks into DRAM slots (the outside's job)
+    host    -> outside  load from DRAM
+    file    -> host     NVMe read into promotion slots or staging rows, verified, then -> outside
+    shared  -> host     shared-tier GET, verified, then -> outside
+    host    -> file     copy down: NVMe write, fdatasync, written behind (`WriteBehind`)
+    host    -> shared   copy to the fleet's server, written behind
+
+Every failure is a per-block result (a miss, a load error the caller recomputes, a store not
+committed), logged once per cause and counted; nothing here raises into the caller's step.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import logging
+import time
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from kvtier.core.plan import Plan, Report
+from kvtier.core.once import Once, cause
+from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, StoreOp
+from kvtier.core.staging import Staging
+from kvtier.core.write_behind import WriteBehind
+from kvtier.tiers.cpu_pool import copy_blocks
+from kvtier.tiers.handles import DoneHandle, IOResult, Medium
+
+log = logging.getLogger("kvtier.executor")
+
+
+class Outside(Protocol):
+    """Where blocks live outside the tiers. `layered`: loads are enqueued on a device and each
+    layer's consumer waits on its own event (`load_layered`), else copies run on the caller.
+    `direct_reads`: a lower tier may read blocks straight into `direct(block_ids)`."""
+
+    layered: bool
+    direct_reads: bool
+
+    def job(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int],
+            bufs: Sequence[torch.Tensor]) -> Any:
+        """The copy between these blocks and these rows of `host` ([rows, block bytes]); `bufs`
+        are the same rows as tensors (for layouts that copy per view)."""
+
+    def direct(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Buffers a lower tier reads these blocks into (with `direct_reads`)."""
+
+    def run(self, jobs: Sequence[Any], to_outside: bool) -> None: ...
+
+    def store_async(self, jobs: Sequence[Any]) -> Any: ...
+
+    def load_layered(self, jobs: Sequence[Any]) -> list | None: ...
+
+    def sync(self, event: Any) -> None: ...
+
+
+class Buffers:
+    """The outside of a caller with a tensor per block id (`blocks[b]`, `block_bytes` each)."""
+
+    layered = False
+    direct_reads = True
+
+    def __init__(self, blocks: Sequence[torch.Tensor] | dict, block_bytes: int) -> None:
+        self.blocks = blocks
+        self.block_bytes = block_bytes
+
+    def job(self, host, block_ids, rows, bufs):
+        return [(self.blocks[b], buf) for b, buf in zip(block_ids, bufs)]
+
+    def direct(self, block_ids):
+        return [self.blocks[b] for b in block_ids]
+
+    def run(self, jobs, to_outside: bool) -> None:
+        pairs = [p for j in jobs for p in j]
+        if not pairs:
+            return
+        outs = [_bytes(b) for b, _ in pairs]
+        rows = [_bytes(r) for _, r in pairs]
+        if to_outside:
+            copy_blocks(outs, rows, self.block_bytes)
+        else:
+            copy_blocks(rows, outs, self.block_bytes)
+
+    def store_async(self, jobs):
+        self.run(jobs, to_outside=False)
+
+    def load_layered(self, jobs):
+        self.run(jobs, to_outside=True)
+
+    def sync(self, event) -> None:
+        pass
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 or t.dim() != 1 else t
+
+
+class Executor(Counting):
+    """Runs plans over the tiers' data planes (`planes[i]`: tier i's CpuPool, NvmeData or
+    RedisData, or None where this process has none) and an outside.
+
+    `write_lag_steps`: copies down are reported at most this many `step()`s after they were
+    queued (0: in the same call). `tier_names` name the counters (`bytes_loaded.<tier>`...).
+    """
+
+    LOAD_CHUNK_BYTES = 8 << 20   # copies of lower-tier loads run per chunk read (copies on the caller)
+
+    def __init__(self, outside: Outside | None, planes: Sequence[Any | None], block_bytes: int, *,
+                 tier_names: Sequence[str] = (), write_lag_steps: int = 0, rank: int = 0,
+                 staging: Staging | None = None, report_cls: type[Report] = Report,
+                 count: Callable[..., None] | None = None) -> None:
+        self.outside = outside
+        self.planes: list[Any | None] = list(planes)
+        self.block_bytes = block_bytes
+        self.tier_names = list(tier_names)
+        self.rank = rank
+        self.staging = staging
+        self._report_cls = report_cls
+        self._result = report_cls(rank=rank)
+        self._init_counters()
+        if count is not None:  # count into another object's counters (the CLI's controller)
+            self._count = count
+        self._once = Once(log)
+        self._load_errors: set[int] = set()
+        self.corrupt_blocks = 0
+        self.errors: list[str] = []           # I/O errors since the caller last cleared them (the CLI's exit)
+        self.writes = WriteBehind(write_lag_steps)   # copies to a file, in flight
+        self.puts = WriteBehind(write_lag_steps)     # copies to the shared tier, in flight
+        self._step = 0
+        self._async: dict[str, list[LoadOp]] = {}  # request -> its load ops, loading asynchronously
+        self._recv_failed: set[str] = set()         # asynchronous loads that failed: reported as done
+        self._fetched: dict[int, tuple] = {}       # id(op) -> (host rows, rows, buffers, handle): read ahead
+        self._load_event = None
+        self.layer_events: list | None = None     # a layered load's events, one per layer
+        self._load_done: list[tuple[LoadOp, str, list[bool]]] = []
+        self._sync_s = self._copy_s = 0.0
+        self.fail_loads = False                    # test hook: every load fails
+
+    # ---- media -------------------------------------------------------------------------------
+    def name(self, tier: int) -> str:
+        return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
+
+    def _plane(self, tier: int, medium: Medium | None = None) -> Any:
+        p = self.planes[tier] if tier < len(self.planes) else None
+        if p is None:
+            raise RuntimeError(f"no data plane for tier {self.name(tier)} in this process")
+        if medium is not None and p.medium is not medium:
+            raise RuntimeError(f"tier {self.name(tier)} is {p.medium.name}, not {medium.name}")
+        return p
+
+    def _host(self, tier: int, slots: Sequence[int] | None = None):
+        """Tier `tier`'s DRAM pool; `slots` must lie in it (a worker's pool may be smaller than the
+        scheduler's tier until the scheduler follows its report)."""
+        pool = self._plane(tier, Medium.HOST)
+        if slots and max(slots) >= pool.num_slots:
+            raise RuntimeError(f"slot {max(slots)} beyond the {pool.num_slots}-slot pool of tier {self.name(tier)}")
+        return pool
+
+    # ---- loads -------------------------------------------------------------------------------
+    def load(self, ops: Sequence[LoadOp], layered: bool = False) -> None:
+        """Run loads: tier -> outside. `layered` (and a layered outside): enqueue the copies and
+        leave one event per layer in `layer_events`; else copy now (a lower tier's blocks chunk by
+        chunk as their reads land). Results are reported by `finish_loads`."""
+        if not ops:
+            return
+        self.finish_loads()  # the last copies may still read the staging rows handed out again here
+        t0 = time.perf_counter()
+        self._copy_s = 0.0
+        copy_now = not (layered and self.outside.layered)
+        jobs: list[Any] = []
+        staged = sum(len(op.slots) for op in ops if self._needs_staging(op))
+        stage = self.staging.views(staged) if staged else []
+        row0 = 0
+        for op in ops:
+            name = self.name(op.tier)
+            oks = [False] * len(op.slots)
+            try:
+                if self.fail_loads:
+                    raise RuntimeError("fail_loads test hook")
+                plane = self._plane(op.tier)
+                if op.via:
+                    self._host(op.via_tier, op.via)
+                if plane.medium is Medium.HOST:
+                    self._host(op.tier, op.slots)
+                    jobs.append(self.outside.job(plane.rows, op.block_ids, op.slots,
+                                                 [plane.views[s] for s in op.slots]))
+                    oks = [True] * len(op.slots)
+                    if op.via:  # promoted from a lower DRAM tier: a memcpy into the upper tier's slots
+                        up = self._host(op.via_tier)
+                        copy_blocks([up.views[s] for s in op.via], [plane.views[s] for s in op.slots],
+                                    self.block_bytes)
+                        self._result.stored[op.op_id] = oks
+                else:
+                    oks = self._read_lower(op, plane, jobs, stage, row0, copy_now)
+            except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
+                self._once(("load", name) + cause(e), logging.WARNING,
+                           "kvtier: load of %d blocks for %s from %s failed: %s (recomputed)",
+                           len(op.slots), op.req_id, name, e)
+                if op.via:
+                    self._result.stored[op.op_id] = [False] * len(op.slots)
+            if self._needs_staging(op):
+                row0 += len(op.slots)
+            self._load_done.append((op, name, oks))
+        if jobs and not copy_now:
+            self._sync_s = time.perf_counter() - t0   # reads + checksums, before the copies run
+            t1 = time.perf_counter()
+            self.layer_events = self.outside.load_layered(jobs)
+            self._copy_s += time.perf_counter() - t1
+            self._load_event = self.layer_events[-1] if self.layer_events else None
+            return
+        if jobs:
+            self._copy_now(jobs)
+        self._sync_s = time.perf_counter() - t0 - self._copy_s
+        self.finish_loads()
+
+    def _needs_staging(self, op: LoadOp) -> bool:
+        p = self.planes[op.tier] if op.tier < len(self.planes) else None
+        return (p is not None and p.medium is not Medium.HOST and not op.via and id(op) not in self._fetched
+                and not self.outside.direct_reads)
+
+    def _read_lower(self, op: LoadOp, plane: Any, jobs: list, stage: list, row0: int, copy_now: bool) -> list[bool]:
+        """A file or shared-tier load: read into the promotion slots `op.via`, rows of its own (read
+        ahead), the outside's own buffers, or staging rows; each block verified; then its copy into
+        the outside goes to `jobs`, or runs chunk by chunk as each chunk's reads land."""
+        n = len(op.slots)
+        shared = plane.medium is Medium.SHARED
+        if shared and (not op.keys or len(op.keys) != n):
+            raise RuntimeError("shared-tier load without keys")
+        if not shared and (op.checksums is None or len(op.checksums) != n):
+            raise RuntimeError("file load without expected checksums")
+        pre = self._fetched.pop(id(op), None)
+        direct = None
+        if pre is not None:  # read ahead (an asynchronous load)
+            host, rows, bufs, h = pre
+            reads = [(0, [False] * n, h)]
+        else:
+            if op.via:
+                pool = self._host(op.via_tier)
+                host, rows, bufs = pool.rows, list(op.via), [pool.views[s] for s in op.via]
+            elif self.outside.direct_reads:
+                direct = self.outside.direct(op.block_ids)
+                host, rows, bufs = None, list(range(n)), direct
+            else:
+                host, rows, bufs = self.staging.rows(), list(range(row0, row0 + n)), stage[row0:row0 + n]
+            step = max(1, self.LOAD_CHUNK_BYTES // self.block_bytes) if copy_now else n
+            reads = []  # every chunk in flight at once: the engine's threads keep the disk / server busy
+            for lo in range(0, n, step):
+                hi = min(n, lo + step)
+                bad = [False] * (hi - lo)
+                if shared:
+                    reads.append((lo, bad, plane.get(op.keys[lo:hi], bufs[lo:hi])))
+                else:
+                    reads.append((lo, bad, plane.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
+                                                      keys=op.keys[lo:hi] if op.keys else None)))
+        oks: list[bool] = []
+        corrupt: list[int] = []
+        errors: list[str] = []
+        for lo, bad, h in reads:
+            r = h.wait()
+            oks.extend(r.ok)
+            errors.extend(r.errors)
+            if shared:  # absent (the server evicted it) or failed verification: a miss, reported
+                self._result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
+            corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
+            good = [lo + i for i, ok in enumerate(r.ok) if ok]
+            if not good or direct is not None:
+                continue
+            job = self.outside.job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
+                                   [bufs[i] for i in good])
+            if copy_now:
+                self._copy_now([job])
+            else:
+                jobs.append(job)
+        if corrupt:
+            self.corrupt_blocks += len(corrupt)
+            self._count(f"corrupt_blocks.{self.name(op.tier)}", len(corrupt))
+            self._result.corrupt.setdefault(op.tier, []).extend(corrupt)
+            self._once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
+                       "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, self.name(op.tier),
+                       errors[:2])
+        if op.via:
+            self._result.stored[op.op_id] = oks
+        return oks
+
+    def _copy_now(self, jobs: list) -> None:
+        t1 = time.perf_counter()
+        self.outside.run(jobs, to_outside=True)
+        self._copy_s += time.perf_counter() - t1
+
+    def finish_loads(self) -> None:
+        """Wait for the last load's copies; account them; a failed copy makes its blocks load errors."""
+        ev, self._load_event = self._load_event, None
+        failed = None
+        if ev is not None:
+            try:
+                self.outside.sync(ev)
+            except Exception as e:  # noqa: BLE001 - pragma: no cover (a failed device copy)
+                failed = e
+                self._once(("layer_copies",) + cause(e), logging.ERROR, "kvtier: copies of loaded blocks failed: "
+                           "%s (their blocks are load errors)", e)
+        self.layer_events = None
+        done, self._load_done = self._load_done, []
+        busy = self._sync_s + self._copy_s
+        for op, name, oks in done:
+            if failed is not None:
+                oks = [False] * len(oks)
+            bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
+            if bad:
+                self._load_errors.update(bad)
+            self._result.loaded[op.req_id] = self._result.loaded.get(op.req_id, True) and not bad
+            n = sum(oks)
+            if n:
+                self._count(f"bytes_loaded.{name}", n * self.block_bytes)
+                self._count(f"seconds_loaded.{name}", busy / max(1, len(done)))
+                self._count(f"blocks_loaded.{name}", n)
+            if bad:
+                self._count(f"blocks_load_failed.{name}", len(bad))
+
+    # ---- asynchronous loads (the shared tier: reads ahead, copied in a later step) ---------------
+    def load_async(self, ops: Sequence[LoadOp]) -> None:
+        """Start these requests' loads: shared-tier reads begin now (into their promotion slots or
+        rows of their own); `poll_async` runs the rest and reports each request once complete."""
+        for op in ops:
+            self._async.setdefault(op.req_id, []).append(op)
+            plane = self.planes[op.tier] if op.tier < len(self.planes) else None
+            if plane is not None and plane.medium is Medium.SHARED:
+                self._prefetch(op, plane)
+
+    def _prefetch(self, op: LoadOp, plane: Any) -> None:
+        n = len(op.keys or [])
+        try:
+            if op.via:
+                pool = self._host(op.via_tier, op.via)
+                host, rows = pool.rows, list(op.via)
+            else:
+                host, rows = torch.empty((n, self.block_bytes), dtype=torch.uint8), list(range(n))
+            bufs = [host[r] for r in rows]
+            h = plane.get(op.keys, bufs)
+        except Exception as e:  # noqa: BLE001 - a miss, reported with the load
+            self._once(("remote_read",) + cause(e), logging.WARNING,
+                       "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
+            host, rows, bufs = None, [], []
+            h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
+        self._fetched[id(op)] = (host, rows, bufs, h)
+
+    def poll_async(self, wait_s: float = 0.0) -> set[str]:
+        """Requests whose asynchronous loads arrived (waiting up to `wait_s` for them): their
+        blocks go to the outside now; returned once, failed ones too (with their load errors)."""
+        if self._async and wait_s > 0:
+            deadline = time.monotonic() + wait_s
+            for ops in list(self._async.values()):
+                for op in ops:
+                    f = self._fetched.get(id(op))
+                    left = deadline - time.monotonic()
+                    if f is None or left <= 0:
+                        continue
+                    try:
+                        f[-1].wait(left)
+                    except Exception:  # noqa: BLE001 - still running (timeout) or failed: reported when done
+                        pass
+        done: set[str] = set()
+        for rid, ops in list(self._async.items()):
+            if any(not self._fetched[id(op)][-1].done() for op in ops if id(op) in self._fetched):
+                continue
+            del self._async[rid]
+            self.load(ops, layered=False)
+            done.add(rid)
+        if done:
+            self.finish_loads()
+        if self._recv_failed:
+            done |= self._recv_failed
+            self._recv_failed = set()
+        return done
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._async)
+
+    # ---- stores and copies -------------------------------------------------------------------
+    def store(self, ops: Sequence[StoreOp], tainted: bool = False) -> set[tuple[int, int]]:
+        """outside -> DRAM slots, all in one batch (after the step's compute; a device: one sync).
+        `tainted`: this step's loads failed, so what it computed is not stored. Returns the
+        (tier, slot) pairs whose store failed (a copy down from them must not run)."""
+        failed: set[tuple[int, int]] = set()
+        t0 = time.perf_counter()
+        planned: list[tuple[StoreOp, Any]] = []
+        for op in ops:
+            try:
+                if tainted:
+                    raise RuntimeError("a load failed this step")
+                pool = self._host(op.tier, op.slots)
+                planned.append((op, self.outside.job(pool.rows, op.block_ids, op.slots,
+                                                     [pool.views[s] for s in op.slots])))
+            except Exception as e:  # noqa: BLE001 - this op fails, the others run
+                self._store_failed(op, e, tainted, failed)
+        if planned:
+            try:
+                self.outside.sync(self.outside.store_async([j for _, j in planned]))
+            except Exception as e:  # noqa: BLE001
+                for op, _ in planned:
+                    self._store_failed(op, e, False, failed)
+                planned = []
+        dt = time.perf_counter() - t0
+        by_tier: dict[str, int] = {}
+        for op, _ in planned:
+            self._result.stored[op.op_id] = [True] * len(op.slots)
+            by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
+        for name, n in by_tier.items():
+            self._count(f"bytes_stored.{name}", n * self.block_bytes)
+            self._count(f"seconds_stored.{name}", dt)
+            self._count(f"blocks_stored.{name}", n)
+        return failed
+
+    def _store_failed(self, op: StoreOp, e: BaseException, tainted: bool, failed: set) -> None:
+        if not tainted:
+            self._once(("store", op.tier) + cause(e), logging.WARNING,
+                       "kvtier: store of %d blocks to %s failed: %s", len(op.slots), self.name(op.tier), e)
+        self._result.stored[op.op_id] = [False] * len(op.slots)
+        failed.update((op.tier, s) for s in op.slots)
+
+    def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
+        """DRAM -> file or shared tier, written behind: each op's per-slot result (the block's tag,
+        or -1: not durable, or its source failed this step) is reported within `write_lag_steps`."""
+        by: dict[Medium, list[CopyOp]] = {}
+        for op in ops:
+            plane = self.planes[op.tier] if op.tier < len(self.planes) else None
+            if plane is None:
+                self._copy_failed([op], RuntimeError(f"no data plane for tier {self.name(op.tier)} in this process"))
+                continue
+            by.setdefault(plane.medium, []).append(op)
+        for op in by.get(Medium.HOST, []):
+            self._copy_host(op, failed)
+        if by.get(Medium.SHARED):
+            self._copy_behind(by[Medium.SHARED], failed, self.puts, shared=True)
+        if by.get(Medium.FILE):
+            self._copy_behind(by[Medium.FILE], failed, self.writes, shared=False)
+
+    def _copy_host(self, op: CopyOp, failed: set) -> None:
+        """DRAM -> DRAM (two DRAM tiers): a memcpy, done at once."""
+        try:
+            src, dst = self._host(op.src_tier, op.src_slots), self._host(op.tier, op.slots)
+            copy_blocks([dst.views[s] for s in op.slots], [src.views[s] for s in op.src_slots], self.block_bytes)
+        except Exception as e:  # noqa: BLE001
+            self._copy_failed([op], e)
+            return
+        self._result.copied[op.op_id] = [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots]
+        n = len(op.slots)
+        self._count(f"bytes_stored.{self.name(op.tier)}", n * self.block_bytes)
+        self._count(f"blocks_stored.{self.name(op.tier)}", n)
+
+    def _copy_behind(self, ops: list[CopyOp], failed: set, behind: WriteBehind, shared: bool) -> None:
+        if shared:  # a source slot whose store failed holds stale bytes: never sent where others read it
+            stale = [op for op in ops if any((op.src_tier, s) in failed for s in op.src_slots)]
+            if stale:
+                self._copy_failed(stale, None)
+            ops = [op for op in ops if op not in stale]
+        batch: list = []
+        try:
+            srcs = [[self._host(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
+            for op, views in zip(ops, srcs):  # every check before the first transfer is handed over
+                plane = self._plane(op.tier)
+                if shared:
+                    h = plane.put(op.keys, views)
+                    batch.append((op, [0] * len(op.src_slots), h))
+                else:
+                    sums = [0] * len(op.slots)
+                    batch.append((op, sums, plane.write(op.slots, views, sums, keys=op.keys)))
+        except Exception as e:  # noqa: BLE001 - the copies not handed over are dropped
+            started = {id(b[0]) for b in batch}
+            self._copy_failed([op for op in ops if id(op) not in started], e)
+        if batch:
+            plane = self._plane(batch[0][0].tier)
+            behind.submit(self._step, plane, batch, {s for t, s in failed})
+            if behind.lag == 0:
+                self.reap(wait=True)
+
+    def _copy_failed(self, ops: list[CopyOp], e: BaseException | None) -> None:
+        if e is not None and ops:
+            self._once(("copy", ops[0].tier) + cause(e), logging.WARNING, "kvtier: copy of %d ops to %s not "
+                       "started: %s (dropped; the source copies stay)", len(ops), self.name(ops[0].tier), e)
+        for op in ops:
+            self._result.copied[op.op_id] = [-1] * len(op.src_slots)
+
+    def reap(self, wait: bool = False) -> None:
+        """Report finished copies; wait for those `write_lag_steps` old (all if `wait`)."""
+        for behind in (self.writes, self.puts):
+            for done, dt, errors in behind.reap(self._step, wait):
+                n, name = 0, None
+                for op, out in done:
+                    self._result.copied[op.op_id] = out
+                    n += sum(1 for c in out if c >= 0)
+                    name = self.name(op.tier)
+                if errors:  # the engine's words: errno and path
+                    self.errors.extend(errors)
+                    self._once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
+                               "source copies stay; counted in store_failed_blocks)", name, errors[0])
+                if name is not None:
+                    self._count(f"bytes_stored.{name}", n * self.block_bytes)
+                    self._count(f"seconds_stored.{name}", dt)
+                    self._count(f"blocks_stored.{name}", n)
+
+    @property
+    def writes_in_flight(self) -> int:
+        return len(self.writes) + len(self.puts)
+
+    # ---- one synchronous round (the CLI, replay) -------------------------------------------
+    def run(self, plan: Plan) -> Report:
+        """Loads, stores, then copies of `plan`, all waited for; the report."""
+        self.load(plan.loads)
+        failed = self.store(plan.stores)
+        self.copy(plan.copies, failed)
+        self.reap(wait=True)
+        return self.take_report() or self._report_cls(rank=self.rank)
+
+    # ---- the report --------------------------------------------------------------------------
+    def step(self) -> Report | None:
+        """This step's report (once per step): loads, stores, copies now durable; None if empty."""
+        self.finish_loads()
+        self.reap()
+        return self.take_report()
+
+    def take_report(self) -> Report | None:
+        self._step += 1
+        r = self._result
+        if r.is_empty():
+            return None
+        self._result = self._report_cls(rank=self.rank)
+        return r
+
+    @property
+    def has_load_errors(self) -> bool:
+        """A load of this step failed (its blocks are recomputed: what the step computed after
+        them is stale)."""
+        return bool(self._load_errors)
+
+    def take_load_errors(self, finish: bool = True) -> set[int]:
+        if finish:
+            self.finish_loads()
+        e, self._load_errors = self._load_errors, set()
+        return e
+
+    # ---- failures: the safe answer when work cannot run ----------------------------------------
+    def fail_blocks(self, req_id: str, block_ids: Sequence[int], why: str) -> None:
+        """These blocks of the request were not loaded: load errors (the caller recomputes them)."""
+        ids = list(block_ids)
+        self._load_errors.update(ids)
+        self._result.loaded[req_id] = False
+        self._count("blocks_load_failed", len(ids))
+        self._once(("load_failed", why), logging.WARNING,
+                   "kvtier: %d blocks of %s not loaded (%s): reported as load errors, recomputed", len(ids), req_id,
+                   why)
+
+    def fail_loads_of(self, ops: Sequence[LoadOp], why: str, async_ids: Sequence[str] = ()) -> None:
+        """These loads cannot run: each block a load error; a request loading asynchronously is
+        also reported as done (with its errors), or it would wait forever."""
+        self._recv_failed.update(async_ids)
+        for op in ops:
+            self.fail_blocks(op.req_id, op.block_ids, why)
+            if op.via:  # a promotion read through DRAM slots: those slots were not written
+                self._result.stored[op.op_id] = [False] * len(op.slots)
+            self._fetched.pop(id(op), None)
+            if op.req_id in self._async:
+                self._recv_failed.add(op.req_id)
+        self.layer_events = None
+
+    def fail_async(self) -> set[str]:
+        """Every asynchronous load still waiting fails; returns the requests to report as done."""
+        for ops in list(self._async.values()):
+            self.fail_loads_of(ops, "the asynchronous load failed")
+        self._recv_failed.update(self._async)
+        self._async.clear()
+        out, self._recv_failed = self._recv_failed, set()
+        return out
+
+    def fail_stores(self, stores: Sequence[StoreOp], copies: Sequence[CopyOp]) -> None:
+        """These stores and copies cannot run: dropped (future misses), their slots released."""
+        n = 0
+        for op in stores:
+            if op.op_id not in self._result.stored:
+                self._result.stored[op.op_id] = [False] * len(op.slots)
+                n += len(op.slots)
+        for op in copies:
+            self._result.copied[op.op_id] = [-1] * len(op.src_slots)
+            n += len(op.src_slots)
+        self._count("blocks_store_dropped", n)
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def drain(self, timeout_s: float) -> tuple[int, int]:
+        """Wait (bounded) for every copy in flight and report it; returns the batches left running
+        (file, shared): their blocks are never reported, so never indexed."""
+        self.finish_loads()
+        for *_, h in list(self._fetched.values()):  # reads ahead into DRAM slots: let them land
+            try:
+                h.wait()
+            except Exception:  # noqa: BLE001 - pragma: no cover (reported through the handle)
+                pass
+        self._fetched.clear()
+        self._async.clear()
+        late_puts = self.puts.drain(timeout_s) if len(self.puts) else 0
+        late = self.writes.drain(timeout_s) if len(self.writes) else 0
+        self.reap(wait=True)
+        return late, late_puts
+
+    def close(self, wait: bool = True) -> None:
+        self.writes.close(wait=wait)
+        self.puts.close(wait=wait)
 
 
 class NullExecutor:
-    """Every op succeeds; checksums are 0."""
+    """Moves nothing and reports every op done (replay and simulation without data)."""
 
-    def run(self, plan: Plan, dsts=None, srcs=None) -> tuple[Report, dict[int, bool]]:
+    errors: list[str] = []
+
+    def run(self, plan: Plan) -> Report:
         rep = Report()
-        loaded: dict[int, bool] = {}
         for op in plan.loads:
             rep.loaded[op.req_id] = True
             if op.via:
                 rep.stored[op.op_id] = [True] * len(op.slots)
-            for b in op.block_ids:
-                loaded[b] = True
         for op in plan.stores:
             rep.stored[op.op_id] = [True] * len(op.slots)
         for op in plan.copies:
             rep.copied[op.op_id] = [0] * len(op.src_slots)
-        return rep, loaded
+        return rep
 
-
-class LocalExecutor:
-    """Runs loads (tier -> caller's buffers, through promotion slots when planned), stores
-    (caller's buffers -> tier) and tier-to-tier copies, in that order, and waits for them."""
-
-    def __init__(self, tiers: Sequence, count: Callable[[str, float], None] | None = None) -> None:
-        self.tiers = list(tiers)
-        self._count = count or (lambda k, v=1: None)
-        self.errors: list[str] = []   # the I/O errors of the last run (errno and path, as the engine says)
-
-    def run(self, plan: Plan, dsts: Sequence[torch.Tensor] | None = None,
-            srcs: Sequence[torch.Tensor] | None = None) -> tuple[Report, dict[int, bool]]:
-        """Returns the report and, per caller block id loaded, whether its bytes arrived."""
-        rep = Report()
-        loaded: dict[int, bool] = {}
-        self.errors = []
-        for op in plan.loads:
-            tier = self.tiers[op.tier]
-            via = self.tiers[op.via_tier] if op.via else None
-            bufs = [via.view(s) for s in op.via] if via is not None else [dsts[b] for b in op.block_ids]
-            remote = getattr(tier, "remote", False)
-            r = (tier.get(op.keys, bufs) if remote else tier.read(op.slots, bufs)).wait()
-            self._count(f"bytes_read.{tier.name}", r.nbytes)
-            if via is not None:
-                for b, buf, ok in zip(op.block_ids, bufs, r.ok):
-                    if ok:
-                        dsts[b].copy_(buf)
-                rep.stored[op.op_id] = list(r.ok)
-            bad = [s for s, ok in zip(op.slots, r.ok) if not ok]
-            if bad and remote:  # absent (evicted by the server) or failed verification: a miss
-                rep.gone.extend(k for k, ok in zip(op.keys, r.ok) if not ok)
-            elif bad:
-                rep.corrupt.setdefault(op.tier, []).extend(bad)
-            rep.loaded[op.req_id] = rep.loaded.get(op.req_id, True) and not bad
-            loaded.update(zip(op.block_ids, r.ok))
-        failed: set[tuple[int, int]] = set()  # (tier, slot) whose store failed: no copy source
-        for op in plan.stores:
-            tier = self.tiers[op.tier]
-            r = tier.write(op.slots, [srcs[b] for b in op.block_ids]).wait()
-            self._count(f"bytes_written.{tier.name}", r.nbytes)
-            self.errors.extend(r.errors)
-            rep.stored[op.op_id] = list(r.ok)
-            failed.update((op.tier, s) for s, ok in zip(op.slots, r.ok) if not ok)
-        for op in plan.copies:
-            src, tier = self.tiers[op.src_tier], self.tiers[op.tier]
-            bufs = [src.view(s) for s in op.src_slots]
-            if getattr(tier, "remote", False):
-                r = tier.put(op.keys, bufs).wait()
-                self._count(f"bytes_written.{tier.name}", r.nbytes)
-                rep.copied[op.op_id] = [0 if ok and (op.src_tier, s) not in failed else -1
-                                              for ok, s in zip(r.ok, op.src_slots)]
-                continue
-            r = tier.write(op.slots, bufs).wait()
-            self._count(f"bytes_written.{tier.name}", r.nbytes)
-            self.errors.extend(r.errors)
-            sums = tier.checksums(op.slots) if hasattr(tier, "checksums") else [0] * len(op.slots)
-            rep.copied[op.op_id] = [c if ok and (op.src_tier, s) not in failed else -1
-                                          for c, ok, s in zip(sums, r.ok, op.src_slots)]
-        return rep, loaded
+    def take_load_errors(self, finish: bool = True) -> set[int]:
+        return set()

@@ -21,7 +21,7 @@ from kvtier.policies.base import RequestInfo, NO_INFO
 from kvtier.core.builder import build_controller, build_tiers, fresh_evictions
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.controller import TierController
-from kvtier.core.executor import LocalExecutor, NullExecutor
+from kvtier.core.executor import Buffers, Executor, NullExecutor
 from kvtier.core.leases import Lease
 from kvtier.core.plan import Plan
 
@@ -30,8 +30,8 @@ log = logging.getLogger("kvtier.startup")
 
 _PER_TIER = {"hits": "hit_blocks", "stored": "stored_blocks", "not_admitted": "not_admitted_blocks",
              "dropped_full": "store_dropped_blocks", "evicted": "evicted_blocks", "demoted": "demoted_blocks",
-             "promoted": "promoted_blocks", "corrupt": "corrupt_blocks", "bytes_read": "bytes_read",
-             "bytes_written": "bytes_written"}
+             "promoted": "promoted_blocks", "corrupt": "corrupt_blocks", "bytes_read": "bytes_loaded",
+             "bytes_written": "bytes_stored"}
 
 
 @dataclass
@@ -68,7 +68,9 @@ class TierStack:
         self.with_data = with_data
         self.block_bytes = cfg.block_bytes
         self.ctrl: TierController = build_controller(cfg, self.tiers, lease_timeout_s=lease_timeout_s)
-        self.executor = LocalExecutor(self.tiers, self.ctrl.count) if with_data else NullExecutor()
+        self.executor = (Executor(Buffers([], cfg.block_bytes), [t.data_plane for t in self.tiers], cfg.block_bytes,
+                                  tier_names=[t.name for t in self.tiers], count=self.ctrl.count)
+                         if with_data else NullExecutor())
         self._ids = itertools.count()
 
     @classmethod
@@ -130,13 +132,24 @@ class TierStack:
         plan = self.ctrl.take_plan()
         if plan.is_empty():
             return {}
-        rep, loaded = self.executor.run(plan, dsts, srcs)
+        blocks = dsts if dsts is not None else (srcs if srcs is not None else [])
+        rep, loaded = self.execute(plan, blocks)
         self.ctrl.errors.clear()
         self.ctrl.complete(rep)
         if self.ctrl.errors:
-            detail = getattr(self.executor, "errors", [])
-            raise OSError(errno.EIO, "; ".join(self.ctrl.errors[:2] + detail[:1]))
+            raise OSError(errno.EIO, "; ".join(self.ctrl.errors[:2] + self.executor.errors[:1]))
         return loaded
+
+    def execute(self, plan: Plan, blocks: Sequence[torch.Tensor]) -> tuple[Any, dict[int, bool]]:
+        """Run a plan with the caller's `blocks` (block id -> tensor) as the outside: the report,
+        and per loaded block id whether its bytes arrived."""
+        ex = self.executor
+        if self.with_data:
+            ex.outside = Buffers(blocks, self.block_bytes)
+        ex.errors.clear()
+        rep = ex.run(plan)
+        bad = ex.take_load_errors()
+        return rep, {b: b not in bad for op in plan.loads for b in op.block_ids}
 
     def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor] | None = None,
             info: RequestInfo = NO_INFO) -> int:
@@ -146,7 +159,7 @@ class TierStack:
         lease = self.ctrl.acquire(rid, keys)
         n = lease.num_blocks if lease is not None else 0
         if n:
-            self.ctrl.load(rid, n, list(range(n)), info, checksums=False)
+            self.ctrl.load(rid, n, list(range(n)), info)
             loaded = self._run(dsts)
             if self.with_data and dsts is not None:
                 n = next((i for i in range(n) if not loaded.get(i, False)), n)
@@ -183,7 +196,7 @@ class TierStack:
         before = self.ctrl.total(key)
         self.ctrl.flush(ti, batch)
         for op in self.ctrl.take_plan().copies:  # one batch at a time, for the progress bar
-            rep, _ = self.executor.run(Plan(copies=[op]))
+            rep = self.executor.run(Plan(copies=[op]))
             self.ctrl.complete(rep)
             if progress:
                 progress(len(op.slots))

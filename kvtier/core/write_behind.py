@@ -1,4 +1,4 @@
-"""Write-behind of the worker's NVMe (and shared-tier) writes: the forward never waits for them.
+"""Write-behind of copies down (to a file, to the shared tier): the caller's step never waits for them.
 
 `submit` takes a step's batch of writes already handed to the I/O engine; one flusher thread
 waits for them, fdatasyncs the data file once and turns each op into per-slot tags (-1: not
@@ -9,15 +9,12 @@ latest `lag` steps after the step that queued it.
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
-log = logging.getLogger("kvtier.connector")
-
-Done = tuple[list[tuple[Any, list[int]]], float]   # ([(op, per-slot tags)], seconds)
+Done = tuple[list[tuple[Any, list[int]]], float, list[str]]   # ([(op, per-slot tags)], seconds, errors)
 
 
 class WriteBehind:
@@ -68,9 +65,8 @@ def _flush(nvme: Any, batch: list, failed_src: set[int], t0: float) -> Done:
         results = [(op, sums, h.wait()) for op, sums, h in batch]
         if any(any(r.ok) for _, _, r in results):
             nvme.sync()
-    except Exception as e:
-        log.warning("kvtier: write-behind to %s failed: %s", getattr(nvme, "name", "nvme"), e)
-        return [(op, [-1] * len(op.src_slots)) for op, _, _ in batch], time.perf_counter() - t0
+    except Exception as e:  # noqa: BLE001 - the batch is not durable: reported, the sources stay
+        return [(op, [-1] * len(op.src_slots)) for op, _, _ in batch], time.perf_counter() - t0, [str(e)]
     out = [(op, [c if ok and src not in failed_src else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)])
            for op, sums, r in results]
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, [e for _, _, r in results for e in r.errors]

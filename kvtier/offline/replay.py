@@ -21,6 +21,17 @@ DEFAULT_PREFILL_TPS = 10_000.0            # prefill tokens/s of the model being 
 DEFAULT_LOAD_GBPS = {"cpu": 20.0, "nvme": 5.0, "redis": 1.0}  # host, NVMe, shared tier -> GPU GB/s
 
 
+class _Blocks:
+    """A request's blocks for the executor: the hit prefix (ids below `k`) loads into `scratch`,
+    the rest is stored from `src`."""
+
+    def __init__(self, scratch, src, k: int) -> None:
+        self.scratch, self.src, self.k = scratch, src, k
+
+    def __getitem__(self, j: int):
+        return self.scratch[j] if j < self.k else self.src[j]
+
+
 def _fill(t: torch.Tensor, key: bytes) -> None:
     """Block contents derived from its key (cheap to write, exact to check)."""
     t.view(torch.int64).fill_(_tag(key))
@@ -45,7 +56,7 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
 
     bt = block_tokens or stack.cfg.block_tokens
     keys = keys if keys is not None else make_keys(reqs)
-    ctrl, execute = stack.ctrl, stack.executor.run
+    ctrl, execute = stack.ctrl, stack.execute
     ntiers = len(stack.tiers)
     tier_hits = [0] * ntiers
     hits = refs = hit_tok = in_tok = bad = 0
@@ -87,14 +98,14 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
                 if counted:
                     for t, _ in lease.blocks:
                         tier_hits[t] += 1
-                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now, str(i)), checksums=False)
+                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now, str(i)))
             count_request(n, k)
             if k < full:
                 if data:
                     for j in range(k, full):
                         _fill(src.views[j], ks[j])
                 store(ks[k:full], rng[k:full], RequestInfo(ks, k, k, r.input_length, bt, now, str(i)))
-            rep, loaded = execute(take_plan(), scratch.views if data else None, src.views if data else None)
+            rep, loaded = execute(take_plan(), _Blocks(scratch.views, src.views, k) if data else [])
             complete(rep)
             served = k
             if data and k:
@@ -126,7 +137,7 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             "hit_blocks": tier_hits[ti], "hit_ratio": tier_hits[ti] / refs if refs else 0.0,
             "stored": c("stored_blocks"), "promoted_in": c("promoted_blocks"), "demoted_in": c("demoted_blocks"),
             "evicted": c("evicted_blocks"), "not_admitted": c("not_admitted_blocks"),
-            "dropped": c("store_dropped_blocks"), "bytes_read": c("bytes_read"), "bytes_written": c("bytes_written"),
+            "dropped": c("store_dropped_blocks"), "bytes_read": c("bytes_loaded"), "bytes_written": c("bytes_stored"),
             "corrupt": c("corrupt_blocks")})
     return {"requests": len(reqs), "block_refs": refs, "hit_blocks": hits,
             "hit_ratio": hits / refs if refs else 0.0,
