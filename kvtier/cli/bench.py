@@ -130,7 +130,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _check_memory(need: int, what: str) -> None:
-    from kvtier.core.config import available_memory, memory_headroom
+    from kvtier.core.fit import available_memory, memory_headroom
     room = available_memory() - memory_headroom()
     if need > room:
         raise ValueError(f"--total: {what} need {format_size(need)} of memory, only {format_size(max(0, room))} "

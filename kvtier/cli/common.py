@@ -11,7 +11,8 @@ import os
 import sys
 from typing import Any
 
-from kvtier.core.config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config
+from kvtier.core.config import ConfigError, StackConfig, load_config
+from kvtier.core.fit import check_environment, fit_to_machine
 
 
 class CommandFailed(RuntimeError):
