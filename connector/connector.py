@@ -160,7 +160,7 @@ class KVTierConnector(KVConnectorBase_V1):
         it); a cpu tier given as a share takes the size of this process's worker pool when there is
         one (vLLM's single-process executor builds the worker first), else it is resolved here and
         follows the workers' pools at their first report (they size them after vLLM's KV cache)."""
-        from kvtier.core.config import fit_to_machine
+        from kvtier.core.fit import fit_to_machine
         cfg, warnings = fit_to_machine(cfg, shrink=True, kinds=("nvme",))
         for w in warnings:
             log.warning("%s", w)

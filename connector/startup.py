@@ -38,7 +38,8 @@ def fit_pool_slots(tier: Any, block_bytes: int, ranks: int = 1,
     in what is available now (vLLM's KV cache is already allocated when the worker sizes its pool,
     so it is counted), shared by the `ranks` workers of this host, less `memory_headroom()`.
     Returns (slots, the warning when shrunk); raises ConfigError when not one block fits."""
-    from kvtier.core.config import ConfigError, available_memory, memory_headroom
+    from kvtier.core.config import ConfigError
+    from kvtier.core.fit import available_memory, memory_headroom
 
     avail = available_memory() if available is None else available
     budget = max(0, avail - memory_headroom()) // max(1, ranks)

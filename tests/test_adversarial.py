@@ -453,16 +453,16 @@ def test_case11_disk_full_at_the_manifest_keeps_the_spill_verifiable(tmp_path, m
     """The file system fills after the blocks are committed: the spill fails naming the manifest's
     path and ENOSPC, leaves no temp file, and `restore --verify` still checks every block (against
     its key: the manifest keeps the spill as begun)."""
-    from kvtier.cli import commands, main
+    from kvtier.cli import main, spill as spill_cmd
     with _small_fs("32M") as fs:
         c = cfg(tmp_path, nvme_blocks=64, path=f"{fs.path}/nv")
-        real = commands.write_manifest
+        real = spill_cmd.write_manifest
 
         def fill_then_write(nvme, spills):
             if spills[-1].get("digests") is not None:   # the final record, after the blocks are committed
                 _fill(fs.path)
             return real(nvme, spills)
-        monkeypatch.setattr(commands, "write_manifest", fill_then_write)
+        monkeypatch.setattr(spill_cmd, "write_manifest", fill_then_write)
         assert main(["spill", "-c", c, "-n", "40", "--seed", "6", "-q"]) == 1
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvtier: error:")]
         assert len(err) == 1 and f"{fs.path}/nv/spill-manifest.json: [ENOSPC]" in err[0], err

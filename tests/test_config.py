@@ -187,7 +187,7 @@ def test_an_old_yaml_naming_a_retired_policy_is_one_clear_line(tmp_path, capsys,
     assert not (tmp_path / "nv").exists()   # refused before anything was opened
 
 
-# ---- capacities that fit the machine (fit_to_machine) -------------------------------------------
+# ---- capacities that fit the machine (kvtier.core.fit) -------------------------------------------
 GiB = 1 << 30
 
 
@@ -201,23 +201,23 @@ def _cfg(tmp_path, cpu="1GiB", nvme="1GiB", bb="1MiB", path=None):
 @pytest.fixture
 def ram(monkeypatch):
     """A machine with 10 GiB available and a 1 GiB headroom (the real figures are tested below)."""
-    import kvtier.core.config as c
+    import kvtier.core.fit as c
     monkeypatch.setattr(c, "available_memory", lambda: 10 * GiB)
     monkeypatch.setattr(c, "memory_headroom", lambda: GiB)
 
 
 def test_cpu_share_is_of_the_memory_kvtier_may_use(tmp_path, ram):
-    from kvtier.core.config import fit_to_machine
+    from kvtier.core.fit import fit_to_machine
     cfg, warnings = fit_to_machine(_cfg(tmp_path, cpu="50%", nvme=None))
     assert cfg.tiers[0].blocks(cfg.block_bytes) == (9 * GiB // 2) >> 20 and warnings == []   # (10 - 1) / 2
     cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="100%", nvme=None), reserved_memory=4 * GiB)
     assert cfg.tiers[0].blocks(cfg.block_bytes) == (5 * GiB) >> 20                            # 10 - 4 - 1
-    with pytest.raises(ConfigError, match="resolve it with kvtier.core.config.fit_to_machine"):
+    with pytest.raises(ConfigError, match="resolve it with kvtier.core.fit.fit_to_machine"):
         _cfg(tmp_path, cpu="50%", nvme=None).tiers[0].blocks(1 << 20)   # unresolved: never a silent guess
 
 
 def test_cpu_tier_beyond_available_memory_is_refused_or_shrunk(tmp_path, ram):
-    from kvtier.core.config import fit_to_machine
+    from kvtier.core.fit import fit_to_machine
     with pytest.raises(ConfigError) as e:
         fit_to_machine(_cfg(tmp_path, cpu="9.5GiB", nvme=None))
     assert str(e.value) == ("s.yaml: tiers.0.capacity: tier 'cpu': asks 9.50 GiB of DRAM (9728 blocks), only "
@@ -235,7 +235,7 @@ def test_cpu_tier_beyond_available_memory_is_refused_or_shrunk(tmp_path, ram):
 
 
 def test_two_cpu_tiers_are_checked_together(tmp_path, ram):
-    from kvtier.core.config import fit_to_machine
+    from kvtier.core.fit import fit_to_machine
     cfg = parse_config({"block_bytes": "1MiB", "tiers": [{"name": "a", "kind": "cpu", "capacity": "6GiB"},
                                                          {"name": "b", "kind": "cpu", "capacity": "6GiB"}]},
                        source="s.yaml", check_env=False)
@@ -255,7 +255,7 @@ def test_share_of_a_redis_tier_is_refused():
 
 
 def test_available_memory_is_memavailable_not_physical():
-    from kvtier.core.config import available_memory, memory_headroom
+    from kvtier.core.fit import available_memory, memory_headroom
     with open("/proc/meminfo") as f:
         mi = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f}
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -267,7 +267,7 @@ def test_available_memory_is_memavailable_not_physical():
 def test_a_dram_tier_just_below_physical_memory_is_refused_before_allocation(tmp_path):
     """Between available and physical memory (was OOM-killed: the check compared with physical
     memory): refused at once, naming the tier and both sizes."""
-    from kvtier.core.config import fit_to_machine
+    from kvtier.core.fit import fit_to_machine
     below_physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - (128 << 20)
     cfg = _cfg(tmp_path, cpu=below_physical, nvme=None, bb="64KiB")
     with pytest.raises(ConfigError, match=r"tiers.0.capacity: tier 'cpu': asks .* of DRAM .* only .* available "
@@ -277,7 +277,7 @@ def test_a_dram_tier_just_below_physical_memory_is_refused_before_allocation(tmp
 
 def test_nvme_share_and_check_on_a_small_file_system(tmp_path):
     from fs_util import small_fs
-    from kvtier.core.config import DISK_HEADROOM, DISK_HEADROOM_PER_BLOCK, fit_to_machine
+    from kvtier.core.fit import DISK_HEADROOM, DISK_HEADROOM_PER_BLOCK, fit_to_machine
     from kvtier.tiers.nvme_block import slot_stride
     stride = slot_stride(65536)
     with small_fs("32M") as fs:
@@ -302,7 +302,7 @@ def test_nvme_share_and_check_on_a_small_file_system(tmp_path):
 
 def test_read_only_file_system_is_erofs_not_eacces(tmp_path):
     from fs_util import small_fs
-    from kvtier.core.config import check_environment
+    from kvtier.core.fit import check_environment
     with small_fs("16M") as fs:
         fs.remount(read_only=True)
         try:

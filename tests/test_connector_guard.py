@@ -106,10 +106,10 @@ def test_failed_plan_fails_loads_and_releases_every_pin():
 def test_fit_pool_slots_shrinks_or_refuses(monkeypatch):
     import pytest
 
-    import kvtier.core.config
+    import kvtier.core.fit
     from kvtier.core.config import ConfigError, TierConfig
     from kvtier.connector.startup import fit_pool_slots
-    monkeypatch.setattr(kvtier.core.config, "memory_headroom", lambda: 1 << 30)
+    monkeypatch.setattr(kvtier.core.fit, "memory_headroom", lambda: 1 << 30)
     bb, head = 1 << 20, 1 << 30
     cpu = TierConfig(name="cpu", kind="cpu", capacity_blocks=100)
     assert fit_pool_slots(cpu, bb, available=head + 200 * bb) == (100, None)
@@ -126,15 +126,15 @@ def test_fit_pool_slots_shrinks_or_refuses(monkeypatch):
 def test_shrunk_pool_limits_the_schedulers_tier(monkeypatch):
     import torch
 
-    import kvtier.core.config
+    import kvtier.core.fit
     from kvtier.connector.metadata import KVTierMetadata
     from kvtier.connector.worker import KVTierWorker
 
     buf = torch.randn(2, 16, 2, 4, 8)
     caches = {f"l{i}": buf[i] for i in range(2)}
     bb = 2 * 2 * 4 * 8 * 4
-    monkeypatch.setattr(kvtier.core.config, "memory_headroom", lambda: 1 << 30)
-    monkeypatch.setattr(kvtier.core.config, "available_memory", lambda: (1 << 30) + 5 * bb)
+    monkeypatch.setattr(kvtier.core.fit, "memory_headroom", lambda: 1 << 30)
+    monkeypatch.setattr(kvtier.core.fit, "available_memory", lambda: (1 << 30) + 5 * bb)
     w = KVTierWorker(lambda _bb: 8, pin=False)
     w.register_kv_caches(caches)
     assert w.pools[0].num_slots == 5

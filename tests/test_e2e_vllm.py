@@ -328,7 +328,7 @@ def test_nvme_corruption_recomputes(model_dir, prompts, baseline, copied, tmp_pa
     # (a new write), and reads back verified
     import torch
 
-    from kvtier.cli.commands import stored_layout
+    from kvtier.cli.common import stored_layout
     from kvtier.policies.lru import LRU
     from kvtier.tiers.nvme import NvmeTier
     lay = stored_layout(str(d))

@@ -14,7 +14,7 @@ from kvtier.core.builder import build_controller, build_tiers
 from kvtier.core.config import load_config
 from kvtier.connector.metadata import KVTierWorkerMeta
 from kvtier.connector.scheduler import KVTierScheduler
-from kvtier.core.keys import split_key
+from kvtier.core.keys import GROUP_ID_BYTES
 from kvtier.offline.trace import make_keys
 from kvtier.offline.trace import load_trace
 
@@ -40,7 +40,7 @@ def fake_vllm(cfg_path: str, reqs) -> dict:
     s = KVTierScheduler(block_tokens=BT, controller=build_controller(cfg, build_tiers(cfg, "none")))
     for i, (r, keys) in enumerate(zip(reqs, make_keys(reqs))):
         full = min(len(keys), r.input_length // BT)
-        req = FakeRequest(f"r{i}", [split_key(k)[0] for k in keys[:full]], r.input_length, r.timestamp / 1000.0)
+        req = FakeRequest(f"r{i}", [k[:-GROUP_ID_BYTES] for k in keys[:full]], r.input_length, r.timestamp / 1000.0)
         ids = list(range(len(keys) + 1))
         n = s.lookup(req, 0)
         s.on_alloc(req, ids, n)

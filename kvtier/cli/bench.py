@@ -13,7 +13,8 @@ from typing import Iterator
 
 import torch
 
-from kvtier.core.units import parse_size
+from kvtier.cli.common import print_result
+from kvtier.core.units import format_size, parse_size
 
 
 def bench_cpu(block_bytes: int, total: int, repeat: int) -> list[dict]:
@@ -129,8 +130,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 
 
 def _check_memory(need: int, what: str) -> None:
-    from kvtier.core.config import available_memory, memory_headroom
-    from kvtier.core.units import format_size
+    from kvtier.core.fit import available_memory, memory_headroom
     room = available_memory() - memory_headroom()
     if need > room:
         raise ValueError(f"--total: {what} need {format_size(need)} of memory, only {format_size(max(0, room))} "
@@ -144,7 +144,6 @@ def _bench_dir(directory: str | None, total: int, block_bytes: int) -> Iterator[
     import os
     import shutil
     from kvtier.tiers.nvme_block import make_private_dirs, slot_stride
-    from kvtier.core.units import format_size
     top = None
     if directory is not None and not os.path.lexists(directory):
         top = os.path.abspath(directory)
@@ -164,3 +163,20 @@ def _bench_dir(directory: str | None, total: int, block_bytes: int) -> Iterator[
     finally:
         if top is not None:
             shutil.rmtree(top, ignore_errors=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    r = run_bench(args)
+    print_result(args, r, _bench_text)
+    return 0
+
+
+def _bench_text(d: dict) -> str:
+    lines = [f"kvtier bench (median of {d['repeat']}, {format_size(d['total_bytes'])} per run)",
+             f"{'what':<22}{'block':>10}{'ours GB/s':>12}{'limit GB/s':>12}{'ratio':>8}  limit"]
+    for row in d["rows"]:
+        lines.append(f"{row['what']:<22}{format_size(row['block_bytes']):>10}{row['ours_gbps']:>12.2f}"
+                     f"{row['limit_gbps']:>12.2f}{row['ratio']:>8.2f}  {row['limit']}")
+    for note in d.get("notes", []):
+        lines.append(f"note: {note}")
+    return "\n".join(lines)

@@ -316,7 +316,7 @@ PASSES = (  # (name, server 1 or 2 (after the restart), order of the prompts, ti
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvtier.cli.commands import CommandFailed
+    from kvtier.cli.common import CommandFailed
 
     if args.build_model:
         if importlib.util.find_spec("transformers") is None:

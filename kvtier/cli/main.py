@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     import threading
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
-    from kvtier.cli.commands import CommandFailed
+    from kvtier.cli.common import CommandFailed
     try:
         return int(_dispatch(args) or 0)
     except CommandFailed as e:
@@ -238,9 +238,19 @@ def _dispatch(args: argparse.Namespace) -> Any:
         write_trace(reqs, args.out, args.block_tokens)
         print(f"{args.out}: {args.shape} seed {args.seed}: {stats(reqs, args.block_tokens)}")
         return 0
-    from kvtier.cli import commands
-    return {"spill": commands.cmd_spill, "restore": commands.cmd_restore, "inspect": commands.cmd_inspect,
-            "bench": commands.cmd_bench, "fsck": commands.cmd_fsck}[args.command](args)
+    if args.command == "spill":
+        from kvtier.cli.spill import cmd_spill
+        return cmd_spill(args)
+    if args.command == "restore":
+        from kvtier.cli.restore import cmd_restore
+        return cmd_restore(args)
+    if args.command in ("inspect", "fsck"):
+        from kvtier.cli.inspect import cmd_fsck, cmd_inspect
+        return (cmd_inspect if args.command == "inspect" else cmd_fsck)(args)
+    if args.command == "bench":
+        from kvtier.cli.bench import cmd_bench
+        return cmd_bench(args)
+    raise AssertionError(f"unknown command {args.command!r}")  # argparse refuses any other
 
 
 if __name__ == "__main__":  # pragma: no cover

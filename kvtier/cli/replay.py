@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvtier.core.config import ConfigError, StackConfig, check_environment, fit_to_machine, load_config, parse_config
+from kvtier.core.config import ConfigError, StackConfig, load_config, parse_config
+from kvtier.core.fit import check_environment, fit_to_machine
 from kvtier.core.stack import TierStack
 from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS, replay
 from kvtier.offline.trace import BLOCK_TOKENS, default_trace, rescale_stack
@@ -106,7 +107,7 @@ META_BYTES_PER_BLOCK = 256   # a metadata-only tier's per-slot arrays and index 
 
 def _check_metadata_memory(cfg: StackConfig) -> None:
     """A metadata-only replay allocates no blocks, but each slot of capacity still costs memory."""
-    from kvtier.core.config import available_memory, memory_headroom
+    from kvtier.core.fit import available_memory, memory_headroom
     tiers = [t for t in cfg.storage_tiers() if t.kind in ("cpu", "nvme") or t.capacity is not None
              or t.capacity_blocks is not None]
     n = sum(t.blocks(cfg.block_bytes) for t in tiers)

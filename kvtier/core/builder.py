@@ -42,16 +42,11 @@ def make_eviction(cfg: StackConfig, tcfg: TierConfig, capacity: int) -> Eviction
 
 
 def make_admission(cfg: StackConfig) -> list[AdmissionPolicy]:
-    """Per storage tier its admission policy; a class with `wants_capacity` also gets the tier's
-    `capacity` in blocks (e.g. `bypass`, whose shadow caches are a share of it)."""
+    """Per storage tier its admission policy."""
     out = []
     for t in cfg.storage_tiers():
         name = t.admission or cfg.policy.admission
-        cls = ADMISSION.get(name)
-        kw = dict(policy_params(cfg.policy.params, name))
-        if getattr(cls, "wants_capacity", False):
-            kw["capacity"] = t.blocks(cfg.block_bytes)
-        out.append(_construct(cfg, name, cls, **kw))
+        out.append(_construct(cfg, name, ADMISSION.get(name), **policy_params(cfg.policy.params, name)))
     return out
 
 

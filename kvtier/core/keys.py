@@ -10,8 +10,3 @@ def make_key(block_hash: bytes | int, group_id: int = 0) -> bytes:
     if isinstance(block_hash, int):
         block_hash = block_hash.to_bytes(8, "big", signed=False)
     return bytes(block_hash) + group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
-
-
-def split_key(key: bytes) -> tuple[bytes, int]:
-    """Inverse of make_key: (block_hash, group_id)."""
-    return key[:-GROUP_ID_BYTES], int.from_bytes(key[-GROUP_ID_BYTES:], "big")
