@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from kvtier.core.builder import build_controller, build_tiers
 from kvtier.core.config import ConfigError
 from kvtier.core.once import Once, cause
+from kvtier.tiers.handles import Medium
 
 from .config import load_settings, tier_of
 from .guard import hook
@@ -302,20 +303,17 @@ class KVTierConnector(KVConnectorBase_V1):
             write_stats(t.dir, dict(self.sched.totals))
 
     def _nvme_tiers(self) -> list:
-        return [t for t in getattr(self.sched, "tiers", []) or [] if getattr(t, "kind", "") == "nvme"]
+        return [t for t in self.sched.tiers if t.medium is Medium.FILE] if self.sched is not None else []
 
     def _gauges(self) -> dict[str, float]:
-        """Occupancy of each tier and blocks held by leases, from the tiers' public counts."""
+        """Occupancy of each local tier and blocks held by leases (the shared tier's server keeps
+        its own)."""
         out: dict[str, float] = {}
-        for t in getattr(self.sched, "tiers", []) or []:
-            try:
+        for t in self.sched.tiers:
+            if not t.remote:
                 out[f"gauge_resident_blocks.{t.name}"] = int(t.num_used)
                 out[f"gauge_capacity_blocks.{t.name}"] = int(t.capacity_blocks)
-            except Exception:  # a tier without the counts: no gauge
-                continue
-        leases = getattr(self.sched, "leases", None)
-        if leases is not None and hasattr(leases, "pinned"):
-            out["gauge_leased_blocks"] = int(leases.pinned())
+        out["gauge_leased_blocks"] = int(self.sched.leases.pinned())
         return out
 
     @classmethod
@@ -346,7 +344,7 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         self.closed = True
         if self.worker is not None:
-            nvme_dir = getattr(self.worker.nvme, "dir", None)
+            nvme_dir = self.worker.nvme.dir if self.worker.nvme is not None else None
             final = self.worker.close(timeout_s=_flush_budget_s())
             if final is not None and final.copied:
                 n = sum(1 for v in final.copied.values() for c in v if c >= 0)
@@ -418,11 +416,10 @@ class KVTierConnector(KVConnectorBase_V1):
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         by = self.sched.hit_sources(request.request_id)
         out: dict = {}
-        for name, n in by.items():
-            kind = self.sched.tier_kind(name)
-            src = (CacheHitSource.DISK if kind == "nvme" else
-                   CacheHitSource.EXTERNAL_UNSPECIFIED if kind == "redis" else CacheHitSource.HOST)
-            out[src] = out.get(src, 0) + n
+        source = {Medium.HOST: CacheHitSource.HOST, Medium.FILE: CacheHitSource.DISK,
+                  Medium.SHARED: CacheHitSource.EXTERNAL_UNSPECIFIED}
+        for medium, n in by.items():
+            out[source[medium]] = out.get(source[medium], 0) + n
         if sum(out.values()) != num_external_tokens:
             return {CacheHitSource.HOST: num_external_tokens}
         return out
@@ -482,7 +479,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def _register_failed(self, kv_caches: dict) -> None:
         log.error("kvtier: worker rank %s runs without kvtier: every planned load is recomputed, "
-                  "nothing is stored", getattr(self.worker, "rank", "?"))
+                  "nothing is stored", self.worker.rank if self.worker is not None else "?")
         if self.worker is not None:
             self.worker.disable()
 

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Sequence
 
 from kvtier.core.controller import PENDING, TierController
 from kvtier.core.once import Once, cause
+from kvtier.tiers.handles import Medium
 from kvtier.core.keys import GROUP_ID_BYTES
 from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
@@ -76,8 +77,8 @@ class KVTierScheduler:
         self.store_enabled = store and bool(self.tiers)
         self.offload = offload
         self.max_blocks_per_step = max_blocks_per_step if max_blocks_per_step and max_blocks_per_step > 0 else None
-        self.nvme = next((i for i, t in enumerate(self.tiers) if t.kind == "nvme"), None)
-        self.nvme_dir: str | None = getattr(self.tiers[self.nvme], "dir", None) if self.nvme is not None else None
+        self.nvme = next((i for i, t in enumerate(self.tiers) if t.medium is Medium.FILE), None)
+        self.nvme_dir: str | None = self.tiers[self.nvme].dir if self.nvme is not None else None
         self.gpu = None                      # SchedulerContext (lazy offload)
         self._behind: deque[tuple[bytes, int]] = deque()  # lazy: finished requests' blocks to write behind
         self._lazy_ops: dict[int, list[tuple[bytes, int]]] = {}  # lazy store op -> its (key, GPU block)
@@ -194,15 +195,15 @@ class KVTierScheduler:
         r.load_start = lease.start
         r.stored_upto = max(r.stored_upto, lease.start + n)
 
-    def tier_kind(self, name: str) -> str:
-        return next((getattr(t, "kind", "") for t in self.tiers if t.name == name), "")
-
-    def hit_sources(self, request_id: str) -> dict[str, int]:
-        """Tokens of the planned load per tier name."""
+    def hit_sources(self, request_id: str) -> dict[Medium, int]:
+        """Tokens of the planned load per medium of the tiers they come from."""
         r = self._reqs.get(request_id)
-        if r is None:
-            return {}
-        return {self.tiers[t].name: n * self.block_tokens for t, n in r.load_tier_blocks.items() if n}
+        out: dict[Medium, int] = {}
+        if r is not None:
+            for t, n in r.load_tier_blocks.items():
+                m = self.tiers[t].medium
+                out[m] = out.get(m, 0) + n * self.block_tokens
+        return out
 
     # ---- the per-step plan -------------------------------------------------------------
     def build_meta(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]]) -> KVTierMetadata:

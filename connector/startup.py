@@ -72,18 +72,7 @@ def scheduler_line(conn: Any) -> str:
     st = conn.config
     nv = tier_of(st, "nvme")
     bb = conn.block_bytes_estimate
-    parts = []
-    restored = 0
-    for t in getattr(conn.sched, "tiers", []) or []:
-        cap = int(getattr(t, "capacity_blocks", 0))
-        p = f"{t.name} {cap} blocks ({_size(cap * bb)})"
-        if getattr(t, "kind", "") == "nvme":
-            r = int(getattr(t, "restored_blocks", 0))
-            restored += r
-            p += f" at {getattr(t, 'dir', nv.path if nv else '?')}, {r} restored from disk"
-        if getattr(t, "kind", "") == "redis":
-            p = shared_part(t)
-        parts.append(p)
+    parts = [t.summary() for t in conn.sched.tiers] if conn.sched is not None else []
     fp = conn.fingerprint
     pol = st.policy
     policies = f"eviction {pol.eviction}" + (f"/{nv.eviction}" if nv and nv.eviction else "")
@@ -91,14 +80,8 @@ def scheduler_line(conn: Any) -> str:
     return (f"kvtier connector (scheduler) started: tiers {'; '.join(parts) or 'none (disabled)'}; "
             f"block {conn.block_tokens} tokens x {_size(bb)}; {policies}, offload {pol.offload}, "
             f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
-            f"fingerprint {fingerprint_hash(fp)} (model {fp['model']}: {getattr(conn, 'model_identity_how', '?')}, "
+            f"fingerprint {fingerprint_hash(fp)} (model {fp['model']}: {conn.model_identity_how}, "
             f"{fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); config {st.source}")
-
-
-def shared_part(t: Any) -> str:
-    """The shared tier as a startup line shows it (the server without credentials)."""
-    return (f"{t.name} on {t.settings.where} (namespace {t.ns.ns}, "
-            f"{'secret set' if t.ns.authenticated else 'no secret: integrity only'}; the server evicts)")
 
 
 def worker_line(conn: Any) -> tuple[str, list[str]]:
@@ -107,7 +90,7 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
     cpu, nv = tier_of(st, "cpu"), tier_of(st, "nvme")
     warnings: list[str] = []
     lay = w.layout
-    pools = getattr(w, "pools", []) or []
+    pools = w.pools
     pool = pools[0] if pools else None
     gpu = lay is not None and lay.device.type == "cuda"
     line = f"kvtier connector (worker rank {w.rank}) started: "
@@ -124,7 +107,7 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
         line += f"nvme {nv.path}, io {_io_choice(nv, gpu, warnings)}"
     else:
         line += "no nvme tier"
-    if getattr(w, "remote", None) is not None:
+    if w.remote is not None:
         line += f"; shared tier {w.remote.description}, keys of rank {w.remote.ns.rank}"
     return line, warnings
 

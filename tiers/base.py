@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
-from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
+from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
+
+from .handles import Medium
 
 FREE, PENDING_SLOT, RESIDENT = 0, 1, 2
 
@@ -94,7 +96,11 @@ class SlotTier:
     """
 
     kind = "slots"
-    data_plane = None   # the object that holds the bytes in this process (its `medium`), or None
+    # what the tier declares (the controller and the drivers read these, never probe for methods)
+    medium = Medium.HOST   # what holds its bytes (the data plane's medium)
+    remote = False         # a shared tier whose server owns membership and eviction (tiers.redis)
+    verifies = False       # a load carries each block's expected checksum (checksums(slots))
+    data_plane = None      # the object that holds the bytes in this process, or None
 
     def __init__(self, name: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy) -> None:
         if capacity_blocks <= 0:
@@ -345,6 +351,36 @@ class SlotTier:
 
     def _on_evict(self, slots: Sequence[int]) -> None:
         pass
+
+    # ---- the rest of the contract, with what a plain DRAM tier does --------------------------
+    @property
+    def eviction_name(self) -> str:
+        return self.eviction.name
+
+    def checksums(self, slots: Sequence[int]) -> list:
+        """What a reader verifies each slot against (`verifies` tiers only)."""
+        return [0] * len(slots)
+
+    def commit_written(self, slots: Sequence[int], sums: Sequence, info: RequestInfo = NO_INFO) -> None:
+        """Pending slots an executor wrote (with these checksums): publish them."""
+        self.commit(slots, info)
+
+    def quarantine(self, slots: Sequence[int], why: str = "failed verification") -> int:
+        """Blocks that failed verification: out of service (a miss from now on); returns how many.
+        DRAM blocks are not verified: the unpinned ones are evicted."""
+        gone = [s for s in dict.fromkeys(slots) if self._state[s] == RESIDENT and self._ref[s] == 0]
+        return len(self.evict(gone)) if gone else 0
+
+    def close(self) -> None:
+        """Release what the tier holds (files, locks, memory)."""
+
+    def drain(self) -> None:
+        """Wait for the transfers its data plane has in flight (before buffers they read are freed)."""
+
+    def summary(self) -> str:
+        """The tier in a start-up line: name, capacity and what else an operator needs to know."""
+        from kvtier.core.units import format_size
+        return f"{self.name} {self._cap} blocks ({format_size(self._cap * self.block_bytes)})"
 
     def stats(self) -> dict:
         return {"name": self.name, "kind": self.kind, "capacity_blocks": self._cap,

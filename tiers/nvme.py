@@ -209,6 +209,9 @@ class NvmeTier(NvmeControl):
     def io_engine(self) -> str:
         return self.data.description if self.data is not None else "none (metadata only)"
 
+    def summary(self) -> str:
+        return f"{super().summary()}, io {self.io_engine}"
+
     @property
     def bytes_read(self) -> int:
         return self.data.bytes_read if self.data is not None else 0

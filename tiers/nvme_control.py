@@ -29,6 +29,7 @@ from kvtier.core.once import Once
 from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
 from .base import PENDING_SLOT, RESIDENT, SlotTier
+from .handles import Medium
 from .nvme_block import (HEADER_BYTES, SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint,
                          slot_stride)
 from .io_engines import crash_point
@@ -146,6 +147,8 @@ class NvmeControl(SlotTier):
     """
 
     kind = "nvme"
+    medium = Medium.FILE
+    verifies = True
     _defer_publish = False  # NvmeTier opens its data file before serving the index
 
     def __init__(self, name: str, path: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy,
@@ -478,6 +481,9 @@ class NvmeControl(SlotTier):
                 self._pending.discard(s)
                 self._doomed.add(s)
         return keys
+
+    def summary(self) -> str:
+        return f"{super().summary()} at {self.dir}, {self.restored_blocks} restored from disk"
 
     def stats(self) -> dict:
         d = super().stats()

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .handles import IOHandle
+from .handles import IOHandle, Medium
 from .redis_conn import Namespace, RedisSettings
 from .redis_data import RedisData
 
@@ -78,10 +78,24 @@ class _Known:
 
 
 class _RemoteBase:
+    """A shared tier, as the controller sees it: the server owns membership and eviction."""
+
     kind = "redis"
+    medium = Medium.SHARED
     remote = True
+    verifies = False
+    eviction_name = "server"
     capacity_blocks = 0
     data_plane = None
+
+    def close(self) -> None:
+        """Nothing held (RedisTier closes its connections)."""
+
+    def drain(self) -> None:
+        """Nothing in flight (RedisTier waits for its transfers)."""
+
+    def summary(self) -> str:
+        return f"{self.name} (a shared server's, modelled as an LRU of {self.capacity_blocks} blocks)"
 
     def hit(self, slots, info=None) -> None:
         """Slot tiers reorder their eviction; the server does its own LRU on GET."""
@@ -203,6 +217,14 @@ class RedisTier(_RemoteBase):
                 "known_blocks": len(self._known), "block_bytes": self.block_bytes,
                 "authenticated": self.ns.authenticated, "server_down": self.conn.breaker.down,
                 **{k: int(v) for k, v in self.conn.counters.items()}}
+
+    def summary(self) -> str:
+        """The server without credentials."""
+        return (f"{self.name} on {self.settings.where} (namespace {self.ns.ns}, "
+                f"{'secret set' if self.ns.authenticated else 'no secret: integrity only'}; the server evicts)")
+
+    def drain(self) -> None:
+        self.conn.drain()
 
     def close(self) -> None:
         self._prober.shutdown(wait=False, cancel_futures=True)

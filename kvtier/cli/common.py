@@ -58,7 +58,7 @@ def staging_pool(num: int, block_bytes: int):
 
 
 def engine_name(tier: Any) -> str:
-    return getattr(tier, "io_engine", None) or tier.stats().get("engine", "?")
+    return tier.stats().get("engine", "?")
 
 
 def nvme_tier_config(cfg: StackConfig):

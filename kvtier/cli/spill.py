@@ -15,6 +15,7 @@ from kvtier.core.config import ConfigError
 from kvtier.core.stack import TierStack
 from kvtier.core.units import format_size
 from kvtier.offline.blockgen import block_key, fill_block
+from kvtier.tiers.handles import Medium
 
 log = logging.getLogger("kvtier")
 
@@ -91,8 +92,7 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
         failed = e
     finally:
         for t in stack.tiers:  # an interrupt may leave writes from `staging` in flight
-            if hasattr(t, "drain"):
-                t.drain()
+            t.drain()
         if bar is not None:
             bar.close()
         if log_f:
@@ -152,7 +152,7 @@ def spill(stack: TierStack, n: int, seed: int, batch: int, args: Any = None) -> 
 
 def _nvme_index(stack: TierStack) -> int:
     for i, t in enumerate(stack.tiers):
-        if t.kind == "nvme":
+        if t.medium is Medium.FILE:
             return i
     raise ConfigError(f"{stack.cfg.source}: tiers: spill/restore need an nvme tier")
 
@@ -187,4 +187,4 @@ def _advance(durable: int, hi: int, nvme: Any, seed: int) -> int:
 
 
 def _shared(tiers) -> Any:
-    return next((t for t in tiers if getattr(t, "remote", False)), None)
+    return next((t for t in tiers if t.remote), None)

@@ -95,9 +95,7 @@ def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None =
             tiers.append(build_tier(cfg, i, data, fingerprint, ranks))
     except BaseException:
         for t in tiers:
-            close = getattr(t, "close", None)
-            if close:
-                close()
+            t.close()
         raise
     return tiers
 

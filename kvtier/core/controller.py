@@ -106,7 +106,7 @@ class TierController(Counting):
         self._init_counters()
         self.tiers = list(tiers)
         self.names = [t.name for t in self.tiers]
-        remote = [i for i, t in enumerate(self.tiers) if getattr(t, "remote", False)]
+        remote = [i for i, t in enumerate(self.tiers) if t.remote]
         if remote and remote != [len(self.tiers) - 1] or remote == [0]:
             raise ValueError(f"a shared tier must be the lowest of several tiers: {self.names}")
         self.remote: int | None = remote[0] if remote else None
@@ -220,7 +220,7 @@ class TierController(Counting):
             if t == self.remote:
                 op.keys = keys_of[t]
                 tier.touch_keys(op.keys)
-            elif checksums and hasattr(tier, "checksums"):
+            elif checksums and tier.verifies:
                 op.checksums = tier.checksums(op.slots)
                 op.keys = keys_of[t]
             tier.hit(op.slots, info)
@@ -452,9 +452,7 @@ class TierController(Counting):
             self._pending[st.tier].difference_update(st.keys)
         for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
             tier = self.tiers[t]
-            quarantine = getattr(tier, "quarantine", None) or getattr(tier, "drop", None)
-            if quarantine is not None:
-                quarantine(slots)
+            tier.quarantine(slots)
             self._count(f"corrupt_blocks.{tier.name}", len(slots))
         for op_id, by_rank in sorted(rep.written_by_rank().items()):
             self._complete_copy(op_id, by_rank)
@@ -502,10 +500,7 @@ class TierController(Counting):
         bad = [s for s, c in zip(cp.slots, sums) if c == -1]
         if good:
             try:
-                if hasattr(tier, "commit_written"):  # durable on disk: now the index commit
-                    tier.commit_written([s for s, _ in good], [c for _, c in good])
-                else:
-                    tier.commit([s for s, _ in good])
+                tier.commit_written([s for s, _ in good], [c for _, c in good])  # durable: now its index
             except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
                 self._once(("commit", cp.tier, e.errno), logging.ERROR,
                            "kvtier: tier %s: commit of %d blocks failed, kept in %s: %s (counted in "
@@ -575,7 +570,7 @@ class TierController(Counting):
         return sum(t.pinned_blocks() for t in self.tiers[:self.nlocal])
 
     def describe(self) -> dict:
-        return {"eviction": [t.eviction.name if hasattr(t, "eviction") else "server" for t in self.tiers],
+        return {"eviction": [t.eviction_name for t in self.tiers],
                 "admission": [a.name if a is not None else "all" for a in self.admission],
                 "promotion": self.promotion.name if self.promotion is not None else "none",
                 "demotion": self.demotion}
@@ -593,6 +588,4 @@ class TierController(Counting):
             self._count("uncommitted_at_close", pending)
         self.leases.expire(float("inf"))
         for t in reversed(self.tiers):  # lower tiers first: their in-flight I/O may read an upper pool
-            c = getattr(t, "close", None)
-            if c is not None:
-                c()
+            t.close()

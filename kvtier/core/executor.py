@@ -493,7 +493,7 @@ class Executor(Counting):
 
     def reap(self, wait: bool = False) -> None:
         """Report finished copies; wait for those `write_lag_steps` old (all if `wait`)."""
-        for behind in (self.writes, self.puts):
+        for behind in (self.writes, self.puts):  # the shared tier's client logs its own failures (breaker)
             for done, dt, errors in behind.reap(self._step, wait):
                 n, name = 0, None
                 for op, out in done:
@@ -502,6 +502,7 @@ class Executor(Counting):
                     name = self.name(op.tier)
                 if errors:  # the engine's words: errno and path
                     self.errors.extend(errors)
+                if errors and behind is self.writes:
                     self._once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
                                "source copies stay; counted in store_failed_blocks)", name, errors[0])
                 if name is not None:

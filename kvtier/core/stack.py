@@ -85,16 +85,8 @@ class TierStack:
     def startup_line(self) -> str:
         """Tiers and capacities, I/O engines, data directories, blocks restored, policies, fingerprint."""
         from kvtier.tiers.nvme_control import fingerprint_hash
-        from kvtier.core.units import format_size
-        parts = []
-        for t in self.tiers:
-            p = f"{t.name} {t.capacity_blocks} blocks ({format_size(t.capacity_blocks * self.block_bytes)})"
-            if t.kind == "nvme":
-                p += (f" at {getattr(t, 'dir', '?')}, {getattr(t, 'restored_blocks', 0)} blocks restored, "
-                      f"io {getattr(t, 'io_engine', '?')}")
-            parts.append(p)
         fp = self.cfg.fingerprint()
-        return (f"kvtier stack opened: {'; '.join(parts)}; policies {self.ctrl.describe()}; "
+        return (f"kvtier stack opened: {'; '.join(t.summary() for t in self.tiers)}; policies {self.ctrl.describe()}; "
                 f"{'real bytes' if self.with_data else 'metadata only'}; fingerprint {fingerprint_hash(fp)}; "
                 f"config {self.cfg.source}")
 
