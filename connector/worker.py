@@ -298,7 +298,7 @@ class KVTierWorker(Counting):
         if ex is None:
             return None
         limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
-        pending = len(ex.writes)
+        pending = len(ex.down.writes)
         t0 = time.monotonic()
         late, late_puts = ex.drain(limit)
         if late_puts:

@@ -25,84 +25,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from kvtier.core.once import Once, cause
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, StoreOp
 from kvtier.core.staging import Staging
-from kvtier.core.write_behind import WriteBehind
+from kvtier.core.write_behind import CopiesDown
+from kvtier.core.outside import Outside
 from kvtier.tiers.cpu_pool import copy_blocks
 from kvtier.tiers.handles import DoneHandle, IOResult, Medium
 
 log = logging.getLogger("kvtier.executor")
-
-
-class Outside(Protocol):
-    """Where blocks live outside the tiers. `layered`: loads are enqueued on a device and each
-    layer's consumer waits on its own event (`load_layered`), else copies run on the caller.
-    `direct_reads`: a lower tier may read blocks straight into `direct(block_ids)`."""
-
-    layered: bool
-    direct_reads: bool
-
-    def job(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int],
-            bufs: Sequence[torch.Tensor]) -> Any:
-        """The copy between these blocks and these rows of `host` ([rows, block bytes]); `bufs`
-        are the same rows as tensors (for layouts that copy per view)."""
-
-    def direct(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
-        """Buffers a lower tier reads these blocks into (with `direct_reads`)."""
-
-    def run(self, jobs: Sequence[Any], to_outside: bool) -> None: ...
-
-    def store_async(self, jobs: Sequence[Any]) -> Any: ...
-
-    def load_layered(self, jobs: Sequence[Any]) -> list | None: ...
-
-    def sync(self, event: Any) -> None: ...
-
-
-class Buffers:
-    """The outside of a caller with a tensor per block id (`blocks[b]`, `block_bytes` each)."""
-
-    layered = False
-    direct_reads = True
-
-    def __init__(self, blocks: Sequence[torch.Tensor] | dict, block_bytes: int) -> None:
-        self.blocks = blocks
-        self.block_bytes = block_bytes
-
-    def job(self, host, block_ids, rows, bufs):
-        return [(self.blocks[b], buf) for b, buf in zip(block_ids, bufs)]
-
-    def direct(self, block_ids):
-        return [self.blocks[b] for b in block_ids]
-
-    def run(self, jobs, to_outside: bool) -> None:
-        pairs = [p for j in jobs for p in j]
-        if not pairs:
-            return
-        outs = [_bytes(b) for b, _ in pairs]
-        rows = [_bytes(r) for _, r in pairs]
-        if to_outside:
-            copy_blocks(outs, rows, self.block_bytes)
-        else:
-            copy_blocks(rows, outs, self.block_bytes)
-
-    def store_async(self, jobs):
-        self.run(jobs, to_outside=False)
-
-    def load_layered(self, jobs):
-        self.run(jobs, to_outside=True)
-
-    def sync(self, event) -> None:
-        pass
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 or t.dim() != 1 else t
 
 
 class Executor(Counting):
@@ -126,17 +61,16 @@ class Executor(Counting):
         self.rank = rank
         self.staging = staging
         self._report_cls = report_cls
-        self._result = report_cls(rank=rank)
+        self.result = report_cls(rank=rank)
         self._init_counters()
-        if count is not None:  # count into another object's counters (the CLI's controller)
-            self._count = count
-        self._once = Once(log)
+        if count is not None:  # count into another object's counters (the CLI's controller, a worker)
+            self._count = self.count = count
+        self.once = Once(log)
         self._load_errors: set[int] = set()
         self.corrupt_blocks = 0
         self.errors: list[str] = []           # I/O errors since the caller last cleared them (the CLI's exit)
-        self.writes = WriteBehind(write_lag_steps)   # copies to a file, in flight
-        self.puts = WriteBehind(write_lag_steps)     # copies to the shared tier, in flight
-        self._step = 0
+        self.down = CopiesDown(self, write_lag_steps)  # copies down, written behind
+        self.steps = 0
         self._async: dict[str, list[LoadOp]] = {}  # request -> its load ops, loading asynchronously
         self._recv_failed: set[str] = set()         # asynchronous loads that failed: reported as done
         self._fetched: dict[int, tuple] = {}       # id(op) -> (host rows, rows, buffers, handle): read ahead
@@ -150,7 +84,7 @@ class Executor(Counting):
     def name(self, tier: int) -> str:
         return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
 
-    def _plane(self, tier: int, medium: Medium | None = None) -> Any:
+    def plane_of(self, tier: int, medium: Medium | None = None) -> Any:
         p = self.planes[tier] if tier < len(self.planes) else None
         if p is None:
             raise RuntimeError(f"no data plane for tier {self.name(tier)} in this process")
@@ -158,10 +92,10 @@ class Executor(Counting):
             raise RuntimeError(f"tier {self.name(tier)} is {p.medium.name}, not {medium.name}")
         return p
 
-    def _host(self, tier: int, slots: Sequence[int] | None = None):
+    def host_pool(self, tier: int, slots: Sequence[int] | None = None):
         """Tier `tier`'s DRAM pool; `slots` must lie in it (a worker's pool may be smaller than the
         scheduler's tier until the scheduler follows its report)."""
-        pool = self._plane(tier, Medium.HOST)
+        pool = self.plane_of(tier, Medium.HOST)
         if slots and max(slots) >= pool.num_slots:
             raise RuntimeError(f"slot {max(slots)} beyond the {pool.num_slots}-slot pool of tier {self.name(tier)}")
         return pool
@@ -187,27 +121,27 @@ class Executor(Counting):
             try:
                 if self.fail_loads:
                     raise RuntimeError("fail_loads test hook")
-                plane = self._plane(op.tier)
+                plane = self.plane_of(op.tier)
                 if op.via:
-                    self._host(op.via_tier, op.via)
+                    self.host_pool(op.via_tier, op.via)
                 if plane.medium is Medium.HOST:
-                    self._host(op.tier, op.slots)
+                    self.host_pool(op.tier, op.slots)
                     jobs.append(self.outside.job(plane.rows, op.block_ids, op.slots,
                                                  [plane.views[s] for s in op.slots]))
                     oks = [True] * len(op.slots)
                     if op.via:  # promoted from a lower DRAM tier: a memcpy into the upper tier's slots
-                        up = self._host(op.via_tier)
+                        up = self.host_pool(op.via_tier)
                         copy_blocks([up.views[s] for s in op.via], [plane.views[s] for s in op.slots],
                                     self.block_bytes)
-                        self._result.stored[op.op_id] = oks
+                        self.result.stored[op.op_id] = oks
                 else:
                     oks = self._read_lower(op, plane, jobs, stage, row0, copy_now)
             except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
-                self._once(("load", name) + cause(e), logging.WARNING,
+                self.once(("load", name) + cause(e), logging.WARNING,
                            "kvtier: load of %d blocks for %s from %s failed: %s (recomputed)",
                            len(op.slots), op.req_id, name, e)
                 if op.via:
-                    self._result.stored[op.op_id] = [False] * len(op.slots)
+                    self.result.stored[op.op_id] = [False] * len(op.slots)
             if self._needs_staging(op):
                 row0 += len(op.slots)
             self._load_done.append((op, name, oks))
@@ -245,7 +179,7 @@ class Executor(Counting):
             reads = [(0, [False] * n, h)]
         else:
             if op.via:
-                pool = self._host(op.via_tier)
+                pool = self.host_pool(op.via_tier)
                 host, rows, bufs = pool.rows, list(op.via), [pool.views[s] for s in op.via]
             elif self.outside.direct_reads:
                 direct = self.outside.direct(op.block_ids)
@@ -270,7 +204,7 @@ class Executor(Counting):
             oks.extend(r.ok)
             errors.extend(r.errors)
             if shared:  # absent (the server evicted it) or failed verification: a miss, reported
-                self._result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
+                self.result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
             corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
             if not good or direct is not None:
@@ -284,12 +218,12 @@ class Executor(Counting):
         if corrupt:
             self.corrupt_blocks += len(corrupt)
             self._count(f"corrupt_blocks.{self.name(op.tier)}", len(corrupt))
-            self._result.corrupt.setdefault(op.tier, []).extend(corrupt)
-            self._once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
+            self.result.corrupt.setdefault(op.tier, []).extend(corrupt)
+            self.once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
                        "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, self.name(op.tier),
                        errors[:2])
         if op.via:
-            self._result.stored[op.op_id] = oks
+            self.result.stored[op.op_id] = oks
         return oks
 
     def _copy_now(self, jobs: list) -> None:
@@ -306,7 +240,7 @@ class Executor(Counting):
                 self.outside.sync(ev)
             except Exception as e:  # noqa: BLE001 - pragma: no cover (a failed device copy)
                 failed = e
-                self._once(("layer_copies",) + cause(e), logging.ERROR, "kvtier: copies of loaded blocks failed: "
+                self.once(("layer_copies",) + cause(e), logging.ERROR, "kvtier: copies of loaded blocks failed: "
                            "%s (their blocks are load errors)", e)
         self.layer_events = None
         done, self._load_done = self._load_done, []
@@ -317,7 +251,7 @@ class Executor(Counting):
             bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
             if bad:
                 self._load_errors.update(bad)
-            self._result.loaded[op.req_id] = self._result.loaded.get(op.req_id, True) and not bad
+            self.result.loaded[op.req_id] = self.result.loaded.get(op.req_id, True) and not bad
             n = sum(oks)
             if n:
                 self._count(f"bytes_loaded.{name}", n * self.block_bytes)
@@ -340,14 +274,14 @@ class Executor(Counting):
         n = len(op.keys or [])
         try:
             if op.via:
-                pool = self._host(op.via_tier, op.via)
+                pool = self.host_pool(op.via_tier, op.via)
                 host, rows = pool.rows, list(op.via)
             else:
                 host, rows = torch.empty((n, self.block_bytes), dtype=torch.uint8), list(range(n))
             bufs = [host[r] for r in rows]
             h = plane.get(op.keys, bufs)
         except Exception as e:  # noqa: BLE001 - a miss, reported with the load
-            self._once(("remote_read",) + cause(e), logging.WARNING,
+            self.once(("remote_read",) + cause(e), logging.WARNING,
                        "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
             host, rows, bufs = None, [], []
             h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
@@ -398,7 +332,7 @@ class Executor(Counting):
             try:
                 if tainted:
                     raise RuntimeError("a load failed this step")
-                pool = self._host(op.tier, op.slots)
+                pool = self.host_pool(op.tier, op.slots)
                 planned.append((op, self.outside.job(pool.rows, op.block_ids, op.slots,
                                                      [pool.views[s] for s in op.slots])))
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
@@ -413,7 +347,7 @@ class Executor(Counting):
         dt = time.perf_counter() - t0
         by_tier: dict[str, int] = {}
         for op, _ in planned:
-            self._result.stored[op.op_id] = [True] * len(op.slots)
+            self.result.stored[op.op_id] = [True] * len(op.slots)
             by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
         for name, n in by_tier.items():
             self._count(f"bytes_stored.{name}", n * self.block_bytes)
@@ -423,96 +357,22 @@ class Executor(Counting):
 
     def _store_failed(self, op: StoreOp, e: BaseException, tainted: bool, failed: set) -> None:
         if not tainted:
-            self._once(("store", op.tier) + cause(e), logging.WARNING,
+            self.once(("store", op.tier) + cause(e), logging.WARNING,
                        "kvtier: store of %d blocks to %s failed: %s", len(op.slots), self.name(op.tier), e)
-        self._result.stored[op.op_id] = [False] * len(op.slots)
+        self.result.stored[op.op_id] = [False] * len(op.slots)
         failed.update((op.tier, s) for s in op.slots)
 
     def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
-        """DRAM -> file or shared tier, written behind: each op's per-slot result (the block's tag,
-        or -1: not durable, or its source failed this step) is reported within `write_lag_steps`."""
-        by: dict[Medium, list[CopyOp]] = {}
-        for op in ops:
-            plane = self.planes[op.tier] if op.tier < len(self.planes) else None
-            if plane is None:
-                self._copy_failed([op], RuntimeError(f"no data plane for tier {self.name(op.tier)} in this process"))
-                continue
-            by.setdefault(plane.medium, []).append(op)
-        for op in by.get(Medium.HOST, []):
-            self._copy_host(op, failed)
-        if by.get(Medium.SHARED):
-            self._copy_behind(by[Medium.SHARED], failed, self.puts, shared=True)
-        if by.get(Medium.FILE):
-            self._copy_behind(by[Medium.FILE], failed, self.writes, shared=False)
-
-    def _copy_host(self, op: CopyOp, failed: set) -> None:
-        """DRAM -> DRAM (two DRAM tiers): a memcpy, done at once."""
-        try:
-            src, dst = self._host(op.src_tier, op.src_slots), self._host(op.tier, op.slots)
-            copy_blocks([dst.views[s] for s in op.slots], [src.views[s] for s in op.src_slots], self.block_bytes)
-        except Exception as e:  # noqa: BLE001
-            self._copy_failed([op], e)
-            return
-        self._result.copied[op.op_id] = [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots]
-        n = len(op.slots)
-        self._count(f"bytes_stored.{self.name(op.tier)}", n * self.block_bytes)
-        self._count(f"blocks_stored.{self.name(op.tier)}", n)
-
-    def _copy_behind(self, ops: list[CopyOp], failed: set, behind: WriteBehind, shared: bool) -> None:
-        if shared:  # a source slot whose store failed holds stale bytes: never sent where others read it
-            stale = [op for op in ops if any((op.src_tier, s) in failed for s in op.src_slots)]
-            if stale:
-                self._copy_failed(stale, None)
-            ops = [op for op in ops if op not in stale]
-        batch: list = []
-        try:
-            srcs = [[self._host(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
-            for op, views in zip(ops, srcs):  # every check before the first transfer is handed over
-                plane = self._plane(op.tier)
-                if shared:
-                    h = plane.put(op.keys, views)
-                    batch.append((op, [0] * len(op.src_slots), h))
-                else:
-                    sums = [0] * len(op.slots)
-                    batch.append((op, sums, plane.write(op.slots, views, sums, keys=op.keys)))
-        except Exception as e:  # noqa: BLE001 - the copies not handed over are dropped
-            started = {id(b[0]) for b in batch}
-            self._copy_failed([op for op in ops if id(op) not in started], e)
-        if batch:
-            plane = self._plane(batch[0][0].tier)
-            behind.submit(self._step, plane, batch, {s for t, s in failed})
-            if behind.lag == 0:
-                self.reap(wait=True)
-
-    def _copy_failed(self, ops: list[CopyOp], e: BaseException | None) -> None:
-        if e is not None and ops:
-            self._once(("copy", ops[0].tier) + cause(e), logging.WARNING, "kvtier: copy of %d ops to %s not "
-                       "started: %s (dropped; the source copies stay)", len(ops), self.name(ops[0].tier), e)
-        for op in ops:
-            self._result.copied[op.op_id] = [-1] * len(op.src_slots)
+        """DRAM -> another tier, written behind (`CopiesDown`)."""
+        self.down.copy(ops, failed)
 
     def reap(self, wait: bool = False) -> None:
-        """Report finished copies; wait for those `write_lag_steps` old (all if `wait`)."""
-        for behind in (self.writes, self.puts):  # the shared tier's client logs its own failures (breaker)
-            for done, dt, errors in behind.reap(self._step, wait):
-                n, name = 0, None
-                for op, out in done:
-                    self._result.copied[op.op_id] = out
-                    n += sum(1 for c in out if c >= 0)
-                    name = self.name(op.tier)
-                if errors:  # the engine's words: errno and path
-                    self.errors.extend(errors)
-                if errors and behind is self.writes:
-                    self._once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
-                               "source copies stay; counted in store_failed_blocks)", name, errors[0])
-                if name is not None:
-                    self._count(f"bytes_stored.{name}", n * self.block_bytes)
-                    self._count(f"seconds_stored.{name}", dt)
-                    self._count(f"blocks_stored.{name}", n)
+        """Report the copies done; wait for those `write_lag_steps` old (all if `wait`)."""
+        self.down.reap(wait)
 
     @property
     def writes_in_flight(self) -> int:
-        return len(self.writes) + len(self.puts)
+        return len(self.down)
 
     # ---- one synchronous round (the CLI, replay) -------------------------------------------
     def run(self, plan: Plan) -> Report:
@@ -531,11 +391,11 @@ class Executor(Counting):
         return self.take_report()
 
     def take_report(self) -> Report | None:
-        self._step += 1
-        r = self._result
+        self.steps += 1
+        r = self.result
         if r.is_empty():
             return None
-        self._result = self._report_cls(rank=self.rank)
+        self.result = self._report_cls(rank=self.rank)
         return r
 
     @property
@@ -555,9 +415,9 @@ class Executor(Counting):
         """These blocks of the request were not loaded: load errors (the caller recomputes them)."""
         ids = list(block_ids)
         self._load_errors.update(ids)
-        self._result.loaded[req_id] = False
+        self.result.loaded[req_id] = False
         self._count("blocks_load_failed", len(ids))
-        self._once(("load_failed", why), logging.WARNING,
+        self.once(("load_failed", why), logging.WARNING,
                    "kvtier: %d blocks of %s not loaded (%s): reported as load errors, recomputed", len(ids), req_id,
                    why)
 
@@ -568,7 +428,7 @@ class Executor(Counting):
         for op in ops:
             self.fail_blocks(op.req_id, op.block_ids, why)
             if op.via:  # a promotion read through DRAM slots: those slots were not written
-                self._result.stored[op.op_id] = [False] * len(op.slots)
+                self.result.stored[op.op_id] = [False] * len(op.slots)
             self._fetched.pop(id(op), None)
             if op.req_id in self._async:
                 self._recv_failed.add(op.req_id)
@@ -587,11 +447,11 @@ class Executor(Counting):
         """These stores and copies cannot run: dropped (future misses), their slots released."""
         n = 0
         for op in stores:
-            if op.op_id not in self._result.stored:
-                self._result.stored[op.op_id] = [False] * len(op.slots)
+            if op.op_id not in self.result.stored:
+                self.result.stored[op.op_id] = [False] * len(op.slots)
                 n += len(op.slots)
         for op in copies:
-            self._result.copied[op.op_id] = [-1] * len(op.src_slots)
+            self.result.copied[op.op_id] = [-1] * len(op.src_slots)
             n += len(op.src_slots)
         self._count("blocks_store_dropped", n)
 
@@ -607,14 +467,14 @@ class Executor(Counting):
                 pass
         self._fetched.clear()
         self._async.clear()
-        late_puts = self.puts.drain(timeout_s) if len(self.puts) else 0
-        late = self.writes.drain(timeout_s) if len(self.writes) else 0
+        late_puts = self.down.puts.drain(timeout_s) if len(self.down.puts) else 0
+        late = self.down.writes.drain(timeout_s) if len(self.down.writes) else 0
         self.reap(wait=True)
         return late, late_puts
 
     def close(self, wait: bool = True) -> None:
-        self.writes.close(wait=wait)
-        self.puts.close(wait=wait)
+        self.down.writes.close(wait=wait)
+        self.down.puts.close(wait=wait)
 
 
 class NullExecutor:

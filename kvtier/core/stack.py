@@ -21,7 +21,8 @@ from kvtier.policies.base import RequestInfo, NO_INFO
 from kvtier.core.builder import build_controller, build_tiers, fresh_evictions
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.controller import TierController
-from kvtier.core.executor import Buffers, Executor, NullExecutor
+from kvtier.core.executor import Executor, NullExecutor
+from kvtier.core.outside import Buffers
 from kvtier.core.leases import Lease
 from kvtier.core.plan import Plan
 

@@ -9,10 +9,16 @@ latest `lag` steps after the step that queued it.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any
+from typing import Any, Sequence
+
+from kvtier.core.once import cause
+from kvtier.core.plan import CopyOp
+from kvtier.tiers.cpu_pool import copy_blocks
+from kvtier.tiers.handles import Medium
 
 Done = tuple[list[tuple[Any, list[int]]], float, list[str]]   # ([(op, per-slot tags)], seconds, errors)
 
@@ -27,10 +33,17 @@ class WriteBehind:
         return len(self._pending)
 
     def submit(self, step: int, nvme: Any, batch: list, failed_src: set[int]) -> None:
-        """`batch`: (op, tags list the engine fills, write handle) per NVMe write op."""
+        """`batch`: (op, tags list the engine fills, write handle) per write op. With a lag of 0 the
+        batch is flushed here, on the caller's thread (the CLI: no thread of ours to outlive it)."""
+        t0 = time.perf_counter()
+        if self.lag == 0:
+            done: Future = Future()
+            done.set_result(_flush(nvme, batch, set(failed_src), t0))
+            self._pending.append((step, done))
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nvme-flush")
-        self._pending.append((step, self._pool.submit(_flush, nvme, batch, set(failed_src), time.perf_counter())))
+        self._pending.append((step, self._pool.submit(_flush, nvme, batch, set(failed_src), t0)))
 
     def reap(self, step: int, wait: bool = False) -> list[Done]:
         """Finished batches, waiting for those `lag` steps old (all when `wait`)."""
@@ -70,3 +83,104 @@ def _flush(nvme: Any, batch: list, failed_src: set[int], t0: float) -> Done:
     out = [(op, [c if ok and src not in failed_src else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)])
            for op, sums, r in results]
     return out, time.perf_counter() - t0, [e for _, _, r in results for e in r.errors]
+
+
+class CopiesDown:
+    """An executor's copies down (DRAM -> DRAM, file or shared tier), written behind: each op's
+    per-slot result (the block's tag, or -1: not durable, or its source failed this step) is
+    reported within `lag` steps (`reap`)."""
+
+    def __init__(self, ex: Any, lag_steps: int) -> None:
+        self.ex = ex
+        self.writes = WriteBehind(lag_steps)   # to a file, in flight
+        self.puts = WriteBehind(lag_steps)     # to the shared tier, in flight
+
+    def __len__(self) -> int:
+        return len(self.writes) + len(self.puts)
+
+    def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
+        """DRAM -> file or shared tier, written behind: each op's per-slot result (the block's tag,
+        or -1: not durable, or its source failed this step) is reported within `write_lag_steps`."""
+        ex = self.ex
+        by: dict[Medium, list[CopyOp]] = {}
+        for op in ops:
+            plane = ex.planes[op.tier] if op.tier < len(ex.planes) else None
+            if plane is None:
+                self._copy_failed([op], RuntimeError(f"no data plane for tier {ex.name(op.tier)} in this process"))
+                continue
+            by.setdefault(plane.medium, []).append(op)
+        for op in by.get(Medium.HOST, []):
+            self._copy_host(op, failed)
+        if by.get(Medium.SHARED):
+            self._copy_behind(by[Medium.SHARED], failed, self.puts, shared=True)
+        if by.get(Medium.FILE):
+            self._copy_behind(by[Medium.FILE], failed, self.writes, shared=False)
+
+    def _copy_host(self, op: CopyOp, failed: set) -> None:
+        """DRAM -> DRAM (two DRAM tiers): a memcpy, done at once."""
+        ex = self.ex
+        try:
+            src, dst = ex.host_pool(op.src_tier, op.src_slots), ex.host_pool(op.tier, op.slots)
+            copy_blocks([dst.views[s] for s in op.slots], [src.views[s] for s in op.src_slots], ex.block_bytes)
+        except Exception as e:  # noqa: BLE001
+            self._copy_failed([op], e)
+            return
+        ex.result.copied[op.op_id] = [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots]
+        n = len(op.slots)
+        ex.count(f"bytes_stored.{ex.name(op.tier)}", n * ex.block_bytes)
+        ex.count(f"blocks_stored.{ex.name(op.tier)}", n)
+
+    def _copy_behind(self, ops: list[CopyOp], failed: set, behind: WriteBehind, shared: bool) -> None:
+        ex = self.ex
+        if shared:  # a source slot whose store failed holds stale bytes: never sent where others read it
+            stale = [op for op in ops if any((op.src_tier, s) in failed for s in op.src_slots)]
+            if stale:
+                self._copy_failed(stale, None)
+            ops = [op for op in ops if op not in stale]
+        batch: list = []
+        try:
+            srcs = [[ex.host_pool(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
+            for op, views in zip(ops, srcs):  # every check before the first transfer is handed over
+                plane = ex.plane_of(op.tier)
+                if shared:
+                    h = plane.put(op.keys, views)
+                    batch.append((op, [0] * len(op.src_slots), h))
+                else:
+                    sums = [0] * len(op.slots)
+                    batch.append((op, sums, plane.write(op.slots, views, sums, keys=op.keys)))
+        except Exception as e:  # noqa: BLE001 - the copies not handed over are dropped
+            started = {id(b[0]) for b in batch}
+            self._copy_failed([op for op in ops if id(op) not in started], e)
+        if batch:
+            plane = ex.plane_of(batch[0][0].tier)
+            behind.submit(ex.steps, plane, batch, {s for t, s in failed})
+            if behind.lag == 0:
+                self.reap(wait=True)
+
+    def _copy_failed(self, ops: list[CopyOp], e: BaseException | None) -> None:
+        ex = self.ex
+        if e is not None and ops:
+            ex.once(("copy", ops[0].tier) + cause(e), logging.WARNING, "kvtier: copy of %d ops to %s not "
+                       "started: %s (dropped; the source copies stay)", len(ops), ex.name(ops[0].tier), e)
+        for op in ops:
+            ex.result.copied[op.op_id] = [-1] * len(op.src_slots)
+
+    def reap(self, wait: bool = False) -> None:
+        """Report finished copies; wait for those `write_lag_steps` old (all if `wait`)."""
+        ex = self.ex
+        for behind in (self.writes, self.puts):  # the shared tier's client logs its own failures (breaker)
+            for done, dt, errors in behind.reap(ex.steps, wait):
+                n, name = 0, None
+                for op, out in done:
+                    ex.result.copied[op.op_id] = out
+                    n += sum(1 for c in out if c >= 0)
+                    name = ex.name(op.tier)
+                if errors:  # the engine's words: errno and path
+                    ex.errors.extend(errors)
+                if errors and behind is self.writes:
+                    ex.once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
+                               "source copies stay; counted in store_failed_blocks)", name, errors[0])
+                if name is not None:
+                    ex.count(f"bytes_stored.{name}", n * ex.block_bytes)
+                    ex.count(f"seconds_stored.{name}", dt)
+                    ex.count(f"blocks_stored.{name}", n)
