@@ -1,36 +1,23 @@
 """TierController: the one control plane. It decides what lives where and never touches bytes.
 
-Used alike by the vLLM connector's scheduler side (`kvtier.connector.scheduler`), the offline
-stack (`kvtier.core.stack`: CLI spill / restore / bench) and trace replay (`kvtier.offline.replay`).
-Each caller hands the plan it takes (`take_plan`) to an executor that moves the bytes (the
-connector's workers, `kvtier.core.executor.LocalExecutor`, or `NullExecutor` for replay without
-data) and feeds the executor's report back through `complete`.
-
-Decisions, all here:
-- lookup: the longest prefix of keys held by some tier (topmost copy); side-effect free;
-- lease: `acquire` pins the matched blocks (idempotent per request and range), `load` commits
-  the accepted prefix and plans its loads, `release` unpins;
-- promotion: a block loaded from a lower tier is read through fresh slots of the tier the
-  promotion policy names (inclusive: the lower copy stays; exclusive: it is evicted once read);
-- store: new blocks go to the top tier when its admission policy admits them; under
-  write-through they are copied to the next tier at once (its admission permitting);
-- eviction / demotion: victims come from the tier's cursor; under write-back a victim the next
-  tier lacks is copied down first (kept, pinned, until the copy is durable), and the head of the
-  cursor is cleaned ahead in batches so that victims are mostly clean when they are needed.
-A block becomes visible only when the executor reports its bytes written (`complete`).
-
-A shared tier (`kvtier.tiers.redis`, `remote = True`) may be the lowest tier. The server owns its
-membership and eviction: lookups ask it (`probe`) for the part of the prefix the local tiers
-miss, its blocks are never leased (a hit may be gone at load: a handled miss), it is written
-through from the top tier whatever `demotion` says (a fleet shares a prefix once computed), its
-admission policy permitting, and it is never cleared or evicted from here.
+The vLLM connector's scheduler side, the CLI's stack and trace replay drive it alike: each hands
+the plan it takes (`take_plan`) to an executor (`kvtier.core.executor`) and feeds the report back
+(`complete`); a block becomes visible only when its bytes are reported written. Decisions, all
+here, through the policies and the tiers' cursors: lookup (the longest prefix some tier holds),
+leases (`acquire` pins, `load` commits the accepted prefix and plans its loads, `release`),
+promotion (a lower-tier hit read through fresh slots of the tier the policy names), store (top
+tier, its admission permitting; write-through copies to the next tier at once), eviction and
+write-back (victims from the tier's cursor; a dirty victim is copied down first, the cursor's head
+cleaned ahead in batches). A shared tier (`remote`) is the lowest: the server owns membership and
+eviction, lookups ask it for what the local tiers miss, its blocks are never leased (a hit may be
+gone at load: a handled miss), and it is written through from the top tier. docs/architecture.md
+follows one request through it.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from kvtier.core.leases import Lease, LeaseTable
@@ -38,61 +25,15 @@ from kvtier.core.once import Once
 from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
 
-from kvtier.core.plan import Counting, LoadOp, CopyOp, Plan, Report, StoreOp
+from kvtier.core.inflight import PENDING, Completion, CopyInFlight, Pending, StoreInFlight
+from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, StoreOp
 
 log = logging.getLogger("kvtier.core.controller")
 
 DEMOTION = ("write_through", "write_back")
 
 
-class _Pending:
-    def __repr__(self) -> str:
-        return "PENDING"
-
-
-PENDING = _Pending()   # acquire(wait=False): the shared tier's answer is on its way; ask again
-
-
-@dataclass
-class _Copy:
-    """A tier-to-tier copy in flight: sources stay pinned until the target is durable."""
-
-    src_tier: int
-    src: list[tuple[int, bytes]]      # (slot, key) in the source tier
-    tier: int
-    slots: list[int]                  # in the target tier (none for the shared tier)
-    reports: dict[int, list] = field(default_factory=dict)  # rank -> checksums (several ranks)
-
-
-@dataclass
-class _Store:
-    tier: int
-    slots: list[int]
-    keys: list[bytes]
-    promotion: bool = False
-    exclusive_from: tuple[int, list[tuple[int, bytes]]] | None = None  # (lower tier, its copies)
-    info: RequestInfo = field(default_factory=lambda: NO_INFO)
-    pos: list[int] | None = None      # chain position of each slot (the policies' insert order)
-
-    def commit(self, tier: SlotTier, good: list[int]) -> None:
-        """Commit slots (indices `good`) run by run of consecutive chain positions, each run with
-        its own RequestInfo.start, so the eviction policy learns where each block sits."""
-        slots, pos = self.slots, self.pos
-        if pos is None or self.info is NO_INFO:
-            tier.commit([slots[j] for j in good], self.info)
-            return
-        i = 0
-        while i < len(good):
-            j = i + 1
-            while j < len(good) and pos[good[j]] == pos[good[j - 1]] + 1:
-                j += 1
-            run = good[i:j]
-            info = self.info if pos[run[0]] == self.info.start else replace(self.info, start=pos[run[0]])
-            tier.commit([slots[x] for x in run], info)
-            i = j
-
-
-class TierController(Counting):
+class TierController(Completion, Counting):
     def __init__(self, tiers: Sequence[SlotTier], *, block_tokens: int = 1,
                  admission: Sequence[AdmissionPolicy | None] | None = None,
                  promotion: PromotionPolicy | None = None, demotion: str = "write_through",
@@ -125,8 +66,8 @@ class TierController(Counting):
             t.bind_counter(self._count)
         self._index = [t.resident for t in self.tiers[:self.nlocal]]  # read-only: key -> slot
         self._pending = [set() for _ in self.tiers]            # keys on their way into each tier
-        self._stores: dict[int, _Store] = {}
-        self._copies: dict[int, _Copy] = {}
+        self._stores: dict[int, StoreInFlight] = {}
+        self._copies: dict[int, CopyInFlight] = {}
         self._op_ids = itertools.count(1)
         self._plan = Plan()
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
@@ -139,7 +80,7 @@ class TierController(Counting):
         """Length of the prefix of `keys` present in some tier (the shared tier asked at once)."""
         return len(self.match(keys))
 
-    def match(self, keys: Sequence[bytes], wait: bool = True) -> list[tuple[int, int]] | _Pending:
+    def match(self, keys: Sequence[bytes], wait: bool = True) -> list[tuple[int, int]] | Pending:
         """(tier, slot) of each block of the present prefix (the topmost copy); a shared-tier
         block's slot is -1. PENDING when `wait` is False and the shared tier is still asked."""
         blocks = list(zip(*match_prefix(self._index, keys)))
@@ -168,7 +109,7 @@ class TierController(Counting):
                 self.tiers[t].free_blocks(slots)
 
     def acquire(self, request_id: str, keys: Sequence[bytes], start: int = 0,
-                wait: bool = True) -> Lease | None | _Pending:
+                wait: bool = True) -> Lease | None | Pending:
         """Pin the present prefix of `keys` (chain positions from `start`) for the request.
         Asking again for the same range pins nothing new; another range replaces the lease.
         `wait=False`: PENDING while the shared tier is being asked (ask again later)."""
@@ -250,7 +191,7 @@ class TierController(Counting):
         op.via_tier = tgt
         op.op_id = next(self._op_ids)
         excl = None if self.promotion.inclusive or op.tier == self.remote else (op.tier, list(zip(op.slots, keys)))
-        self._stores[op.op_id] = _Store(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
+        self._stores[op.op_id] = StoreInFlight(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
                                         info=info, pos=pos)
 
     # ---- stores --------------------------------------------------------------------------
@@ -278,7 +219,7 @@ class TierController(Counting):
         slots = top.allocate(ks, info)
         self._pending[0].update(ks)
         op_id = next(self._op_ids)
-        self._stores[op_id] = _Store(0, slots, ks, info=info, pos=[info.start + i for i in want])
+        self._stores[op_id] = StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want])
         self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
         self._count(f"store_planned_blocks.{top.name}", len(slots))
         if self.demotion == "write_through" and self.nlocal > 1:
@@ -326,7 +267,7 @@ class TierController(Counting):
         self._pending[t].update(keys)
         self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
-        self._copies[op_id] = _Copy(src_tier, src, t, slots)
+        self._copies[op_id] = CopyInFlight(src_tier, src, t, slots)
         self._plan.copies.append(CopyOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
         self._count(f"store_planned_blocks.{self.names[t]}", len(src))
         return len(src)
@@ -420,132 +361,6 @@ class TierController(Counting):
                     self._clean_ahead(t)
         p, self._plan = self._plan, Plan()
         return p
-
-    def complete(self, rep: Report) -> None:
-        """The executor's report: commit what was written, abort what failed, drop what did not
-        verify, release the leases of loads that finished."""
-        for t, n in rep.capacity.items():  # a data plane smaller than configured: before its results
-            self._limit(t, n)
-        exclusive: list[tuple[int, list[tuple[int, bytes]]]] = []
-        for op_id, oks in sorted(rep.stored.items()):  # plan order, whatever order the report has
-            st = self._stores.pop(op_id, None)
-            if st is None:
-                continue
-            tier = self.tiers[st.tier]
-            good = [j for j, ok in enumerate(oks[:len(st.slots)]) if ok]
-            bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
-            if good:
-                st.commit(tier, good)
-                self._count(f"stored_blocks.{tier.name}", len(good))
-                if st.promotion:
-                    self._count(f"promoted_blocks.{tier.name}", len(good))
-                    if st.exclusive_from is not None:
-                        lower, src = st.exclusive_from
-                        ok_keys = {k for s, k, ok in zip(st.slots, st.keys, oks) if ok}
-                        exclusive.append((lower, [(s, k) for s, k in src if k in ok_keys]))
-            if bad and st.promotion:  # its read failed (a miss, counted with the read): nothing to promote
-                tier.abort(bad)
-            elif bad:
-                tier.abort(bad)
-                self._count(f"store_failed_blocks.{tier.name}", len(bad))
-                self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
-            self._pending[st.tier].difference_update(st.keys)
-        for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
-            tier = self.tiers[t]
-            tier.quarantine(slots)
-            self._count(f"corrupt_blocks.{tier.name}", len(slots))
-        for op_id, by_rank in sorted(rep.written_by_rank().items()):
-            self._complete_copy(op_id, by_rank)
-        if rep.gone and self.remote is not None:  # found by lookup, gone (or bad) at load: a miss
-            self.tiers[self.remote].note_gone(rep.gone)
-            self._count(f"gone_blocks.{self.names[self.remote]}", len(rep.gone))
-        for rid, ok in rep.loaded.items():
-            self.release(rid)
-            if not ok:
-                self._count("load_failed_requests")
-        for lower, src in exclusive:  # exclusive promotion: the lower copy leaves once read up
-            tier = self.tiers[lower]
-            gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
-            if gone:
-                self._evict(lower, gone)
-
-    def _limit(self, t: int, n: int) -> None:
-        tier = self.tiers[t]
-        if t == self.remote or n >= tier.capacity_blocks:
-            return
-        was = tier.capacity_blocks
-        gone = tier.limit(n)
-        self._wb_max[t] = max(1, min(self._wb_max[t], n // 4))
-        if gone:
-            self._count(f"evicted_blocks.{tier.name}", len(gone))
-        log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
-                    "pool) is smaller", tier.name, n, was)
-
-    def _complete_copy(self, op_id: int, by_rank: dict[int, list]) -> None:
-        cp = self._copies.get(op_id)
-        if cp is None:
-            return
-        if self.ranks > 1:  # ranks write behind on their own clocks: wait for every rank's report
-            cp.reports.update(by_rank)
-            if len(cp.reports) < self.ranks:
-                return
-            by_rank = cp.reports
-        del self._copies[op_id]
-        tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
-        sums = self._rank_sums(by_rank, len(cp.src))
-        if cp.tier == self.remote:
-            self._complete_put(cp, sums)
-            return
-        good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]
-        bad = [s for s, c in zip(cp.slots, sums) if c == -1]
-        if good:
-            try:
-                tier.commit_written([s for s, _ in good], [c for _, c in good])  # durable: now its index
-            except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
-                self._once(("commit", cp.tier, e.errno), logging.ERROR,
-                           "kvtier: tier %s: commit of %d blocks failed, kept in %s: %s (counted in "
-                           "store_failed_blocks; later failures of this kind at DEBUG)", tier.name, len(good),
-                           src_tier.name, e)
-                self.errors.append(f"tier {tier.name}: {e}")
-                bad = [s for s, _ in good] + bad
-                good = []
-            else:
-                self._count(f"stored_blocks.{tier.name}", len(good))
-                self._count(f"demoted_blocks.{tier.name}", len(good))
-        if bad:
-            tier.abort(bad)
-            self._count(f"store_failed_blocks.{tier.name}", len(bad))
-            self._count(f"io_errors.{tier.name}", len(bad))
-            self.errors.append(f"tier {tier.name}: {len(bad)} of {len(cp.slots)} block writes failed "
-                               f"(kept in {src_tier.name}, not indexed)")
-        self._pending[cp.tier].difference_update(k for _, k in cp.src)
-        for s, k in cp.src:  # unpin the sources that still hold the same block
-            src_tier.unpin_if(s, k)
-
-    def _complete_put(self, cp: _Copy, sums: list) -> None:
-        tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
-        good = [k for (_, k), c in zip(cp.src, sums) if c != -1]
-        if good:
-            tier.note_written(good)
-            self._count(f"stored_blocks.{tier.name}", len(good))
-        if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
-            self._count(f"store_failed_blocks.{tier.name}", len(cp.src) - len(good))
-        self._pending[cp.tier].difference_update(k for _, k in cp.src)
-        for s, k in cp.src:
-            src_tier.unpin_if(s, k)
-
-    def _rank_sums(self, by_rank: dict[int, list], n: int) -> list:
-        """Per slot: the checksum (one rank), the tuple of every rank's (several), or -1 when a
-        rank failed the write."""
-        if self.ranks == 1:
-            sums = next(iter(by_rank.values())) if len(by_rank) == 1 else by_rank.get(0, [])
-            return list(sums[:n]) + [-1] * (n - len(sums))
-        if sorted(by_rank) != list(range(self.ranks)):
-            log.warning("kvtier: copy reported by ranks %s, expected 0..%d: its %d blocks are not committed",
-                        sorted(by_rank), self.ranks - 1, n)
-            return [-1] * n
-        cols = [list(by_rank[r][:n]) + [-1] * (n - len(by_rank[r])) for r in range(self.ranks)]
-        return [-1 if -1 in t else t for t in zip(*cols)]
 
     # ---- whole-stack operations ----------------------------------------------------------
     def clear(self, fresh_eviction: Sequence[Any] | None = None) -> int:

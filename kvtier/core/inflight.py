@@ -1,0 +1,195 @@
+"""What the controller has in flight (stores and copies waiting for an executor's report) and
+what it does with the report (`Completion`, a part of `kvtier.core.controller.TierController`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from kvtier.core.plan import Report
+from kvtier.policies.base import NO_INFO, RequestInfo
+from kvtier.tiers.base import SlotTier
+
+log = logging.getLogger("kvtier.core.controller")
+
+
+class Pending:
+    def __repr__(self) -> str:
+        return "PENDING"
+
+
+PENDING = Pending()   # acquire(wait=False): the shared tier's answer is on its way; ask again
+
+
+@dataclass
+class CopyInFlight:
+    """A tier-to-tier copy in flight: sources stay pinned until the target is durable."""
+
+    src_tier: int
+    src: list[tuple[int, bytes]]      # (slot, key) in the source tier
+    tier: int
+    slots: list[int]                  # in the target tier (none for the shared tier)
+    reports: dict[int, list] = field(default_factory=dict)  # rank -> checksums (several ranks)
+
+
+@dataclass
+class StoreInFlight:
+    """A store (or a promotion) in flight: its slots are pending until the executor reports them."""
+
+    tier: int
+    slots: list[int]
+    keys: list[bytes]
+    promotion: bool = False
+    exclusive_from: tuple[int, list[tuple[int, bytes]]] | None = None  # (lower tier, its copies)
+    info: RequestInfo = field(default_factory=lambda: NO_INFO)
+    pos: list[int] | None = None      # chain position of each slot (the policies' insert order)
+
+    def commit(self, tier: SlotTier, good: list[int]) -> None:
+        """Commit slots (indices `good`) run by run of consecutive chain positions, each run with
+        its own RequestInfo.start, so the eviction policy learns where each block sits."""
+        slots, pos = self.slots, self.pos
+        if pos is None or self.info is NO_INFO:
+            tier.commit([slots[j] for j in good], self.info)
+            return
+        i = 0
+        while i < len(good):
+            j = i + 1
+            while j < len(good) and pos[good[j]] == pos[good[j - 1]] + 1:
+                j += 1
+            run = good[i:j]
+            info = self.info if pos[run[0]] == self.info.start else replace(self.info, start=pos[run[0]])
+            tier.commit([slots[x] for x in run], info)
+            i = j
+
+
+def rank_sums(by_rank: dict[int, list], n: int, ranks: int) -> list:
+    """Per slot: the checksum (one rank), the tuple of every rank's (several), or -1 when a
+    rank failed the write."""
+    if ranks == 1:
+        sums = next(iter(by_rank.values())) if len(by_rank) == 1 else by_rank.get(0, [])
+        return list(sums[:n]) + [-1] * (n - len(sums))
+    if sorted(by_rank) != list(range(ranks)):
+        log.warning("kvtier: copy reported by ranks %s, expected 0..%d: its %d blocks are not committed",
+                    sorted(by_rank), ranks - 1, n)
+        return [-1] * n
+    cols = [list(by_rank[r][:n]) + [-1] * (n - len(by_rank[r])) for r in range(ranks)]
+    return [-1 if -1 in t else t for t in zip(*cols)]
+
+
+class Completion:
+    """`TierController.complete`: an executor's report commits what was written, aborts what
+    failed, drops what did not verify and releases the leases of loads that finished. (A part of
+    the controller: it works on the controller's own state.)"""
+
+    def complete(self, rep: Report) -> None:
+        """The executor's report: commit what was written, abort what failed, drop what did not
+        verify, release the leases of loads that finished."""
+        for t, n in rep.capacity.items():  # a data plane smaller than configured: before its results
+            self._limit(t, n)
+        exclusive: list[tuple[int, list[tuple[int, bytes]]]] = []
+        for op_id, oks in sorted(rep.stored.items()):  # plan order, whatever order the report has
+            st = self._stores.pop(op_id, None)
+            if st is None:
+                continue
+            tier = self.tiers[st.tier]
+            good = [j for j, ok in enumerate(oks[:len(st.slots)]) if ok]
+            bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
+            if good:
+                st.commit(tier, good)
+                self._count(f"stored_blocks.{tier.name}", len(good))
+                if st.promotion:
+                    self._count(f"promoted_blocks.{tier.name}", len(good))
+                    if st.exclusive_from is not None:
+                        lower, src = st.exclusive_from
+                        ok_keys = {k for s, k, ok in zip(st.slots, st.keys, oks) if ok}
+                        exclusive.append((lower, [(s, k) for s, k in src if k in ok_keys]))
+            if bad and st.promotion:  # its read failed (a miss, counted with the read): nothing to promote
+                tier.abort(bad)
+            elif bad:
+                tier.abort(bad)
+                self._count(f"store_failed_blocks.{tier.name}", len(bad))
+                self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
+            self._pending[st.tier].difference_update(st.keys)
+        for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
+            tier = self.tiers[t]
+            tier.quarantine(slots)
+            self._count(f"corrupt_blocks.{tier.name}", len(slots))
+        for op_id, by_rank in sorted(rep.written_by_rank().items()):
+            self._complete_copy(op_id, by_rank)
+        if rep.gone and self.remote is not None:  # found by lookup, gone (or bad) at load: a miss
+            self.tiers[self.remote].note_gone(rep.gone)
+            self._count(f"gone_blocks.{self.names[self.remote]}", len(rep.gone))
+        for rid, ok in rep.loaded.items():
+            self.release(rid)
+            if not ok:
+                self._count("load_failed_requests")
+        for lower, src in exclusive:  # exclusive promotion: the lower copy leaves once read up
+            tier = self.tiers[lower]
+            gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
+            if gone:
+                self._evict(lower, gone)
+
+    def _limit(self, t: int, n: int) -> None:
+        tier = self.tiers[t]
+        if t == self.remote or n >= tier.capacity_blocks:
+            return
+        was = tier.capacity_blocks
+        gone = tier.limit(n)
+        self._wb_max[t] = max(1, min(self._wb_max[t], n // 4))
+        if gone:
+            self._count(f"evicted_blocks.{tier.name}", len(gone))
+        log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
+                    "pool) is smaller", tier.name, n, was)
+
+    def _complete_copy(self, op_id: int, by_rank: dict[int, list]) -> None:
+        cp = self._copies.get(op_id)
+        if cp is None:
+            return
+        if self.ranks > 1:  # ranks write behind on their own clocks: wait for every rank's report
+            cp.reports.update(by_rank)
+            if len(cp.reports) < self.ranks:
+                return
+            by_rank = cp.reports
+        del self._copies[op_id]
+        tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
+        sums = rank_sums(by_rank, len(cp.src), self.ranks)
+        if cp.tier == self.remote:
+            self._complete_put(cp, sums)
+            return
+        good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]
+        bad = [s for s, c in zip(cp.slots, sums) if c == -1]
+        if good:
+            try:
+                tier.commit_written([s for s, _ in good], [c for _, c in good])  # durable: now its index
+            except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
+                self._once(("commit", cp.tier, e.errno), logging.ERROR,
+                           "kvtier: tier %s: commit of %d blocks failed, kept in %s: %s (counted in "
+                           "store_failed_blocks; later failures of this kind at DEBUG)", tier.name, len(good),
+                           src_tier.name, e)
+                self.errors.append(f"tier {tier.name}: {e}")
+                bad = [s for s, _ in good] + bad
+                good = []
+            else:
+                self._count(f"stored_blocks.{tier.name}", len(good))
+                self._count(f"demoted_blocks.{tier.name}", len(good))
+        if bad:
+            tier.abort(bad)
+            self._count(f"store_failed_blocks.{tier.name}", len(bad))
+            self._count(f"io_errors.{tier.name}", len(bad))
+            self.errors.append(f"tier {tier.name}: {len(bad)} of {len(cp.slots)} block writes failed "
+                               f"(kept in {src_tier.name}, not indexed)")
+        self._pending[cp.tier].difference_update(k for _, k in cp.src)
+        for s, k in cp.src:  # unpin the sources that still hold the same block
+            src_tier.unpin_if(s, k)
+
+    def _complete_put(self, cp: CopyInFlight, sums: list) -> None:
+        tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
+        good = [k for (_, k), c in zip(cp.src, sums) if c != -1]
+        if good:
+            tier.note_written(good)
+            self._count(f"stored_blocks.{tier.name}", len(good))
+        if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
+            self._count(f"store_failed_blocks.{tier.name}", len(cp.src) - len(good))
+        self._pending[cp.tier].difference_update(k for _, k in cp.src)
+        for s, k in cp.src:
+            src_tier.unpin_if(s, k)
