@@ -31,20 +31,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from kvtier.core.builder import build_controller, build_tiers
 from kvtier.core.config import ConfigError
-from kvtier.core.once import Once, cause
+from kvtier.core.once import Once
 from kvtier.tiers.handles import Medium
 
 from .config import load_settings, tier_of
-from .guard import hook
-from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+from .guard import SafeAnswers, hook
+from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, block_ids_of, group0_ids
 from kvtier.core.serving_stats import write_stats
 
 from .handoff import clear_reports, read_reports, write_report
 from .identity import model_identity
 from .metrics import KVTierPromMetrics
-from .startup import attach_vllm_log_handler, scheduler_line, worker_line
+from .startup import (attach_vllm_log_handler, flush_budget_s, register_by_name, remote_opener, scheduler_line,
+                      short_totals, worker_line)
 from .scheduler import KVTierScheduler
-from .worker import KVTierWorker
+from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
 
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -89,7 +90,7 @@ def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int, int]:
     return int(spec.page_size_bytes) * len(g.layer_names), int(spec.block_size), len(groups)
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -140,7 +141,7 @@ class KVTierConnector(KVConnectorBase_V1):
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
                                        ranks=_world_size(vllm_config), expected_block_bytes=bb or None,
                                        num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                                       remote_fn=_remote_opener(shared, self.fingerprint, rank) if shared else None)
+                                       remote_fn=remote_opener(shared, self.fingerprint, rank) if shared else None)
         _LIVE.add(self)
         if self.sched is not None and shared is not None:
             algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
@@ -345,7 +346,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.closed = True
         if self.worker is not None:
             nvme_dir = self.worker.nvme.dir if self.worker.nvme is not None else None
-            final = self.worker.close(timeout_s=_flush_budget_s())
+            final = self.worker.close(timeout_s=flush_budget_s(SHUTDOWN_FLUSH_TIMEOUT_S))
             if final is not None and final.copied:
                 n = sum(1 for v in final.copied.values() for c in v if c >= 0)
                 peers = [c for c in live_connectors("scheduler") if c.sched is not None]
@@ -371,7 +372,7 @@ class KVTierConnector(KVConnectorBase_V1):
             t0 = time.monotonic()
             self.sched.close()  # the NVMe index and its directory lock
             log.info("kvtier connector (scheduler): shut down, index closed in %.2f s; totals %s",
-                     time.monotonic() - t0, _short_totals(self.sched.totals))
+                     time.monotonic() - t0, short_totals(self.sched.totals))
 
     # ==============================================================================
     # Scheduler side
@@ -408,7 +409,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.sched is None or not self.enabled:
             return
-        self.sched.on_alloc(request, _ids0(_block_ids(blocks)), num_external_tokens)
+        self.sched.on_alloc(request, group0_ids(block_ids_of(blocks)), num_external_tokens)
 
     @hook(recover="_sources_failed")
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
@@ -446,7 +447,7 @@ class KVTierConnector(KVConnectorBase_V1):
                 self.sched.update_block_ids(rid, [], replace=True)
             scheduled.append((rid, cr.num_computed_tokens[i] + nst.get(rid, 0), None))
         if bstate is not None:  # exact block tables when vLLM offers them (0.32+)
-            scheduled = [(rid, n, _ids0(bstate.get_block_ids(rid))) for rid, n, _ in scheduled]
+            scheduled = [(rid, n, group0_ids(bstate.get_block_ids(rid))) for rid, n, _ in scheduled]
         return self.sched.build_meta(scheduled)
 
     @hook()
@@ -467,59 +468,6 @@ class KVTierConnector(KVConnectorBase_V1):
         """Lazy offload's write-behind keeps vLLM stepping after its last request (bounded)."""
         return self.sched is not None and self.enabled and self.sched.has_pending_push_work()
 
-    # ---- when a hook fails (connector/guard.py): the safe answer -------------------------
-    def _hook_failed(self, name: str, e: BaseException) -> None:
-        part = self.sched if self.sched is not None else self.worker
-        if part is not None:
-            part._count(f"hook_errors.{name}")
-        self._once(("hook", name) + cause(e), logging.ERROR,
-                   "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
-                   "(counted in hook_errors; later failures of this kind are logged at DEBUG)",
-                   name, type(e).__name__, e, exc_info=e)
-
-    def _register_failed(self, kv_caches: dict) -> None:
-        log.error("kvtier: worker rank %s runs without kvtier: every planned load is recomputed, "
-                  "nothing is stored", self.worker.rank if self.worker is not None else "?")
-        if self.worker is not None:
-            self.worker.disable()
-
-    def _load_failed(self, *args: Any, **kwargs: Any) -> None:
-        if self.worker is not None:
-            self.worker.fail_step_loads()
-
-    def _save_failed(self) -> None:
-        if self.worker is not None:
-            self.worker.fail_step_stores()
-
-    def _finished_failed(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
-        return None, (self.worker.fail_async() or None) if self.worker is not None else None
-
-    def _load_errors_failed(self) -> set[int]:
-        return self.worker.take_load_errors(finish=False) if self.worker is not None else set()
-
-    def _worker_meta_failed(self) -> KVTierWorkerMeta | None:
-        return self.worker.take_result(finish=False) if self.worker is not None else None
-
-    def _lookup_failed(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        if self.sched is not None:
-            self.sched.ctrl.release(request.request_id)
-        return 0, False
-
-    def _alloc_failed(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        if self.sched is not None:
-            self.sched.fail_alloc(request, _ids0(_block_ids(blocks)), num_external_tokens)
-
-    def _sources_failed(self, request: "Request", num_external_tokens: int) -> dict:
-        return super().get_external_cache_hit_sources(request, num_external_tokens)
-
-    def _meta_failed(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        return self.sched.fail_plan() if self.sched is not None else KVTierMetadata()
-
-    def _finish_failed(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
-        if self.sched is not None:
-            self.sched.ctrl.release(request.request_id)
-        return False, None
-
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
         part = self.sched if self.sched is not None else self.worker
@@ -529,64 +477,4 @@ class KVTierConnector(KVConnectorBase_V1):
         return d
 
 
-def _remote_opener(t: Any, fingerprint: dict, rank: int):
-    """The worker's shared-tier data plane, opened once the block size is known."""
-    def open_(block_bytes: int, count):
-        from kvtier.tiers.redis_conn import Namespace, RedisSettings
-        from kvtier.tiers.redis_data import RedisData
-        s = RedisSettings.of(t)
-        return RedisData(s, Namespace(fingerprint, s.secret, rank), block_bytes, threads=t.io_threads,
-                         count=count, name=t.name)
-    return open_
-
-
-def _flush_budget_s() -> float:
-    """How long a worker may wait for its NVMe write-back at shutdown: within the grace vLLM's
-    executor gives a worker to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, default 5) before its
-    SIGTERM, and never more than the worker's own bound."""
-    from .worker import SHUTDOWN_FLUSH_TIMEOUT_S
-    try:
-        grace = float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5"))
-    except ValueError:
-        grace = 5.0
-    return max(0.5, min(SHUTDOWN_FLUSH_TIMEOUT_S, grace - 1.0))
-
-
-def _short_totals(totals: dict) -> str:
-    keys = ("n_lookups", "hit_tokens", "stored_blocks.cpu", "stored_blocks.nvme", "corrupt_blocks.nvme")
-    return ", ".join(f"{k}={int(totals[k])}" for k in keys if totals.get(k))
-
-
-def _block_ids(blocks: Any) -> Any:
-    """vLLM's KVCacheBlocks as block ids per group; None when empty."""
-    try:
-        return blocks.get_block_ids()
-    except Exception:  # empty KVCacheBlocks
-        return None
-
-
-def _ids0(ids: Any) -> list[int] | None:
-    if not ids:
-        return None
-    return list(ids[0])
-
-
-def _register_by_name() -> None:
-    """Register the class under its name in vLLM's connector factory.
-
-    Loaded by module path, an out-of-tree connector is not in the factory's registry; but as a
-    child of MultiConnector its stats reach the API server as a dict keyed by class name, and
-    MultiConnector rebuilds them with `get_connector_class_by_name`: unregistered, that raises
-    in vLLM's output handler and the server fails the request and stops. This module is
-    imported in that process (MultiConnector's build_prom_metrics loads its children), so
-    registering here is enough."""
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        KVConnectorFactory.register_connector("KVTierConnector", __name__, "KVTierConnector")
-    except ValueError:  # already registered (vLLM may list it one day, or a re-import)
-        pass
-    except Exception as e:  # pragma: no cover - another vLLM
-        log.warning("kvtier: could not register KVTierConnector with vLLM's connector factory: %s", e)
-
-
-_register_by_name()
+register_by_name("KVTierConnector", __name__)

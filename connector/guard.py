@@ -12,7 +12,17 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvtier.core.once import cause
+
+from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.connector")
 
@@ -41,3 +51,60 @@ def hook(recover: str | None = None, default: Any = None, refuse: tuple = ()) ->
                     return default() if callable(default) else default
         return wrapper
     return deco
+
+
+class SafeAnswers:
+    """What each hook of `KVTierConnector` answers when it failed (named by `hook(recover=...)`):
+    a part of the connector, working on its own state (`sched`, `worker`, `_once`)."""
+
+    def _hook_failed(self, name: str, e: BaseException) -> None:
+        part = self.sched if self.sched is not None else self.worker
+        if part is not None:
+            part._count(f"hook_errors.{name}")
+        self._once(("hook", name) + cause(e), logging.ERROR,
+                   "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
+                   "(counted in hook_errors; later failures of this kind are logged at DEBUG)",
+                   name, type(e).__name__, e, exc_info=e)
+
+    def _register_failed(self, kv_caches: dict) -> None:
+        log.error("kvtier: worker rank %s runs without kvtier: every planned load is recomputed, "
+                  "nothing is stored", self.worker.rank if self.worker is not None else "?")
+        if self.worker is not None:
+            self.worker.disable()
+
+    def _load_failed(self, *args: Any, **kwargs: Any) -> None:
+        if self.worker is not None:
+            self.worker.fail_step_loads()
+
+    def _save_failed(self) -> None:
+        if self.worker is not None:
+            self.worker.fail_step_stores()
+
+    def _finished_failed(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
+        return None, (self.worker.fail_async() or None) if self.worker is not None else None
+
+    def _load_errors_failed(self) -> set[int]:
+        return self.worker.take_load_errors(finish=False) if self.worker is not None else set()
+
+    def _worker_meta_failed(self) -> KVTierWorkerMeta | None:
+        return self.worker.take_result(finish=False) if self.worker is not None else None
+
+    def _lookup_failed(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        if self.sched is not None:
+            self.sched.ctrl.release(request.request_id)
+        return 0, False
+
+    def _alloc_failed(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if self.sched is not None:
+            self.sched.fail_alloc(request, group0_ids(block_ids_of(blocks)), num_external_tokens)
+
+    def _sources_failed(self, request: "Request", num_external_tokens: int) -> dict:
+        return super().get_external_cache_hit_sources(request, num_external_tokens)
+
+    def _meta_failed(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self.sched.fail_plan() if self.sched is not None else KVTierMetadata()
+
+    def _finish_failed(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
+        if self.sched is not None:
+            self.sched.ctrl.release(request.request_id)
+        return False, None

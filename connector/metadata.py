@@ -111,3 +111,18 @@ class Counting(plan.Counting):
     def take_interval_stats(self) -> KVTierStats | None:
         d = self.take_interval()
         return KVTierStats(data=d) if d else None
+
+
+def block_ids_of(blocks: Any) -> Any:
+    """vLLM's KVCacheBlocks as block ids per group; None when empty."""
+    try:
+        return blocks.get_block_ids()
+    except Exception:  # empty KVCacheBlocks
+        return None
+
+
+def group0_ids(ids: Any) -> list[int] | None:
+    """The first KV-cache group's block ids, or None."""
+    if not ids:
+        return None
+    return list(ids[0])

@@ -10,6 +10,7 @@ or an application that configured logging itself, it does nothing.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .config import tier_of
@@ -131,3 +132,48 @@ def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
             why = f"kvikio not importable ({type(e).__name__})"
     warnings.append(f"kvtier: nvme io 'kvikio' asked but unusable ({why}): NVMe I/O will fail")
     return f"kvikio (unusable: {why})"
+
+
+def remote_opener(t: Any, fingerprint: dict, rank: int):
+    """The worker's shared-tier data plane, opened once the block size is known."""
+    def open_(block_bytes: int, count):
+        from kvtier.tiers.redis_conn import Namespace, RedisSettings
+        from kvtier.tiers.redis_data import RedisData
+        s = RedisSettings.of(t)
+        return RedisData(s, Namespace(fingerprint, s.secret, rank), block_bytes, threads=t.io_threads,
+                         count=count, name=t.name)
+    return open_
+
+
+def flush_budget_s(limit_s: float) -> float:
+    """How long a worker may wait for its NVMe write-back at shutdown: within the grace vLLM's
+    executor gives a worker to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, default 5) before its
+    SIGTERM, and never more than the worker's own bound `limit_s`."""
+    try:
+        grace = float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5"))
+    except ValueError:
+        grace = 5.0
+    return max(0.5, min(limit_s, grace - 1.0))
+
+
+def short_totals(totals: dict) -> str:
+    keys = ("n_lookups", "hit_tokens", "stored_blocks.cpu", "stored_blocks.nvme", "corrupt_blocks.nvme")
+    return ", ".join(f"{k}={int(totals[k])}" for k in keys if totals.get(k))
+
+
+def register_by_name(name: str, module: str) -> None:
+    """Register the class under its name in vLLM's connector factory.
+
+    Loaded by module path, an out-of-tree connector is not in the factory's registry; but as a
+    child of MultiConnector its stats reach the API server as a dict keyed by class name, and
+    MultiConnector rebuilds them with `get_connector_class_by_name`: unregistered, that raises
+    in vLLM's output handler and the server fails the request and stops. This module is
+    imported in that process (MultiConnector's build_prom_metrics loads its children), so
+    registering here is enough."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        KVConnectorFactory.register_connector(name, module, name)
+    except ValueError:  # already registered (vLLM may list it one day, or a re-import)
+        pass
+    except Exception as e:  # pragma: no cover - another vLLM
+        log.warning("kvtier: could not register KVTierConnector with vLLM's connector factory: %s", e)
