@@ -30,6 +30,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "nvme_write_lag_steps": (None, "serving.nvme_write_lag_steps"),
     "redis_url": ("redis", "url"), "redis_cluster": ("redis", "cluster"), "redis_admission": ("redis", "admission"),
     "redis_timeout_s": ("redis", "timeout_s"), "async_shared_loads": (None, "serving.async_shared_loads"),
+    "record_trace": (None, "serving.record_trace"), "record_max_bytes": (None, "serving.record_max_bytes"),
 }
 _KNOWN = {"config", "promote"} | set(_OVERRIDES)
 

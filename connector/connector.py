@@ -149,6 +149,10 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
                 log.warning("kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block "
                             "hashes per process, so no other instance will ever hit this one's shared-tier "
                             "blocks; use sha256 or set the same PYTHONHASHSEED on every instance", algo)
+        if self.sched is not None and cfg.serving.record_trace and self.enabled:
+            from .recorder import TraceRecorder
+            self.sched.recorder = TraceRecorder(cfg.serving.record_trace, self.block_tokens,
+                                                cfg.serving.record_max_bytes, count=self.sched._count)
         if self.sched is not None:
             for t in self._nvme_tiers():
                 if clear_reports(t.dir):
@@ -369,6 +373,8 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
                     n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
                     log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
             self._publish_stats(force=True)
+            if self.sched.recorder is not None:
+                self.sched.recorder.close()
             t0 = time.monotonic()
             self.sched.close()  # the NVMe index and its directory lock
             log.info("kvtier connector (scheduler): shut down, index closed in %.2f s; totals %s",

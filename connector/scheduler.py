@@ -89,6 +89,7 @@ class KVTierScheduler:
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self._reqs: dict[str, _Req] = {}
         self.async_shared_loads = async_shared_loads and self.ctrl.remote is not None
+        self.recorder = None                   # TraceRecorder (serving.record_trace), set by the connector
         self._async_step: list[str] = []       # requests whose asynchronous load this step plans
         self._failed_loads: dict[str, list[int]] = {}  # accepted by vLLM, not planned: load errors
         self._once = Once(log)
@@ -411,6 +412,12 @@ class KVTierScheduler:
         r = self._reqs.pop(req_id, None)
         if r is not None and block_ids and self.store_enabled and self.offload == "lazy" and self.gpu is not None:
             self._write_behind(r, block_ids)
+        if r is not None and self.recorder is not None:
+            q = r.request
+            n_in = int(getattr(q, "num_prompt_tokens", 0) or 0)
+            self.recorder.record(float(getattr(q, "arrival_time", 0.0) or 0.0), n_in,
+                                 int(getattr(q, "num_output_tokens", 0) or 0),
+                                 q.block_hashes[:n_in // self.block_tokens])
         if req_id in self._async_inflight:  # its lease pins what the load still reads; the report releases it
             return True, None
         self.ctrl.release(req_id)

@@ -203,6 +203,16 @@ class ServingConfig(_Model):
     nvme_write_lag_steps: int = Field(default=4, ge=0)  # NVMe writes reported within N steps (0: in the step)
     max_blocks_per_step: int = 64      # lazy offload bound per scheduler step (<= 0: unbounded)
     async_shared_loads: bool = True    # a shared-tier hit loads while the request waits (no step waits)
+    record_trace: str | None = None    # record the traffic here (connector/recorder.py; for `kvtier plan`)
+    record_max_bytes: int = 256 << 20  # ... rotated at this size (the previous file kept as PATH.1)
+
+    @field_validator("record_max_bytes", mode="before")
+    @classmethod
+    def _rmb(cls, v: Any) -> int:
+        n = _size(v)
+        if n < 4096:
+            raise ValueError("must be at least 4 KiB")
+        return n
 
 
 class StackConfig(_Model):
