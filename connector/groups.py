@@ -1,0 +1,122 @@
+"""vLLM's KV-cache groups as kvtier serves them (hybrid models, `SupportsHMA`).
+
+A hybrid model has several groups, each with its own block table over one block pool: full
+attention (MLA too) needs every block of a prefix; a sliding window of W tokens only the blocks
+the window covers before the hit's end; chunked local attention the current chunk's; Mamba /
+linear attention one state, at the hit's end ("align" mode: a block boundary). A hit of N tokens
+must be servable by every group at once. These are vLLM's own rules (its allocator gives a group
+exactly the blocks `needed` lists as fresh, the rest as the null block); this module is pure
+Python, so they are property-tested here.
+
+Keys: a group's block i covers tokens [i * bt, (i + 1) * bt); its key is vLLM's chained block hash
+at the block's last hash unit plus the 4-byte group id (`kvtier.core.keys`), so equal prefixes give
+equal keys in every group, and a Mamba state at boundary N is keyed by the hash at N.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+
+class GroupKind(enum.Enum):
+    FULL = "full attention"          # every block of the prefix (MLA too)
+    SLIDING = "sliding window"       # the window's blocks before the hit's end
+    CHUNKED = "chunked local"        # the current chunk's blocks
+    MAMBA = "state"                  # one state per request, at the hit's end
+
+
+@dataclass(frozen=True)
+class Group:
+    gid: int
+    kind: GroupKind
+    block_tokens: int
+    window: int = 0                  # SLIDING: W tokens
+    extra: int = 0                   # SLIDING: extra_retained_tokens
+    chunk: int = 0                   # CHUNKED: C tokens
+    eagle: bool = False              # an EAGLE / MTP draft group: its trailing block is not served
+
+    def skipped(self, n: int) -> int:
+        """Tokens at the start of a hit of `n` whose blocks the group does not need."""
+        if self.kind is GroupKind.SLIDING:
+            return max(0, n - self.window + 1 - self.extra)
+        if self.kind is GroupKind.CHUNKED:
+            return n // self.chunk * self.chunk
+        if self.kind is GroupKind.MAMBA:
+            return max(0, n - 1)
+        return 0
+
+    def needed(self, n: int, local: int = 0) -> range:
+        """Block indices a hit of `n` tokens loads in this group (those vLLM allocates fresh):
+        what the group needs at `n`, less what vLLM's own cache computed (`local` tokens)."""
+        bt = self.block_tokens
+        lo = max(self.skipped(n) // bt, local // bt)
+        return range(lo, -(-n // bt))
+
+
+def key_index(g: Group, i: int, hash_tokens: int) -> int:
+    """Index into the request's block hashes of group `g`'s block `i` (the hash at its end)."""
+    return (i + 1) * g.block_tokens // hash_tokens - 1
+
+
+def hit_tokens(groups: Sequence[Group], present: Callable[[Group, int], bool], local: int, num_tokens: int,
+               num_hashes: int, hash_tokens: int) -> int:
+    """Tokens beyond `local` (vLLM's own hit, a multiple of every group's block) that every group
+    can serve: the largest N <= the cap with every group's `needed(N)` blocks present, where the
+    cap leaves one token to compute, stays within the hashed blocks and is a multiple of the
+    groups' common block (each group's blocks end at N). Full-attention groups are a prefix
+    (the longest present run from `local`); the others are checked at each candidate, lowering N
+    until every group agrees (vLLM's own fixed point)."""
+    unit = 1
+    for g in groups:
+        unit = math.lcm(unit, g.block_tokens)
+    cap = min(num_tokens - 1, num_hashes * hash_tokens) // unit * unit
+    n = cap
+    while n > local:
+        lowered = False
+        for g in sorted(groups, key=lambda g: g.kind is not GroupKind.FULL):  # prefixes first
+            if g.kind is GroupKind.FULL:
+                i = local // g.block_tokens
+                end = n // g.block_tokens
+                while i < end and present(g, i):
+                    i += 1
+                m = i * g.block_tokens // unit * unit
+            else:
+                m = n
+                while m > local and not all(present(g, i) for i in g.needed(m, local)):
+                    m -= unit
+            if m < n:
+                n, lowered = m, True
+                break
+        if not lowered:
+            break
+    return max(0, n - local)
+
+
+def groups_of(kv_cache_config: Any) -> list[Group]:
+    """The groups of vLLM's `KVCacheConfig` kvtier serves (its prefix-cacheable ones), in order.
+    A spec kvtier does not know (cross attention, encoder-only...) is not served: ValueError."""
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec,
+                                            SlidingWindowSpec)
+
+    serve = set(getattr(kv_cache_config, "prefix_cacheable_group_ids", range(len(kv_cache_config.kv_cache_groups))))
+    out = []
+    for gid, g in enumerate(kv_cache_config.kv_cache_groups):
+        if gid not in serve:
+            continue
+        spec, eagle = g.kv_cache_spec, bool(getattr(g, "is_eagle_group", False))
+        bt = int(spec.block_size)
+        if isinstance(spec, MambaSpec):
+            out.append(Group(gid, GroupKind.MAMBA, bt, eagle=eagle))
+        elif isinstance(spec, SlidingWindowSpec):
+            out.append(Group(gid, GroupKind.SLIDING, bt, window=int(spec.sliding_window),
+                             extra=int(spec.extra_retained_tokens), eagle=eagle))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(Group(gid, GroupKind.CHUNKED, bt, chunk=int(spec.attention_chunk_size), eagle=eagle))
+        elif isinstance(spec, FullAttentionSpec):
+            out.append(Group(gid, GroupKind.FULL, bt, eagle=eagle))
+        else:
+            raise ValueError(f"KV-cache group {gid}: {type(spec).__name__} is not a kind kvtier serves")
+    return out
