@@ -19,6 +19,7 @@ that one group. A config with several groups disables the connector with a warni
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import weakref
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                 KVConnectorRole)
+                                                                 KVConnectorRole, SupportsHMA)
 
 from kvtier.core.builder import build_controller, build_tiers
 from kvtier.core.config import ConfigError
@@ -35,7 +36,9 @@ from kvtier.core.once import Once
 from kvtier.tiers.handles import Medium
 
 from .config import load_settings, tier_of
+from .groups import GroupKind, groups_of
 from .guard import SafeAnswers, hook
+from .hybrid import HybridRules
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, block_ids_of, group0_ids
 from kvtier.core.serving_stats import write_stats
 
@@ -80,17 +83,37 @@ def _world_size(vllm_config: Any) -> int:
     return int(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
 
 
-def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int, int]:
-    """(block bytes of group 0 over all its layers, tokens per block, number of groups)."""
+def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int]:
+    """(bytes of one block id over every layer region, vLLM's scheduler block in tokens). With
+    several groups (the hybrid allocator) the groups' layers are overlaid on the same regions (one
+    page per layer and block, the same size in every group), so a block id owns one page of each
+    region whatever its group: the largest group's pages."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups:
-        return 0, 0, 0
-    g = groups[0]
-    spec = g.kv_cache_spec
-    return int(spec.page_size_bytes) * len(g.layer_names), int(spec.block_size), len(groups)
+        return 0, 0
+    bb = max(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in groups)
+    bt = 1
+    for g in groups:
+        bt = math.lcm(bt, int(g.kv_cache_spec.block_size))
+    return bb, bt
 
 
-class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
+def _served_groups(kv_cache_config: Any) -> tuple[list, str | None]:
+    """(the groups kvtier serves, why it cannot serve them or None)."""
+    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
+        return [], "no KV-cache groups"
+    try:
+        groups = groups_of(kv_cache_config)
+    except ValueError as e:
+        return [], str(e)
+    if not groups:
+        return [], "no prefix-cacheable KV-cache group"
+    if any(g.block_tokens % min(x.block_tokens for x in groups) for g in groups):
+        return [], "KV-cache groups whose block sizes do not divide each other"
+    return groups, None
+
+
+class KVTierConnector(SafeAnswers, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -98,13 +121,14 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         cfg = load_settings(extra)
         self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        bb, block_tokens, ngroups = _estimate_block_bytes(kv_cache_config)
+        bb, block_tokens = _estimate_block_bytes(kv_cache_config)
         self.block_tokens = block_tokens or vllm_config.cache_config.block_size
         self.block_bytes_estimate = bb
-        self.enabled = ngroups == 1 and bb > 0
+        self.groups, why = _served_groups(kv_cache_config)
+        self.hybrid = len(self.groups) > 1 or any(g.kind is not GroupKind.FULL for g in self.groups)
+        self.enabled = bb > 0 and why is None
         if not self.enabled:
-            log.warning("kvtier: %d KV-cache groups (block bytes %d): connector disabled (group 0 only)",
-                        ngroups, bb)
+            log.warning("kvtier: connector disabled: %s", why or f"block of {bb} bytes")
         # the block is vLLM's: the YAML's capacities in bytes are counted in these blocks
         cfg = cfg.model_copy(update={"block_bytes": bb or 1, "block_tokens": self.block_tokens})
         if role == KVConnectorRole.SCHEDULER and self.enabled:
@@ -128,10 +152,13 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             tiers = build_tiers(cfg, "control", self.fingerprint, ranks=_world_size(vllm_config)) if self.enabled else []
             ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
+            hybrid = HybridRules(self.groups, math.gcd(*[g.block_tokens for g in self.groups])) \
+                if self.hybrid else None
             self.sched = KVTierScheduler(block_tokens=self.block_tokens, group_id=0,
                                          store=cfg.serving.store and self.enabled, offload="eager",
                                          max_blocks_per_step=cfg.serving.max_blocks_per_step, controller=ctrl,
-                                         async_shared_loads=cfg.serving.async_shared_loads)
+                                         async_shared_loads=cfg.serving.async_shared_loads and not self.hybrid,
+                                         hybrid=hybrid)
         else:
             rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
             self.worker = KVTierWorker(None, cpu_tier=cpu, pin=cpu.pin if cpu is not None else "auto",
@@ -192,8 +219,16 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
             model=model, revision=str(rev),
             dtype=str(getattr(mc, "dtype", "?")),
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-            layout="vllm-kv-blocks/v1", tp=int(getattr(pc, "tensor_parallel_size", 1)),
+            layout=self._layout_name(), tp=int(getattr(pc, "tensor_parallel_size", 1)),
             pp=int(getattr(pc, "pipeline_parallel_size", 1)))
+
+    def _layout_name(self) -> str:
+        """One group: "vllm-kv-blocks/v1" (unchanged). Several: v2 and a digest of the groups
+        (kind, block, window...): a block stored under another group layout is never served."""
+        if not self.hybrid:
+            return "vllm-kv-blocks/v1"
+        import xxhash
+        return "vllm-kv-blocks/v2:" + xxhash.xxh3_64_hexdigest(repr(self.groups).encode())
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -397,8 +432,14 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
         if self.sched is None:
             return
         self.sched.bind_gpu(ctx)
+        hash_tokens = getattr(getattr(ctx, "pool", None), "hash_block_size", None)
+        if self.sched.hybrid is not None and hash_tokens:
+            self.sched.hybrid.hash_tokens = int(hash_tokens)   # what vLLM hashes the requests' blocks by
         if self.config.policy.offload == "lazy":
-            if hashed:
+            if self.sched.hybrid is not None:
+                log.warning("kvtier: offload 'lazy' stores what vLLM keeps cached, which has no sliding-window "
+                            "block: with %d KV-cache groups blocks are stored eagerly", len(self.groups))
+            elif hashed:
                 self.sched.offload = "lazy"
             else:
                 log.warning("kvtier: offload 'lazy' needs prefix caching (hashed blocks in the GPU free "
@@ -415,7 +456,10 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.sched is None or not self.enabled:
             return
-        self.sched.on_alloc(request, group0_ids(block_ids_of(blocks)), num_external_tokens)
+        if self.hybrid:
+            self.sched.on_alloc_groups(request, block_ids_of(blocks), num_external_tokens)
+        else:
+            self.sched.on_alloc(request, group0_ids(block_ids_of(blocks)), num_external_tokens)
 
     @hook(recover="_sources_failed")
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
@@ -437,6 +481,8 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
             return KVTierMetadata()
         so = scheduler_output
         bstate = getattr(so, "kv_connector_block_state", None)
+        if self.hybrid:
+            return self._build_meta_groups(so, bstate)
         scheduled: list[tuple[str, int, list[int] | None]] = []
         nst = so.num_scheduled_tokens
         for nr in so.scheduled_new_reqs:
@@ -457,6 +503,27 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
         return self.sched.build_meta(scheduled)
 
     @hook()
+    def _build_meta_groups(self, so: "SchedulerOutput", bstate: Any) -> KVConnectorMetadata:
+        """A hybrid model: every group's block table (vLLM's exact tables when it offers them) and
+        the Mamba states it hands over this step."""
+        nst = so.num_scheduled_tokens
+        scheduled: list[tuple[str, int, Any]] = []
+        for nr in so.scheduled_new_reqs:
+            self.sched.update_block_ids(nr.req_id, [], True, tables=nr.block_ids or ())
+            scheduled.append((nr.req_id, nr.num_computed_tokens + nst.get(nr.req_id, 0), None))
+        cr = so.scheduled_cached_reqs
+        resumed = getattr(cr, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cr.req_ids):
+            nb = cr.new_block_ids[i]
+            if nb is not None or rid in resumed:
+                self.sched.update_block_ids(rid, [], rid in resumed, tables=nb or ())
+            scheduled.append((rid, cr.num_computed_tokens[i] + nst.get(rid, 0), None))
+        boundaries = {}
+        if bstate is not None:
+            scheduled = [(rid, n, bstate.get_block_ids(rid)) for rid, n, _ in scheduled]
+            boundaries = dict(getattr(bstate, "boundary_state_offloads", None) or {})
+        return self.sched.build_meta(scheduled, boundaries)
+
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.sched is None:
             return
@@ -469,6 +536,15 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1):
         if self.sched is None:
             return False, None
         return self.sched.on_finished(request.request_id, block_ids)
+
+    @hook(recover="_finish_failed")
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`: vLLM calls this instead of `request_finished` (one list per group)."""
+        if self.sched is None:
+            return False, None
+        return self.sched.on_finished(request.request_id, list(block_ids[0]) if block_ids and not self.hybrid
+                                      else None)
 
     def has_pending_push_work(self) -> bool:
         """Lazy offload's write-behind keeps vLLM stepping after its last request (bounded)."""

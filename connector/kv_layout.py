@@ -50,18 +50,24 @@ class KVLayout:
     """
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None = None) -> None:
-        # vLLM may hand several names for one tensor (shared KV layers): copy each buffer once.
-        seen: dict[tuple[int, tuple, tuple], int] = {}
+        # Several names may share one region of memory (layers sharing KV; with the hybrid
+        # allocator, layers of different groups overlaid on one allocation, maybe viewed with other
+        # shapes: a Mamba state and an attention page): copy each region once, through the view
+        # whose block spans most of it.
+        seen: dict[tuple[int, int], int] = {}
         self.names: list[str] = []
         self.tensors: list[torch.Tensor] = []
-        self.layer_of: dict[str, int] = {}  # every layer name -> index of the buffer it uses
+        self.layer_of: dict[str, int] = {}  # every layer name -> index of the region it uses
         for name, t in kv_caches.items():
-            sig = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
-            if sig not in seen:
-                seen[sig] = len(self.tensors)
+            region = (t.data_ptr(), t.stride(0) * t.element_size())
+            i = seen.get(region)
+            if i is None:
+                seen[region] = i = len(self.tensors)
                 self.names.append(name)
                 self.tensors.append(t)
-            self.layer_of[name] = seen[sig]
+            elif t[0].numel() * t.element_size() > self.tensors[i][0].numel() * self.tensors[i].element_size():
+                self.names[i], self.tensors[i] = name, t
+            self.layer_of[name] = i
         if not self.tensors:
             raise ValueError("kvtier: register_kv_caches got no KV tensors")
         nk = {t.shape[0] for t in self.tensors}

@@ -25,6 +25,7 @@ from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier
 
+from .hybrid import HybridRules
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 
 log = logging.getLogger("kvtier.connector")
@@ -42,6 +43,9 @@ class _Req:
     load_tier_blocks: dict[int, int] = field(default_factory=dict)
     load_async: bool = False        # the lease reaches the shared tier: vLLM loads it asynchronously
     load_start: int = 0             # chain position where the planned load starts
+    tables: list[list[int]] = field(default_factory=list)  # hybrid: each group's block ids
+    done: list[int] = field(default_factory=list)          # hybrid: blocks offered to the store, per group
+    plan: list[tuple[int, int]] = field(default_factory=list)  # hybrid: (group, block index) the hit loads
 
 
 class KVTierScheduler:
@@ -54,7 +58,7 @@ class KVTierScheduler:
                  max_blocks_per_step: int | None = 64, promote: bool | PromotionPolicy | None = True,
                  admission: Sequence[AdmissionPolicy | None] | None = None, ranks: int = 1,
                  demotion: str = "write_through", controller: TierController | None = None,
-                 async_shared_loads: bool = True) -> None:
+                 async_shared_loads: bool = True, hybrid: HybridRules | None = None) -> None:
         """Either a built `controller` (`kvtier.core.builder`) or `tiers` (top first; an NVMe tier is
         an `NvmeControl`) and policies to build one. `promote`: a PromotionPolicy, True
         (inclusive) or False/None (serve in place).
@@ -90,6 +94,8 @@ class KVTierScheduler:
         self._reqs: dict[str, _Req] = {}
         self.async_shared_loads = async_shared_loads and self.ctrl.remote is not None
         self.recorder = None                   # TraceRecorder (serving.record_trace), set by the connector
+        self.hybrid = hybrid                   # several KV-cache groups (connector/hybrid.py), or None
+        self._boundaries: dict = {}
         self._async_step: list[str] = []       # requests whose asynchronous load this step plans
         self._failed_loads: dict[str, list[int]] = {}  # accepted by vLLM, not planned: load errors
         self._once = Once(log)
@@ -139,6 +145,8 @@ class KVTierScheduler:
         (vLLM asks again next step; the scheduler never waits on the network).
         """
         r = self._track(request)
+        if self.hybrid is not None:
+            return self._lookup_groups(r, num_computed_tokens)
         bt = self.block_tokens
         start = num_computed_tokens // bt
         end = min(len(r.keys), (request.num_tokens - 1) // bt)
@@ -155,6 +163,54 @@ class KVTierScheduler:
         r.hit_blocks = start + n
         r.load_async = self.async_shared_loads and n > 0 and any(t == self.ctrl.remote for t, _ in lease.blocks)
         return n * bt
+
+    def _lookup_groups(self, r: _Req, local: int) -> int:
+        """A hybrid model: the one hit length every group serves; leases each group's blocks."""
+        q = r.request
+        n, plan, keys = self.hybrid.lookup(q.block_hashes, local, q.num_tokens,
+                                           lambda k: self.ctrl.find(k) is not None)
+        r.asked = max(0, (q.num_tokens - 1) // self.block_tokens - local // self.block_tokens)
+        if not n:
+            self.ctrl.count("n_lookups")
+            self.ctrl.release(r.req_id)
+            return 0
+        if self.ctrl.acquire_keys(r.req_id, keys) is None:
+            return 0
+        r.plan, r.hit_blocks, r.load_start = plan, (local + n) // self.block_tokens, local // self.block_tokens
+        return n
+
+    def on_alloc_groups(self, request: Any, tables: Sequence[Sequence[int]] | None, num_external_tokens: int) -> None:
+        """A hybrid model's `update_state_after_alloc`: each group's block ids; the planned blocks
+        load into the ones vLLM allocated for them (any missing: the hit is recomputed)."""
+        r = self._track(request)
+        if tables is not None:
+            r.tables = [list(t) for t in tables]
+        if num_external_tokens <= 0:
+            if self.ctrl.release(r.req_id):
+                self._count("n_leases_not_chosen")
+            self.ctrl.count_request(r.asked, 0)
+            r.asked = 0
+            return
+        dsts = self.hybrid.destinations(r.plan, r.tables)
+        lease = self.ctrl.leases.leases.get(r.req_id)
+        if dsts is None or lease is None or len(dsts) != lease.num_blocks:
+            self._count("hybrid_alloc_mismatch")
+            self._once(("hybrid_alloc",), logging.WARNING, "kvtier: request %s: vLLM's blocks differ from the "
+                       "planned hit (%d blocks planned): recomputed", r.req_id, len(r.plan))
+            self.fail_alloc(request, r.tables[0] if r.tables else None, num_external_tokens)
+            return
+        ops = self.ctrl.load(r.req_id, len(dsts), dsts, self._info(r, r.load_start), tokens=num_external_tokens)
+        self.ctrl.count_request(r.asked, num_external_tokens // self.block_tokens)
+        r.asked = 0
+        r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
+        self._init_done(r)
+        upto = r.load_start * self.block_tokens + num_external_tokens
+        for g in self.hybrid.groups:  # what was loaded is not stored again
+            r.done[g.gid] = max(r.done[g.gid], upto // g.block_tokens)
+
+    def _init_done(self, r: _Req) -> None:
+        if not r.done:
+            r.done = [0] * (1 + max(g.gid for g in self.hybrid.groups))
 
     def loads_async(self, request_id: str) -> bool:
         """Whether the request's matched prefix reaches the shared tier: vLLM then loads it
@@ -207,10 +263,12 @@ class KVTierScheduler:
         return out
 
     # ---- the per-step plan -------------------------------------------------------------
-    def build_meta(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]]) -> KVTierMetadata:
+    def build_meta(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]],
+                   boundaries: dict | None = None) -> KVTierMetadata:
         """`scheduled`: (request id, tokens computed once this step runs, its group-0 block ids or
         None to use the ids tracked from on_alloc/update_block_ids)."""
         scheduled = list(scheduled)
+        self._boundaries = boundaries or {}   # hybrid: Mamba states vLLM hands over this step
         if scheduled:
             self._last_busy = time.monotonic()
         try:  # a failure here (e.g. the NVMe index cannot be written) costs this step's stores only
@@ -279,9 +337,18 @@ class KVTierScheduler:
         self._name_nvme(meta)
         return meta
 
-    def update_block_ids(self, req_id: str, new_ids: Sequence[int], replace: bool) -> None:
+    def update_block_ids(self, req_id: str, new_ids: Sequence[int], replace: bool,
+                         tables: Sequence[Sequence[int]] | None = None) -> None:
+        """The request's block ids (group 0), or with `tables` every group's (a hybrid model)."""
         r = self._reqs.get(req_id)
         if r is None:
+            return
+        if tables is not None:
+            if replace or not r.tables:
+                r.tables = [list(t) for t in tables]
+            else:
+                for t, new in zip(r.tables, tables):
+                    t.extend(new)
             return
         if replace:
             r.block_ids = list(new_ids)
@@ -294,6 +361,9 @@ class KVTierScheduler:
             r = self._reqs.get(rid)
             if r is None:
                 continue
+            if self.hybrid is not None:
+                self._plan_stores_groups(r, computed_after, block_ids)
+                continue
             if block_ids is None:
                 block_ids = r.block_ids
             self._track(r.request)
@@ -303,6 +373,17 @@ class KVTierScheduler:
                 continue
             r.stored_upto = full
             self.ctrl.store(r.keys[lo:full], block_ids[lo:full], self._info(r, lo))
+
+    def _plan_stores_groups(self, r: _Req, computed_after: int, tables: Any) -> None:
+        """A hybrid model: each attention group's blocks full once this step runs (a sliding
+        window's too: vLLM drops them at the next step) and the Mamba states vLLM hands over."""
+        if tables is not None:
+            r.tables = [list(t) for t in tables]
+        self._init_done(r)
+        pairs = self.hybrid.stores(r.request.block_hashes, computed_after, r.tables, r.done,
+                                   self._boundaries.get(r.req_id, ()))
+        if pairs:
+            self.ctrl.store([k for k, _ in pairs], [b for _, b in pairs], self._info(r, 0))
 
     def _plan_lazy(self) -> None:
         """Lazy offload: up to `max_blocks_per_step` GPU blocks a step that kvtier lacks and vLLM

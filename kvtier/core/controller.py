@@ -91,6 +91,14 @@ class TierController(Completion, Counting):
             blocks.extend([(self.remote, -1)] * n)
         return blocks
 
+    def find(self, key: bytes) -> tuple[int, int] | None:
+        """(tier, slot) of the topmost local copy of a block, or None."""
+        for t, idx in enumerate(self._index):
+            s = idx.get(key)
+            if s is not None:
+                return t, s
+        return None
+
     def holds(self, key: bytes, tier: int = 0) -> bool:
         """Whether `tier` has the block or is receiving it (the shared tier: as far as known here)."""
         if tier == self.remote:
@@ -125,6 +133,20 @@ class TierController(Completion, Counting):
             return None
         return self.leases.take(request_id, start, keys, blocks)
 
+    def acquire_keys(self, request_id: str, keys: Sequence[bytes]) -> Lease | None:
+        """Pin exactly these blocks for the request (a hybrid model's hit: blocks of several groups,
+        not one prefix); asking again for the same keys pins nothing new. None, and no lease, when
+        a local tier holds not every one."""
+        lease = self.leases.get(request_id, -1, keys)
+        if lease is not None:
+            return lease
+        self._count("n_lookups")
+        blocks = [self.find(k) for k in keys]
+        if not keys or any(b is None for b in blocks):
+            self.leases.release(request_id)
+            return None
+        return self.leases.take(request_id, -1, keys, blocks)
+
     def release(self, request_id: str) -> int:
         n = self.leases.release(request_id)
         if n:
@@ -136,10 +158,12 @@ class TierController(Completion, Counting):
 
     # ---- loads ---------------------------------------------------------------------------
     def load(self, request_id: str, num_blocks: int, dsts: Sequence[int], info: RequestInfo = NO_INFO,
-             checksums: bool = True) -> list[LoadOp]:
+             checksums: bool = True, tokens: int | None = None) -> list[LoadOp]:
         """Commit the request's lease to its first `num_blocks` blocks and plan their loads into
         `dsts` (caller's block ids: vLLM's GPU blocks or buffer indices). Records the hits with
-        the eviction policies and plans promotions. Returns the load ops (also in the plan)."""
+        the eviction policies and plans promotions. Returns the load ops (also in the plan).
+        `tokens`: the hit's tokens (default: its blocks' tokens; a hybrid hit loads blocks of
+        several groups for the same tokens)."""
         lease = self.leases.commit(request_id, num_blocks)
         if lease is None:
             return []
@@ -170,7 +194,7 @@ class TierController(Completion, Counting):
             self._count(f"hit_tokens.{tier.name}", n * self.block_tokens)
             if t > 0:
                 self._plan_promotion(op, keys_of[t], info, pos_of[t])
-        self._count("hit_tokens", lease.num_blocks * self.block_tokens)
+        self._count("hit_tokens", lease.num_blocks * self.block_tokens if tokens is None else tokens)
         self._count("n_loads")
         out = list(ops.values())
         self._plan.loads.extend(out)
