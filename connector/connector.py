@@ -6,14 +6,15 @@ Load with::
                      kv_role="kv_both", kv_connector_extra_config={"config": "cpu.yaml",
                                                                    "cpu_capacity_blocks": 4096})
 
-A cache-style connector: `requires_kv_delivery` is False (a dropped store is a future miss),
-loads are synchronous (`get_num_new_matched_tokens` returns `(n, False)`), stores happen after
-the forward that computed a full block, in the same step (so `request_finished` never has to
-hold the request's blocks and returns `(False, None)`).
+A cache-style connector: `requires_kv_delivery` is False (a dropped store is a future miss).
+Local loads are synchronous; shared-tier loads, and every load of a hybrid model, are
+asynchronous (the request waits, the step does not). A failed load is recomputed: per block
+(`get_block_ids_with_load_errors`) with one KV-cache group, per request (`failed_recving`)
+with several, as vLLM requires.
 
-Not `SupportsHMA`: the plan covers KV-cache group 0 only (one key per block and group); with the
-connector present vLLM turns the hybrid KV-cache manager off, so every attention layer is in
-that one group. A config with several groups disables the connector with a warning.
+`SupportsHMA`: hybrid models (sliding window, Mamba / linear attention, several attention
+groups) keep vLLM's hybrid KV-cache manager; connector/groups.py says which group kinds are
+served, connector/hybrid.py how one hit covers them all.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                 KVConnectorRole, SupportsHMA)
+                                                                 KVConnectorRole,
+                                                                 KVConnectorTransferResults, SupportsHMA)
 
 from kvtier.core.builder import build_controller, build_tiers
 from kvtier.core.config import ConfigError
@@ -281,20 +283,30 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.save()
 
-    @hook(recover="_finished_failed")
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    @hook(recover="_transfers_failed")
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         # Local loads finish before the forward and GPU->CPU copies within the step (NVMe writes
-        # run behind from the CPU copy): nothing is delayed but asynchronous (shared-tier) loads,
-        # reported as received once their blocks are in the KV.
-        if self.worker is None:
-            return None, None
-        return None, self.worker.poll_async() or None
+        # run behind from the CPU copy): nothing is delayed but asynchronous loads, reported as
+        # received once their blocks are in the KV. A hybrid model's failed load fails its request
+        # (vLLM takes no block-level errors with several groups): also in finished_recving.
+        out = KVConnectorTransferResults()
+        if self.worker is not None:
+            out.finished_recving = self.worker.poll_async()
+            failed = self.worker.take_failed_recving()
+            if self.hybrid:
+                out.failed_recving = failed & out.finished_recving
+        return out
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
 
     @hook(recover="_load_errors_failed")
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:
             return set()
-        return self.worker.take_load_errors()
+        errors = self.worker.take_load_errors()
+        return set() if self.hybrid else errors  # hybrid: reported per request (get_transfer_results)
 
     @hook(recover="_worker_meta_failed")
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:

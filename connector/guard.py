@@ -19,7 +19,7 @@ from kvtier.core.once import cause
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorTransferResults
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -80,11 +80,15 @@ class SafeAnswers:
         if self.worker is not None:
             self.worker.fail_step_stores()
 
-    def _finished_failed(self, finished_req_ids: set[str]) -> tuple[None, set[str] | None]:
-        return None, (self.worker.fail_async() or None) if self.worker is not None else None
+    def _transfers_failed(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+        failed = self.worker.fail_async() if self.worker is not None else set()
+        return KVConnectorTransferResults(finished_recving=set(failed),
+                                          failed_recving=set(failed) if self.hybrid else set())
 
     def _load_errors_failed(self) -> set[int]:
-        return self.worker.take_load_errors(finish=False) if self.worker is not None else set()
+        errors = self.worker.take_load_errors(finish=False) if self.worker is not None else set()
+        return set() if self.hybrid else errors
 
     def _worker_meta_failed(self) -> KVTierWorkerMeta | None:
         return self.worker.take_result(finish=False) if self.worker is not None else None

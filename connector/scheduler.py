@@ -177,6 +177,7 @@ class KVTierScheduler:
         if self.ctrl.acquire_keys(r.req_id, keys) is None:
             return 0
         r.plan, r.hit_blocks, r.load_start = plan, (local + n) // self.block_tokens, local // self.block_tokens
+        r.load_async = True  # vLLM takes a hybrid model's load failures per request: asynchronous loads only
         return n
 
     def on_alloc_groups(self, request: Any, tables: Sequence[Sequence[int]] | None, num_external_tokens: int) -> None:
@@ -203,6 +204,7 @@ class KVTierScheduler:
         self.ctrl.count_request(r.asked, num_external_tokens // self.block_tokens)
         r.asked = 0
         r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
+        self._wait_for(r, ops)
         self._init_done(r)
         upto = r.load_start * self.block_tokens + num_external_tokens
         for g in self.hybrid.groups:  # what was loaded is not stored again
@@ -242,15 +244,23 @@ class KVTierScheduler:
             self.ctrl.release(r.req_id)
             return
         ops = self.ctrl.load(r.req_id, nb, gpu, self._info(r, lease.start))
-        if r.load_async and ops:
-            self._async_step.append(r.req_id)
-            self._async_inflight.add(r.req_id)
+        self._wait_for(r, ops)
         n = sum(len(op.slots) for op in ops)
         self.ctrl.count_request(r.asked, n)
         r.asked = 0
         r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
         r.load_start = lease.start
         r.stored_upto = max(r.stored_upto, lease.start + n)
+
+    def _wait_for(self, r: _Req, ops: Sequence) -> None:
+        """The request waits for its asynchronous load: the workers report it done (or failed)."""
+        if not r.load_async:
+            return
+        self._async_step.append(r.req_id)
+        if ops:
+            self._async_inflight.add(r.req_id)
+        else:  # nothing to load after all: reported failed, or it would wait forever
+            self._failed_loads[r.req_id] = []
 
     def hit_sources(self, request_id: str) -> dict[Medium, int]:
         """Tokens of the planned load per medium of the tiers they come from."""
@@ -305,15 +315,15 @@ class KVTierScheduler:
         lease goes, and the blocks vLLM expects loaded are reported as load errors (recomputed)."""
         rid = request.request_id
         self.ctrl.release(rid)
-        self._async_step = [r for r in self._async_step if r != rid]
         self._async_inflight.discard(rid)
-        nb = num_external_tokens // self.block_tokens
-        if nb <= 0 or not block_ids:
+        if num_external_tokens <= 0:
             return
+        r = self._reqs.get(rid)
+        if r is not None and r.load_async and rid not in self._async_step:  # it waits: report it failed
+            self._async_step.append(rid)
+        nb = num_external_tokens // self.block_tokens
         first = int(getattr(request, "num_computed_tokens", 0) or 0) // self.block_tokens
-        ids = list(block_ids[first:first + nb])
-        if ids:
-            self._failed_loads[rid] = ids
+        self._failed_loads[rid] = list(block_ids[first:first + nb]) if block_ids else []
 
     def fail_plan(self) -> KVTierMetadata:
         """`build_connector_meta` failed: send this step's loads as load errors (vLLM accepted them
@@ -331,9 +341,10 @@ class KVTierScheduler:
             rep.stored[op.op_id] = [False] * len(op.slots)
         for op in plan.copies:  # every rank's report, as if each had failed it
             rep.copied_ranks[op.op_id] = {r: [-1] * len(op.src_slots) for r in range(self.ctrl.ranks)}
-        self._failed_loads, self._async_step = {}, []
+        waiting, self._failed_loads, self._async_step = self._async_step, {}, []
         self.on_worker_meta(rep)
-        meta = KVTierMetadata(failed_loads=failed, remote_tier=self.ctrl.remote, tier_names=self.ctrl.names)
+        meta = KVTierMetadata(failed_loads=failed, async_loads=waiting, remote_tier=self.ctrl.remote,
+                              tier_names=self.ctrl.names)
         self._name_nvme(meta)
         return meta
 

@@ -66,6 +66,7 @@ class KVTierWorker(Counting):
         self.ex: Executor | None = None
         self._meta: KVTierMetadata | None = None
         self.disabled = False                 # register_kv_caches failed: every load fails, nothing stored
+        self._lost: set[str] = set()          # waiting requests failed without an executor: reported done
         self._capacity: dict[int, int] = {}   # reported once: the pool's size
         self.fail_loads = False               # test hook: every load fails
 
@@ -176,9 +177,13 @@ class KVTierWorker(Counting):
             return
         ex = self.ex
         if meta.failed_loads:  # loads the scheduler accepted but could not plan: vLLM recomputes them
-            for rid, ids in meta.failed_loads.items():
-                ex.fail_blocks(rid, ids, "planning")
-            meta.failed_loads = {}
+            failed, meta.failed_loads = meta.failed_loads, {}
+            later = set(meta.async_loads)
+            if ex is None:
+                self._lost.update(rid for rid in failed if rid in later)
+            else:
+                for rid, ids in failed.items():
+                    ex.fail_blocks(rid, ids, "planning", waiting=rid in later)
         if not meta.loads:
             return
         if ex is None or self.disabled:
@@ -197,9 +202,14 @@ class KVTierWorker(Counting):
         run (`meta.idle`) it waits for them (bounded): the waiting thread lets go of the GIL, which
         the reads need (an engine loop spinning through empty steps would starve them)."""
         if self.ex is None:
-            return set()
+            return set(self._lost)
         idle = self._meta is not None and self._meta.idle
-        return self.ex.poll_async(self.IDLE_WAIT_S if idle else 0.0)
+        return self.ex.poll_async(self.IDLE_WAIT_S if idle else 0.0) | self._lost
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests `poll_async` / `fail_async` reported whose load failed, since the last call."""
+        lost, self._lost = self._lost, set()
+        return lost | (self.ex.take_failed_recving() if self.ex is not None else set())
 
     def wait_layer(self, layer_name: str) -> None:
         """The forward is about to run `layer_name`'s attention: its blocks must be in place."""
@@ -264,12 +274,14 @@ class KVTierWorker(Counting):
         if meta is None:
             return
         ops, meta.loads = list(meta.loads), []
-        if self.ex is None:
+        if self.ex is None:  # nothing to fail the blocks with: a waiting request is still reported
+            self._lost.update(meta.async_loads)
             return
         self.ex.fail_loads_of(ops, "the step's loads failed", async_ids=meta.async_loads)
 
     def fail_async(self) -> set[str]:
-        return self.ex.fail_async() if self.ex is not None else set()
+        lost, self._lost = self._lost, set()
+        return (self.ex.fail_async() if self.ex is not None else set()) | lost
 
     def fail_step_stores(self) -> None:
         meta = self._meta

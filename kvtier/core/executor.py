@@ -73,6 +73,7 @@ class Executor(Counting):
         self.steps = 0
         self._async: dict[str, list[LoadOp]] = {}  # request -> its load ops, loading asynchronously
         self._recv_failed: set[str] = set()         # asynchronous loads that failed: reported as done
+        self._failed_done: set[str] = set()         # ... and once reported, kept for `take_failed_recving`
         self._fetched: dict[int, tuple] = {}       # id(op) -> (host rows, rows, buffers, handle): read ahead
         self._load_event = None
         self.layer_events: list | None = None     # a layered load's events, one per layer
@@ -311,10 +312,18 @@ class Executor(Counting):
             done.add(rid)
         if done:
             self.finish_loads()
+            self._failed_done.update(rid for rid in done if self.result.loaded.get(rid) is False)
         if self._recv_failed:
             done |= self._recv_failed
+            self._failed_done |= self._recv_failed
             self._recv_failed = set()
         return done
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests `poll_async` / `fail_async` reported done whose load failed (in whole or part),
+        since the last call: for callers that take failures per request, not per block."""
+        out, self._failed_done = self._failed_done, set()
+        return out
 
     @property
     def loads_in_flight(self) -> int:
@@ -411,9 +420,12 @@ class Executor(Counting):
         return e
 
     # ---- failures: the safe answer when work cannot run ----------------------------------------
-    def fail_blocks(self, req_id: str, block_ids: Sequence[int], why: str) -> None:
-        """These blocks of the request were not loaded: load errors (the caller recomputes them)."""
+    def fail_blocks(self, req_id: str, block_ids: Sequence[int], why: str, waiting: bool = False) -> None:
+        """These blocks of the request were not loaded: load errors (the caller recomputes them).
+        `waiting`: the request waits for an asynchronous load, so it is also reported as done."""
         ids = list(block_ids)
+        if waiting:
+            self._recv_failed.add(req_id)
         self._load_errors.update(ids)
         self.result.loaded[req_id] = False
         self._count("blocks_load_failed", len(ids))
@@ -441,6 +453,7 @@ class Executor(Counting):
         self._recv_failed.update(self._async)
         self._async.clear()
         out, self._recv_failed = self._recv_failed, set()
+        self._failed_done |= out
         return out
 
     def fail_stores(self, stores: Sequence[StoreOp], copies: Sequence[CopyOp]) -> None:
