@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from kvtier.tiers import io_engines as ioe
+from kvtier.tiers import io_kvikio
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.io_engines import (AUTO_HOST_REASON, KVIKIO_HOST_NOTE, ALIGN, EngineUnavailable, KvikioEngine,
                                      PosixEngine, cuda_driver_reason, select_engine)
@@ -195,7 +195,7 @@ def _make_fake_kvikio():
 def fake_kvikio(monkeypatch):
     mod = _make_fake_kvikio()
     monkeypatch.setitem(sys.modules, "kvikio", mod)
-    monkeypatch.setattr(ioe, "cuda_driver_reason", lambda: None)  # as on a machine with a driver
+    monkeypatch.setattr(io_kvikio, "cuda_driver_reason", lambda: None)  # as on a machine with a driver
     return mod
 
 
@@ -205,7 +205,7 @@ def real_kvikio(monkeypatch):
     mod = pytest.importorskip("kvikio")
     if cuda_driver_reason() is None:
         pytest.skip("a CUDA driver is present: kvikio's transfers work here")
-    monkeypatch.setattr(ioe, "cuda_driver_reason", lambda: None)
+    monkeypatch.setattr(io_kvikio, "cuda_driver_reason", lambda: None)
     return mod
 
 
@@ -256,7 +256,7 @@ def test_kvikio_opens_the_file_kvtier_checked(any_kvikio, data_dir, monkeypatch)
         # a file swapped in between kvtier's open and kvikio's is refused, nothing left open
         decoy = os.path.join(path, "decoy")
         open(decoy, "wb").close()
-        monkeypatch.setattr(ioe, "_reopen_path", lambda fd, p: decoy)
+        monkeypatch.setattr(io_kvikio, "_reopen_path", lambda fd, p: decoy)
         before = _open_fds()
         with pytest.raises(UnsafePath, match="another file than the one kvtier checked"):
             eng.open(os.path.join(path, "data.0"), dir_fd=dfd)

@@ -191,7 +191,7 @@ def test_fingerprint_namespace_never_serves_foreign(tmp_path):
 
 
 def test_odirect_refused_falls_back_to_buffered(tmp_path, monkeypatch, caplog):
-    import kvtier.tiers.io_engines as ioe
+    import kvtier.tiers.io_engine as ioe
 
     real = ioe._os_open
 
@@ -217,7 +217,7 @@ def test_odirect_refused_falls_back_to_buffered(tmp_path, monkeypatch, caplog):
 
 
 def test_direct_required_but_refused_is_an_error(tmp_path, monkeypatch):
-    import kvtier.tiers.io_engines as ioe
+    import kvtier.tiers.io_engine as ioe
 
     real = ioe._os_open
     monkeypatch.setattr(ioe, "_os_open", lambda p, f, m=0o777, **kw: (_ for _ in ()).throw(

@@ -31,7 +31,7 @@ from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 from .base import PENDING_SLOT, RESIDENT, SlotTier
 from .nvme_block import (HEADER_BYTES, SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint,
                          slot_stride)
-from .io_engines import crash_point
+from .io_hooks import crash_point
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
 log = logging.getLogger("kvtier.nvme")
