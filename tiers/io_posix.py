@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 import xxhash
 
+from kvtier.core.once import Once
+
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 from .io_engine import ALIGN, HEADER, MAX_IO_BYTES, EngineFile, IOEngine, check_buffers, open_in, round_up
 from .io_hooks import HOOKS, crash_point
@@ -91,7 +93,8 @@ class PosixEngine(IOEngine):
         self._lock = threading.Lock()
         self.syscalls = 0
         self.bounced_blocks = 0
-        self.io_errors = 0  # failed batches (each logged by _failed)
+        self.io_errors = 0  # failed batches (counted always, each cause logged once by _failed)
+        self._once = Once(log)
         self._live: set[cf.Future] = set()  # submitted, not finished: `drain` waits for them
         self._opening: set[_Gate] = set()   # batches being submitted (their tasks wait at the gate)
 
@@ -264,9 +267,7 @@ class PosixEngine(IOEngine):
                     self.syscalls += 1
                 return IOResult(ok=[True] * len(idx), nbytes=len(idx) * length)
             except OSError as e:
-                with self._lock:
-                    self.io_errors += 1
-                return _failed("write", len(idx), offsets[idx[0]], f.path, e)
+                return self._failed("write", len(idx), offsets[idx[0]], f.path, e)
             finally:
                 if bounce is not None:
                     self._bounces.put(bounce)
@@ -331,9 +332,7 @@ class PosixEngine(IOEngine):
                     ok.append(why is None)
                 return IOResult(ok=ok, nbytes=len(idx) * length, errors=errs)
             except OSError as e:
-                with self._lock:
-                    self.io_errors += 1
-                return _failed("read", len(idx), offsets[idx[0]], f.path, e)
+                return self._failed("read", len(idx), offsets[idx[0]], f.path, e)
             finally:
                 if bounce is not None:
                     self._bounces.put(bounce)
@@ -341,6 +340,19 @@ class PosixEngine(IOEngine):
                     self._headers.put(hdrs)
 
         return self._submit(run, self._plan(offsets, stride), finish, len(bufs))
+
+    def _failed(self, what: str, n: int, offset: int, path: str, e: OSError) -> IOResult:
+        """A batch that failed with `e`: every block not ok, counted in `io_errors`. Each cause
+        (operation, errno, file) is logged once at ERROR, its repeats at DEBUG: a full or
+        read-only disk fails every step."""
+        name = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "?"
+        msg = f"{what} of {n} blocks at offset {offset} in {path}: [{name}] {e.strerror}"
+        with self._lock:
+            self.io_errors += 1
+            self._once((what, e.errno, path), logging.ERROR,
+                       "nvme io: %s (further %s failures with %s on this file are counted in io_errors)",
+                       msg, what, name)
+        return IOResult(ok=[False] * n, errors=[msg])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -355,14 +367,6 @@ class PosixEngine(IOEngine):
         return {"engine": self.description, "io_mode": self.mode, "io_threads": self.threads,
                 "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "io_errors": self.io_errors,
                 "fallback": self.fallback}
-
-
-def _failed(what: str, n: int, offset: int, path: str, e: OSError) -> IOResult:
-    """A batch that failed with `e`: every block not ok, the cause logged and kept."""
-    name = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "?"
-    msg = f"{what} of {n} blocks at offset {offset} in {path}: [{name}] {e.strerror}"
-    log.error("nvme io: %s", msg)
-    return IOResult(ok=[False] * n, errors=[msg])
 
 
 def _all(syscall, fd: int, iov: list, off: int, short: str) -> None:
