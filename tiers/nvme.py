@@ -31,7 +31,7 @@ from kvtier.policies.base import EvictionPolicy
 from .base import PENDING_SLOT, RESIDENT
 from .handles import IOHandle, IOResult
 from .io_engine import MAX_IO_BYTES
-from .nvme_control import DATA_FILE, INDEX_DIR, LOCK_FILE, FingerprintMismatch, NvmeControl  # noqa: F401
+from .nvme_control import NvmeControl
 from .nvme_data import NvmeData, check_space
 
 log = logging.getLogger("kvtier.nvme")
