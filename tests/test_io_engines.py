@@ -14,8 +14,9 @@ import pytest
 import torch
 import xxhash
 
-from kvtier.tiers import io_engines as ioe
+from kvtier.tiers import io_kvikio
 from kvtier.tiers.cpu_pool import CpuPool
+from kvtier.tiers.io_hooks import HOOKS
 from kvtier.tiers.io_engines import (AUTO_HOST_REASON, KVIKIO_HOST_NOTE, ALIGN, EngineUnavailable, KvikioEngine,
                                      PosixEngine, cuda_driver_reason, select_engine)
 from kvtier.tiers.nvme_block import BlockCodec, UnsafePath
@@ -91,6 +92,35 @@ def test_io_error_reported_per_block(tmp_path, eng):
     assert res.ok == [True, False] and "short read" in res.errors[0]
     assert eng.stats()["io_errors"] == 1
     eng.close_file(f)
+
+
+def test_failed_batches_log_one_line_per_cause_and_count_all(tmp_path, eng, monkeypatch, caplog):
+    """A full disk fails every step: each cause (operation, errno, file) is one ERROR line, its
+    repeats are DEBUG lines, and every failed batch is counted in io_errors."""
+    full = eng.open(str(tmp_path / "full"))
+    short = eng.open(str(tmp_path / "short"))
+    other = eng.open(str(tmp_path / "other"))
+    for f in (full, short, other):
+        os.posix_fallocate(f.fd, 0, 2 * ALIGN)
+    monkeypatch.setattr(HOOKS, "fault", ("write", "ENOSPC", 1))   # every data write: no space
+    monkeypatch.setattr(HOOKS, "counts", {})
+    buf = [aligned(ALIGN)]
+    with caplog.at_level(logging.DEBUG, logger="kvtier.nvme"):
+        for _ in range(5):                                        # one block: one batch per call
+            assert eng.write(full, [0], buf, ALIGN).wait().ok == [False]
+        for _ in range(3):                                        # past EOF: a real short read (EIO)
+            assert eng.read(short, [8 * ALIGN], buf, ALIGN).wait().ok == [False]
+        assert eng.write(other, [0], buf, ALIGN).wait().ok == [False]   # the same errno, another file
+    recs = [r for r in caplog.records if r.getMessage().startswith("nvme io:")]
+    errors = [r.getMessage() for r in recs if r.levelno == logging.ERROR]
+    assert len(errors) == 3
+    assert "write of 1 blocks" in errors[0] and "[ENOSPC]" in errors[0] and full.path in errors[0]
+    assert "read of 1 blocks" in errors[1] and "[EIO]" in errors[1] and short.path in errors[1]
+    assert "[ENOSPC]" in errors[2] and other.path in errors[2]
+    assert [r.levelno for r in recs].count(logging.DEBUG) == 4 + 2
+    assert eng.stats()["io_errors"] == 5 + 3 + 1
+    for f in (full, short, other):
+        eng.close_file(f)
 
 
 def test_unaligned_offset_rejected(tmp_path, eng):
@@ -195,7 +225,7 @@ def _make_fake_kvikio():
 def fake_kvikio(monkeypatch):
     mod = _make_fake_kvikio()
     monkeypatch.setitem(sys.modules, "kvikio", mod)
-    monkeypatch.setattr(ioe, "cuda_driver_reason", lambda: None)  # as on a machine with a driver
+    monkeypatch.setattr(io_kvikio, "cuda_driver_reason", lambda: None)  # as on a machine with a driver
     return mod
 
 
@@ -205,7 +235,7 @@ def real_kvikio(monkeypatch):
     mod = pytest.importorskip("kvikio")
     if cuda_driver_reason() is None:
         pytest.skip("a CUDA driver is present: kvikio's transfers work here")
-    monkeypatch.setattr(ioe, "cuda_driver_reason", lambda: None)
+    monkeypatch.setattr(io_kvikio, "cuda_driver_reason", lambda: None)
     return mod
 
 
@@ -256,7 +286,7 @@ def test_kvikio_opens_the_file_kvtier_checked(any_kvikio, data_dir, monkeypatch)
         # a file swapped in between kvtier's open and kvikio's is refused, nothing left open
         decoy = os.path.join(path, "decoy")
         open(decoy, "wb").close()
-        monkeypatch.setattr(ioe, "_reopen_path", lambda fd, p: decoy)
+        monkeypatch.setattr(io_kvikio, "_reopen_path", lambda fd, p: decoy)
         before = _open_fds()
         with pytest.raises(UnsafePath, match="another file than the one kvtier checked"):
             eng.open(os.path.join(path, "data.0"), dir_fd=dfd)

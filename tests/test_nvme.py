@@ -12,7 +12,8 @@ import torch
 from kvtier.offline.blockgen import block_data, block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.base import TierFull
-from kvtier.tiers.nvme import DATA_FILE, FingerprintMismatch, NvmeTier
+from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.nvme_dir import DATA_FILE, FingerprintMismatch
 
 
 def mk(path, cap=32, bb=8192, **kw):
@@ -191,7 +192,7 @@ def test_fingerprint_namespace_never_serves_foreign(tmp_path):
 
 
 def test_odirect_refused_falls_back_to_buffered(tmp_path, monkeypatch, caplog):
-    import kvtier.tiers.io_engines as ioe
+    import kvtier.tiers.io_engine as ioe
 
     real = ioe._os_open
 
@@ -217,7 +218,7 @@ def test_odirect_refused_falls_back_to_buffered(tmp_path, monkeypatch, caplog):
 
 
 def test_direct_required_but_refused_is_an_error(tmp_path, monkeypatch):
-    import kvtier.tiers.io_engines as ioe
+    import kvtier.tiers.io_engine as ioe
 
     real = ioe._os_open
     monkeypatch.setattr(ioe, "_os_open", lambda p, f, m=0o777, **kw: (_ for _ in ()).throw(
@@ -325,7 +326,7 @@ def test_metadata_only(tmp_path):
 
 
 def test_capacity_shrink_is_refused_unless_asked(tmp_path):
-    from kvtier.tiers.nvme_control import CapacityShrink
+    from kvtier.tiers.nvme_recovery import CapacityShrink
     with mk(tmp_path, cap=16) as t:
         keys, slots, data = put(t, 1, range(16))
     size = os.path.getsize(tmp_path / DATA_FILE)
@@ -374,7 +375,7 @@ def test_swapped_entries_are_quarantined_misses(tmp_path):
 
 
 def test_second_writer_in_this_process_is_refused(tmp_path):
-    from kvtier.tiers.nvme_control import DirectoryInUse
+    from kvtier.tiers.nvme_dir import DirectoryInUse
     with mk(tmp_path, cap=4):
         with pytest.raises(DirectoryInUse, match=f"already open in this process \\(pid {os.getpid()}\\)"):
             mk(tmp_path, cap=4)

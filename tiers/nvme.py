@@ -30,8 +30,8 @@ from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
 
 from .base import PENDING_SLOT, RESIDENT
 from .handles import IOHandle, IOResult
-from .io_engines import MAX_IO_BYTES
-from .nvme_control import DATA_FILE, INDEX_DIR, LOCK_FILE, FingerprintMismatch, NvmeControl  # noqa: F401
+from .io_engine import MAX_IO_BYTES
+from .nvme_control import NvmeControl
 from .nvme_data import NvmeData, check_space
 
 log = logging.getLogger("kvtier.nvme")

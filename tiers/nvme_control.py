@@ -8,8 +8,8 @@ on the directory itself: one control plane per directory, and deleting a file ca
 
 A block becomes visible only through `commit`, which writes its index entry (key -> slot,
 length, block tag, generation) after its bytes were written and flushed; at open every
-committed entry is served again. The index stores a fingerprint (format version, block bytes,
-plus the caller's model, dtype, layout, rank, ...): another fingerprint at `path` raises
+committed entry is served again (`nvme_recovery`). The index stores a fingerprint (format
+version, block bytes, plus the caller's model, dtype, layout, rank, ...): another fingerprint at `path` raises
 `FingerprintMismatch` (on_mismatch="refuse") or opens `path/ns-<hash>` ("namespace"), so
 foreign blocks are never served.
 """
@@ -17,118 +17,23 @@ foreign blocks are never served.
 from __future__ import annotations
 
 import errno as _errno
-import fcntl
-import json
 import logging
 import os
 from typing import Sequence
-
-import xxhash
 
 from kvtier.core.once import Once
 from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
 from .base import PENDING_SLOT, RESIDENT, SlotTier
 from .handles import Medium
-from .nvme_block import (HEADER_BYTES, SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint,
-                         slot_stride)
-from .io_engines import crash_point
-from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
+from .io_hooks import crash_point
+from .nvme_block import SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint, slot_stride
+from .nvme_dir import (DATA_FILE, INDEX_DIR, FingerprintMismatch, exists_at, fingerprint_diff, fingerprint_hash,
+                       lock_dir, make_fingerprint)
+from .nvme_index import NvmeIndex
+from .nvme_recovery import layout_meta, recover_index, refuse_orphaned_blocks
 
 log = logging.getLogger("kvtier.nvme")
-
-def data_file(rank: int = 0) -> str:
-    """The data file of one rank's shards (``data.0`` for a single rank)."""
-    return f"data.{rank}"
-
-
-DATA_FILE = data_file(0)
-INDEX_DIR = "index"
-LOCK_FILE = "lock"  # no longer used: the directory itself is locked
-
-
-class FingerprintMismatch(RuntimeError):
-    """The tier directory holds blocks written under another fingerprint."""
-
-    def __init__(self, path: str, diffs: dict[str, tuple[object, object]]) -> None:
-        self.path = path
-        self.diffs = diffs
-        parts = ", ".join(f"{k}: stored={a!r} ours={b!r}" for k, (a, b) in sorted(diffs.items()))
-        super().__init__(f"nvme tier at {path} was written with another fingerprint ({parts}); "
-                         f"set `on_fingerprint_mismatch: namespace` on the nvme tier (the vLLM connector's "
-                         f"kv_connector_extra_config: \"nvme_on_mismatch\": \"namespace\") to keep both, or use "
-                         f"another path")
-
-
-def fingerprint_hash(fp: dict) -> str:
-    return xxhash.xxh3_64_hexdigest(json.dumps(fp, sort_keys=True).encode())
-
-
-def fingerprint_diff(stored: dict, ours: dict) -> dict[str, tuple[object, object]]:
-    return {k: (stored.get(k), ours.get(k)) for k in set(stored) | set(ours) if stored.get(k) != ours.get(k)}
-
-
-def _exists_at(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def oserror(e: OSError, what: str, path: str) -> OSError:
-    """`e` again, its message naming what failed, the path and the errno."""
-    name = _errno.errorcode.get(e.errno, str(e.errno)) if e.errno else "?"
-    return OSError(e.errno, f"{what} {path}: [{name}] {e.strerror}", path)
-
-
-def make_fingerprint(name: str, block_bytes: int, fingerprint: dict | None) -> dict:
-    fp = dict(fingerprint or {})
-    for k, v in (("block_bytes", block_bytes), ("format_version", FORMAT_VERSION)):
-        if k in fp and fp[k] != v:
-            raise ValueError(f"tier {name!r}: fingerprint field {k}={fp[k]!r} contradicts the tier's {v!r}")
-        fp[k] = v
-    return fp
-
-
-class CapacityShrink(ValueError):
-    """The configured capacity is smaller than what the directory stores (nothing was dropped)."""
-
-
-class DirectoryInUse(OSError):
-    """Another process holds the directory's writer lock (the message names its pid)."""
-
-
-def lock_holder(fd: int) -> tuple[int, str] | None:
-    """(pid, command line) of the process holding a flock on the file of `fd`, from /proc/locks."""
-    st = os.fstat(fd)
-    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
-            continue
-        if parts[5] == want and parts[4].isdigit():
-            pid = int(parts[4])
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as c:
-                    cmd = c.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
-                cmd = "?"
-            return pid, cmd
-    return None
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class NvmeControl(SlotTier):
@@ -207,29 +112,8 @@ class NvmeControl(SlotTier):
         self.index = NvmeIndex(idx, self._cap, read_only=self.read_only)
         fp = self.index.fingerprint()
         if fp is None and not self.read_only:
-            self._refuse_orphaned_blocks(d)
+            refuse_orphaned_blocks(self._dir_fd, d, self.stride)
         return fp
-
-    def _refuse_orphaned_blocks(self, d: str) -> None:
-        """A new index over data files that hold blocks means the index was lost: writing would
-        reuse slots that `kvtier fsck --rebuild` can still recover, so opening refuses."""
-        r = 0
-        while True:
-            name = data_file(r)
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._dir_fd)
-            except FileNotFoundError:
-                return
-            try:
-                size = os.fstat(fd).st_size
-                for off in range(0, size - HEADER_BYTES + 1, self.stride):
-                    if os.pread(fd, 8, off) != bytes(8):     # an unused slot's header is zeros
-                        raise NvmeIndexError(
-                            f"nvme tier at {d}: {name} holds blocks but {d}/{INDEX_DIR} has none (a removed or "
-                            f"replaced index?): `kvtier fsck --rebuild` recovers them; remove {name} to start empty")
-            finally:
-                os.close(fd)
-            r += 1
 
     def _close_dir(self) -> None:
         if self.index is not None:
@@ -260,7 +144,7 @@ class NvmeControl(SlotTier):
         self.stored_capacity = int(cap) if cap is not None and cap.isdigit() else None
         fph = int(fingerprint_hash(self.fingerprint), 16)
         n = len(self.index)
-        if n and not self.read_only and not _exists_at(self._dir_fd, SECRET_FILE):
+        if n and not self.read_only and not exists_at(self._dir_fd, SECRET_FILE):
             # a new secret would leave every indexed block unverifiable behind a silent start
             raise NoSecret(_errno.ENOENT, f"secret file {os.path.join(d, SECRET_FILE)} is missing and the index "
                            f"lists {n} blocks that cannot be verified without it: `kvtier fsck --rebuild` starts "
@@ -283,30 +167,12 @@ class NvmeControl(SlotTier):
         if self.read_only:
             return
         if self._stored_meta is None:
-            self.index.set_meta({"format_version": str(FORMAT_VERSION), "fingerprint": self.fingerprint,
-                                 "slot_stride": str(self.stride), "capacity": str(self._cap)})
+            self.index.set_meta(layout_meta(self.fingerprint, self.stride, self._cap))
         else:
             self.index.set_meta({"capacity": str(self._cap)})
 
     def _lock(self, d: str) -> None:
-        """flock the directory itself: no file to delete, released when the holder dies."""
-        try:
-            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            who = lock_holder(self._dir_fd)
-            if who is None:
-                raise DirectoryInUse(e.errno, f"nvme tier {self.name!r}: {d} is in use by another process "
-                                     f"or tier (flock: {e.strerror})", d) from None
-            pid, cmd = who
-            if pid == os.getpid():
-                raise DirectoryInUse(e.errno, f"nvme tier {self.name!r}: {d} is already open in this process "
-                                     f"(pid {pid}); close the other tier first", d) from None
-            pp = _ppid(pid)
-            orphan = " - an orphaned process (its parent exited), e.g. a vLLM engine left by a killed API server;" \
-                if pp == 1 else ";"
-            raise DirectoryInUse(e.errno, f"nvme tier {self.name!r}: {d} is in use by pid {pid} ({cmd[:120]})"
-                                 f"{orphan} stop it (kill {pid}) or use another path; `kvtier inspect` "
-                                 f"reads it without the lock", d) from None
+        lock_dir(self._dir_fd, d, f"nvme tier {self.name!r}")
         self._locked = True
 
     def _unlock(self) -> None:
@@ -316,51 +182,17 @@ class NvmeControl(SlotTier):
         self._locked = False
 
     def _recover(self) -> None:
-        """Serve every committed entry again, oldest generation first. Nothing is deleted: an entry
-        beyond the capacity refuses the open (or, with allow_shrink, is evicted and reported);
-        one of the wrong length or on a slot claimed twice is quarantined (read-only: skipped)."""
-        good, bad, beyond = [], [], []
-        by_slot: dict[int, tuple[int, bytes]] = {}
-        for key, e in self.index.items():
-            if e.length != self.block_bytes:
-                bad.append((key, f"length {e.length}, block_bytes {self.block_bytes}"))
-                continue
-            if e.slot >= self._cap:
-                beyond.append((e.generation, key))
-                continue
-            prev = by_slot.get(e.slot)
-            if prev is not None:  # two keys on one slot: only the newer can hold its bytes
-                if prev[0] > e.generation:
-                    bad.append((key, f"slot {e.slot} claimed by a newer entry"))
-                    continue
-                bad.append((prev[1], f"slot {e.slot} claimed by a newer entry"))
-            by_slot[e.slot] = (e.generation, key)
-            good.append((e.generation, e.slot, key, e.sums))
-        if beyond and not self.read_only and not self.allow_shrink:
-            raise CapacityShrink(
-                f"nvme tier {self.name!r}: {self.dir} stores {len(beyond) + len(by_slot)} blocks, "
-                f"{len(beyond)} of them in slots beyond the configured capacity of {self._cap} blocks "
-                f"(stored capacity {self.stored_capacity}); nothing was changed. Configure at least "
-                f"{self.stored_capacity or '?'} blocks, or shrink explicitly (`kvtier fsck --shrink`)")
-        keep = {k for _, k in by_slot.values()}
-        good = sorted(g for g in good if g[2] in keep)
-        if self.read_only:
-            self.beyond_capacity = len(beyond)
-            self.dropped_on_open = 0
-        else:
-            if bad:
-                log.warning("nvme tier %r: quarantining %d index entries (%s)", self.name, len(bad), bad[0][1])
-                self.index.quarantine(bad)
-            if beyond:
-                dropped = [k for _, k in sorted(beyond)]
-                log.warning("nvme tier %r: shrink to %d blocks: evicting %d blocks stored beyond it",
-                            self.name, self._cap, len(dropped))
-                self.index.delete(dropped)
-            self.dropped_on_open = len(bad) + len(beyond)
-        for _, s, _, c in good:
+        """Serve every committed entry again (`nvme_recovery.recover_index`: nothing is deleted
+        unless `allow_shrink`; bad entries are quarantined, none on a read-only open)."""
+        r = recover_index(self.index, name=self.name, path=self.dir, block_bytes=self.block_bytes,
+                          capacity=self._cap, stored_capacity=self.stored_capacity, read_only=self.read_only,
+                          allow_shrink=self.allow_shrink)
+        self.beyond_capacity = r.beyond
+        self.dropped_on_open = r.dropped
+        for s, _, c in r.serve:
             self._sum[s] = c
-        self._restore([(s, k) for _, s, k, _ in good])
-        self.restored_blocks = len(good)
+        self._restore([(s, k) for s, k, _ in r.serve])
+        self.restored_blocks = len(r.serve)
 
     # ---- control plane -----------------------------------------------------------------
     def checksums(self, slots: Sequence[int]) -> list[int | tuple[int, ...]]:

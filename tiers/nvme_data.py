@@ -17,9 +17,10 @@ from typing import Callable, Sequence
 import torch
 
 from .handles import IOHandle, IOResult, Medium
-from .io_engines import MAX_IO_BYTES, select_engine
+from .io_engine import MAX_IO_BYTES
+from .io_engines import select_engine
 from .nvme_block import BlockCodec, load_secret, open_dir, slot_stride
-from .nvme_control import data_file, oserror
+from .nvme_dir import data_file, oserror
 
 log = logging.getLogger("kvtier.nvme")
 

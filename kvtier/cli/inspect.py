@@ -156,7 +156,7 @@ def _inspect_text(d: dict) -> str:
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from kvtier.tiers.nvme_fsck import fsck
+    from kvtier.tiers.nvme_recovery import fsck
     cfg = load_fitted(args.config, allocate=False)
     if getattr(args, "dir", None):   # a directory by path (e.g. the connector's): its recorded fingerprint
         if args.shrink:

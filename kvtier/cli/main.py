@@ -136,7 +136,8 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised by subprocess te
 
 def _exit_code(e: BaseException) -> int:
     """2: bad input (config, arguments, a directory of another fingerprint or capacity); 1: runtime."""
-    from kvtier.tiers.nvme_control import CapacityShrink, FingerprintMismatch
+    from kvtier.tiers.nvme_dir import FingerprintMismatch
+    from kvtier.tiers.nvme_recovery import CapacityShrink
     if isinstance(e, (ConfigError, CapacityShrink, FingerprintMismatch)):
         return 2
     if isinstance(e, OSError):

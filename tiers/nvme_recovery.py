@@ -1,8 +1,15 @@
-"""`kvtier fsck`: check an NVMe tier directory against its data files' block headers, and
-rebuild its index from them.
+"""Recovery of an NVMe tier directory: what opening serves again from its index (`recover_index`,
+`refuse_orphaned_blocks`, called by `NvmeControl`), and `kvtier fsck`, which checks the index against
+the data files' block headers and rebuilds it from them (`fsck`).
 
-Every slot's header and payload are read and verified with the directory's secret (key, tag,
-fingerprint, rank, payload hash); the index is compared with what the slots hold. `rebuild`
+At open every committed entry is served again, oldest generation first, and nothing is deleted:
+an entry beyond the configured capacity refuses the open (`CapacityShrink`; with `allow_shrink`
+it is evicted and reported), one of the wrong length or on a slot claimed twice is quarantined.
+An empty index over data files that hold blocks refuses a writing open: `fsck --rebuild` can
+still recover those blocks.
+
+`fsck` reads every slot's header and payload and verifies them with the directory's secret (key,
+tag, fingerprint, rank, payload hash); the index is compared with what the slots hold. `rebuild`
 moves the old index aside (``index.damaged-<time>``, never deleted) and writes a new one with
 every slot whose block verifies in every rank's file. Blocks that were evicted but whose slots
 were not reused verify too and come back: they are genuine blocks of their keys.
@@ -11,17 +18,112 @@ were not reused verify too and come back: they are genuine blocks of their keys.
 from __future__ import annotations
 
 import errno
-import fcntl
+import logging
 import os
 import time
+from typing import NamedTuple
 
 from .nvme_block import (HEADER_BYTES, BlockCodec, NoSecret, load_secret, open_dir, recorded_fingerprint,
                          slot_stride)
-from .nvme_control import (INDEX_DIR, DirectoryInUse, FingerprintMismatch, fingerprint_diff, data_file, fingerprint_hash,
-                           lock_holder, make_fingerprint)
+from .nvme_dir import (INDEX_DIR, FingerprintMismatch, data_file, exists_at, fingerprint_diff, fingerprint_hash,
+                       lock_dir, make_fingerprint)
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
+log = logging.getLogger("kvtier.nvme")
 
+
+class CapacityShrink(ValueError):
+    """The configured capacity is smaller than what the directory stores (nothing was dropped)."""
+
+
+def slot_used(header: bytes) -> bool:
+    """Whether a slot holds a block: an unused slot's header is zeros."""
+    return header[:8] != bytes(8)
+
+
+def data_ranks(dir_fd: int) -> int:
+    """How many data files (``data.0``, ``data.1``, ...) the directory holds."""
+    r = 0
+    while exists_at(dir_fd, data_file(r)):
+        r += 1
+    return r
+
+
+def layout_meta(fp: dict, stride: int, capacity: int) -> dict:
+    """The index meta a new index records: format, fingerprint, slot stride, capacity."""
+    return {"format_version": str(FORMAT_VERSION), "fingerprint": fp, "slot_stride": str(stride),
+            "capacity": str(capacity)}
+
+
+# ---- at open -------------------------------------------------------------------------------
+class Recovered(NamedTuple):
+    serve: list[tuple[int, bytes, int | tuple[int, ...]]]  # (slot, key, checksums), oldest generation first
+    dropped: int   # entries quarantined or evicted (a read-only open drops none)
+    beyond: int    # entries beyond the capacity, not served (read-only opens; writing opens evict or refuse)
+
+
+def recover_index(index: NvmeIndex, *, name: str, path: str, block_bytes: int, capacity: int,
+                  stored_capacity: int | None, read_only: bool, allow_shrink: bool) -> Recovered:
+    """The committed entries to serve again. A writing open quarantines entries of the wrong
+    length or on a slot claimed twice (the newer keeps it), and refuses entries beyond the
+    capacity (`CapacityShrink`) unless `allow_shrink`, which evicts them; a read-only open
+    changes nothing and counts them."""
+    good, bad, beyond = [], [], []
+    by_slot: dict[int, tuple[int, bytes]] = {}
+    for key, e in index.items():
+        if e.length != block_bytes:
+            bad.append((key, f"length {e.length}, block_bytes {block_bytes}"))
+            continue
+        if e.slot >= capacity:
+            beyond.append((e.generation, key))
+            continue
+        prev = by_slot.get(e.slot)
+        if prev is not None:  # two keys on one slot: only the newer can hold its bytes
+            if prev[0] > e.generation:
+                bad.append((key, f"slot {e.slot} claimed by a newer entry"))
+                continue
+            bad.append((prev[1], f"slot {e.slot} claimed by a newer entry"))
+        by_slot[e.slot] = (e.generation, key)
+        good.append((e.generation, e.slot, key, e.sums))
+    if beyond and not read_only and not allow_shrink:
+        raise CapacityShrink(
+            f"nvme tier {name!r}: {path} stores {len(beyond) + len(by_slot)} blocks, "
+            f"{len(beyond)} of them in slots beyond the configured capacity of {capacity} blocks "
+            f"(stored capacity {stored_capacity}); nothing was changed. Configure at least "
+            f"{stored_capacity or '?'} blocks, or shrink explicitly (`kvtier fsck --shrink`)")
+    keep = {k for _, k in by_slot.values()}
+    serve = [(s, k, c) for _, s, k, c in sorted(g for g in good if g[2] in keep)]
+    if read_only:
+        return Recovered(serve, 0, len(beyond))
+    if bad:
+        log.warning("nvme tier %r: quarantining %d index entries (%s)", name, len(bad), bad[0][1])
+        index.quarantine(bad)
+    if beyond:
+        dropped = [k for _, k in sorted(beyond)]
+        log.warning("nvme tier %r: shrink to %d blocks: evicting %d blocks stored beyond it",
+                    name, capacity, len(dropped))
+        index.delete(dropped)
+    return Recovered(serve, len(bad) + len(beyond), 0)
+
+
+def refuse_orphaned_blocks(dir_fd: int, path: str, stride: int) -> None:
+    """For a new index: data files that hold blocks mean the index was lost, and writing would
+    reuse slots that `kvtier fsck --rebuild` can still recover, so the open is refused."""
+    for r in range(data_ranks(dir_fd)):
+        name = data_file(r)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            size = os.fstat(fd).st_size
+            for off in range(0, size - HEADER_BYTES + 1, stride):
+                if slot_used(os.pread(fd, 8, off)):
+                    raise NvmeIndexError(
+                        f"nvme tier at {path}: {name} holds blocks but {path}/{INDEX_DIR} has none (a removed or "
+                        f"replaced index?): `kvtier fsck --rebuild` recovers them; remove {name} to start empty")
+        finally:
+            os.close(fd)
+
+
+# ---- kvtier fsck ---------------------------------------------------------------------------
 def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
          shrink_to: int | None = None) -> dict:
     """Check (and with `rebuild`, rebuild) the tier directory `path`; returns a report."""
@@ -29,12 +131,7 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
     fph = int(fingerprint_hash(fp), 16)
     dfd = open_dir(path, create=False)
     try:
-        try:
-            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            who = lock_holder(dfd)
-            raise DirectoryInUse(e.errno, f"fsck: {path} is in use by pid {who[0] if who else '?'}; "
-                                 f"stop it first", path) from None
+        lock_dir(dfd, path, "fsck")
         config_differs: list[str] = []
         try:
             secret, held = load_secret(dfd, path, None, create=False)
@@ -57,13 +154,11 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
                     raise FingerprintMismatch(path, fingerprint_diff(stored, fp))
                 raise NoSecret(errno.EINVAL, f"secret file {path}/secret belongs to fingerprint {held:016x}, "
                                f"this config's is {fph:016x}", path)
-        ranks = 0
-        while os.path.exists(os.path.join(path, data_file(ranks))):
-            ranks += 1
+        ranks = data_ranks(dfd)
         if ranks == 0:
             raise FileNotFoundError(2, f"fsck: no data file in {path}", path)
         stride = slot_stride(block_bytes)
-        found, problems = _scan(dfd, path, ranks, block_bytes, stride, secret, fph)
+        found, problems = _scan(dfd, ranks, block_bytes, stride, secret, fph)
         index_state, disagree = _compare(path, found, problems)
         report = {"path": path, "ranks": ranks, "slots_scanned": found.pop("_slots"),
                   "blocks_verified": len(found), "index": index_state, "index_disagreements": disagree,
@@ -96,10 +191,15 @@ def _lost_secret(dfd, path, fp, fph, rebuild, shrink_to) -> dict:
     return report
 
 
+def _open_index(path: str) -> NvmeIndex:
+    """The directory's index, read-only (NvmeIndexError when unusable)."""
+    return NvmeIndex(os.path.join(path, INDEX_DIR), 1, read_only=True)
+
+
 def _read_index(path: str, fn, default):
     """fn(the directory's index, opened read-only), or `default` when it is unreadable."""
     try:
-        idx = NvmeIndex(os.path.join(path, INDEX_DIR), 1, read_only=True)
+        idx = _open_index(path)
     except NvmeIndexError:
         return default
     try:
@@ -110,7 +210,7 @@ def _read_index(path: str, fn, default):
         idx.close()
 
 
-def _scan(dfd, path, ranks, bb, stride, secret, fph):
+def _scan(dfd, ranks, bb, stride, secret, fph):
     """slot -> (key, tag or per-rank tags) for every slot that verifies in every rank's file."""
     codecs = [BlockCodec(secret, fph, r) for r in range(ranks)]
     fds = [os.open(data_file(r), os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd) for r in range(ranks)]
@@ -125,7 +225,7 @@ def _scan(dfd, path, ranks, bb, stride, secret, fph):
                 hdr, payload = memoryview(buf)[:HEADER_BYTES], memoryview(buf)[HEADER_BYTES:]
                 parsed = c.parse(hdr)
                 if isinstance(parsed, str):
-                    if buf[:8] != bytes(8):  # an unused slot is zeros: not a problem
+                    if slot_used(buf):  # an unused slot is not a problem
                         problems.append(f"slot {s} rank {r}: {parsed}")
                     break
                 key, _length, tag = parsed
@@ -146,7 +246,7 @@ def _scan(dfd, path, ranks, bb, stride, secret, fph):
 
 def _compare(path, found, problems) -> tuple[str, int]:
     try:
-        idx = NvmeIndex(os.path.join(path, INDEX_DIR), 1, read_only=True)
+        idx = _open_index(path)
     except NvmeIndexError as e:
         return f"unusable: {e}", 0
     try:
@@ -185,8 +285,7 @@ def _rebuild(path, found, fp, stride, shrink_to) -> dict:
     idx = NvmeIndex(old, max(cap, 1))
     try:
         idx.put(keep)
-        idx.set_meta({"format_version": str(FORMAT_VERSION), "fingerprint": fp, "slot_stride": str(stride),
-                      "capacity": str(max(cap, 1))})
+        idx.set_meta(layout_meta(fp, stride, max(cap, 1)))
     finally:
         idx.close()
     return {"rebuilt_entries": len(keep), "dropped_beyond_capacity": dropped, "old_index_kept_at": aside}
