@@ -38,18 +38,16 @@ from kvtier.core.once import Once
 from kvtier.tiers.handles import Medium
 
 from .config import load_settings, tier_of
-from .groups import GroupKind, groups_of
+from .groups import GroupKind, block_geometry, served_groups
 from .guard import SafeAnswers, hook
-from .hybrid import HybridRules
-from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, block_ids_of, group0_ids
-from kvtier.core.serving_stats import write_stats
-
 from .handoff import clear_reports, read_reports, write_report
+from .hybrid import HybridRules
 from .identity import model_identity
-from .metrics import KVTierPromMetrics
+from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
+from .scheduler import KVTierScheduler
 from .startup import (attach_vllm_log_handler, flush_budget_s, register_by_name, remote_opener, scheduler_line,
                       short_totals, worker_line)
-from .scheduler import KVTierScheduler
+from .stats_hooks import StatsHooks
 from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
 
 try:
@@ -85,37 +83,7 @@ def _world_size(vllm_config: Any) -> int:
     return int(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
 
 
-def _estimate_block_bytes(kv_cache_config: Any) -> tuple[int, int]:
-    """(bytes of one block id over every layer region, vLLM's scheduler block in tokens). With
-    several groups (the hybrid allocator) the groups' layers are overlaid on the same regions (one
-    page per layer and block, the same size in every group), so a block id owns one page of each
-    region whatever its group: the largest group's pages."""
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-    if not groups:
-        return 0, 0
-    bb = max(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in groups)
-    bt = 1
-    for g in groups:
-        bt = math.lcm(bt, int(g.kv_cache_spec.block_size))
-    return bb, bt
-
-
-def _served_groups(kv_cache_config: Any) -> tuple[list, str | None]:
-    """(the groups kvtier serves, why it cannot serve them or None)."""
-    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
-        return [], "no KV-cache groups"
-    try:
-        groups = groups_of(kv_cache_config)
-    except ValueError as e:
-        return [], str(e)
-    if not groups:
-        return [], "no prefix-cacheable KV-cache group"
-    if any(g.block_tokens % min(x.block_tokens for x in groups) for g in groups):
-        return [], "KV-cache groups whose block sizes do not divide each other"
-    return groups, None
-
-
-class KVTierConnector(SafeAnswers, KVConnectorBase_V1, SupportsHMA):
+class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -123,10 +91,10 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1, SupportsHMA):
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         cfg = load_settings(extra)
         self.role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        bb, block_tokens = _estimate_block_bytes(kv_cache_config)
+        bb, block_tokens = block_geometry(kv_cache_config)
         self.block_tokens = block_tokens or vllm_config.cache_config.block_size
         self.block_bytes_estimate = bb
-        self.groups, why = _served_groups(kv_cache_config)
+        self.groups, why = served_groups(kv_cache_config)
         self.hybrid = len(self.groups) > 1 or any(g.kind is not GroupKind.FULL for g in self.groups)
         self.enabled = bb > 0 and why is None
         if not self.enabled:
@@ -313,77 +281,6 @@ class KVTierConnector(SafeAnswers, KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return None
         return self.worker.take_result()
-
-    @hook()
-    def get_kv_connector_stats(self) -> KVTierStats | None:
-        """This step's counters (vLLM calls it once per step on each side; see connector/metrics.py).
-
-        Worker: each per-step time becomes one histogram observation (`obs:seconds_*`), and ranks
-        other than 0 leave out their block counts (a block is one block, whatever the ranks; bytes
-        add up over ranks). Scheduler: tier occupancy and leases as gauges, when they changed.
-        """
-        if self.worker is not None:
-            s = self.worker.take_interval_stats()
-            if s is None:
-                return None
-            for k, v in list(s.data.items()):
-                if k.startswith(("seconds_loaded.", "seconds_stored.")) and v > 0:
-                    s.data["obs:" + k] = [float(v)]
-                if self.worker.rank != 0 and k.startswith(("blocks_loaded.", "blocks_stored.")):
-                    del s.data[k]
-            return s
-        if self.sched is None:
-            return None
-        s = self.sched.take_interval_stats()
-        self._publish_stats()
-        gauges = {k: v for k, v in self._gauges().items() if self._last_gauges.get(k) != v}
-        if gauges:
-            self._last_gauges.update(gauges)
-            s = s if s is not None else KVTierStats()
-            for k, v in gauges.items():
-                s.data.setdefault(k, v)  # a controller that reports its own gauges wins
-        return s
-
-    def _publish_stats(self, force: bool = False) -> None:
-        """The scheduler's totals into each NVMe directory, at most once a second (and at
-        shutdown), for `kvtier inspect --watch`."""
-        now = time.monotonic()
-        if not force and now - self._stats_at < 1.0:
-            return
-        self._stats_at = now
-        for t in self._nvme_tiers():
-            write_stats(t.dir, dict(self.sched.totals))
-
-    def _nvme_tiers(self) -> list:
-        return [t for t in self.sched.tiers if t.medium is Medium.FILE] if self.sched is not None else []
-
-    def _gauges(self) -> dict[str, float]:
-        """Occupancy of each local tier and blocks held by leases (the shared tier's server keeps
-        its own)."""
-        out: dict[str, float] = {}
-        for t in self.sched.tiers:
-            if not t.remote:
-                out[f"gauge_resident_blocks.{t.name}"] = int(t.num_used)
-                out[f"gauge_capacity_blocks.{t.name}"] = int(t.capacity_blocks)
-        out["gauge_leased_blocks"] = int(self.sched.leases.pinned())
-        return out
-
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
-        return KVTierStats(data=dict(data or {}))
-
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
-        """The `vllm:kvtier_*` series on the API server's /metrics (connector/metrics.py)."""
-        tiers = ["cpu"]
-        try:
-            kvt = vllm_config.kv_transfer_config
-            cfg = load_settings(dict(kvt.kv_connector_extra_config or {}))
-            tiers = [t.name for t in cfg.storage_tiers()]
-        except Exception as e:  # the series still exist; other tiers appear when first counted
-            log.warning("kvtier: metrics: could not read the tier config (%s); assuming a cpu tier", e)
-        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers=tiers)
 
     @hook()
     def shutdown(self) -> None:

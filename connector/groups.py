@@ -120,3 +120,33 @@ def groups_of(kv_cache_config: Any) -> list[Group]:
         else:
             raise ValueError(f"KV-cache group {gid}: {type(spec).__name__} is not a kind kvtier serves")
     return out
+
+
+def block_geometry(kv_cache_config: Any) -> tuple[int, int]:
+    """(bytes of one block id over every layer region, vLLM's scheduler block in tokens). With
+    several groups (the hybrid allocator) the groups' layers are overlaid on the same regions (one
+    page per layer and block, the same size in every group), so a block id owns one page of each
+    region whatever its group: the largest group's pages."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
+    if not groups:
+        return 0, 0
+    bb = max(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in groups)
+    bt = 1
+    for g in groups:
+        bt = math.lcm(bt, int(g.kv_cache_spec.block_size))
+    return bb, bt
+
+
+def served_groups(kv_cache_config: Any) -> tuple[list, str | None]:
+    """(the groups kvtier serves, why it cannot serve them or None)."""
+    if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
+        return [], "no KV-cache groups"
+    try:
+        groups = groups_of(kv_cache_config)
+    except ValueError as e:
+        return [], str(e)
+    if not groups:
+        return [], "no prefix-cacheable KV-cache group"
+    if any(g.block_tokens % min(x.block_tokens for x in groups) for g in groups):
+        return [], "KV-cache groups whose block sizes do not divide each other"
+    return groups, None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -26,6 +25,7 @@ from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier
 
 from .hybrid import HybridRules
+from .lazy_offload import LazyOffload
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 
 log = logging.getLogger("kvtier.connector")
@@ -49,10 +49,6 @@ class _Req:
 
 
 class KVTierScheduler:
-    LAZY_PROBE = 4          # lazy: stored blocks in a row at the free queue's head that end the walk
-    BEHIND_MAX = 1 << 16    # lazy: finished requests' blocks waiting to be written behind, at most
-    DRAIN_S = 30.0          # lazy: seconds of idle steps after the last request to finish writing behind
-
     def __init__(self, tiers: Sequence[SlotTier] | None = None, block_tokens: int = 1, group_id: int = 0,
                  store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
                  max_blocks_per_step: int | None = 64, promote: bool | PromotionPolicy | None = True,
@@ -83,13 +79,8 @@ class KVTierScheduler:
         self.max_blocks_per_step = max_blocks_per_step if max_blocks_per_step and max_blocks_per_step > 0 else None
         self.nvme = next((i for i, t in enumerate(self.tiers) if t.medium is Medium.FILE), None)
         self.nvme_dir: str | None = self.tiers[self.nvme].dir if self.nvme is not None else None
-        self.gpu = None                      # SchedulerContext (lazy offload)
-        self._behind: deque[tuple[bytes, int]] = deque()  # lazy: finished requests' blocks to write behind
-        self._lazy_ops: dict[int, list[tuple[bytes, int]]] = {}  # lazy store op -> its (key, GPU block)
-        self._last_busy = time.monotonic()    # the last step that scheduled a request
-        self._slack: int | None = None        # lazy: blocks without a hash ahead of the cached ones
-        self._free_prev = 0
-        self._gpu_pinned: dict[int, list[int]] = {}   # store op -> GPU blocks protected for its copy
+        self.gpu = None                      # SchedulerContext (bind_gpu)
+        self.lazy: LazyOffload | None = None  # offload "lazy" once bound to the GPU pool
         self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
         self._reqs: dict[str, _Req] = {}
         self.async_shared_loads = async_shared_loads and self.ctrl.remote is not None
@@ -279,13 +270,13 @@ class KVTierScheduler:
         None to use the ids tracked from on_alloc/update_block_ids)."""
         scheduled = list(scheduled)
         self._boundaries = boundaries or {}   # hybrid: Mamba states vLLM hands over this step
-        if scheduled:
-            self._last_busy = time.monotonic()
+        if scheduled and self.lazy is not None:
+            self.lazy.last_busy = time.monotonic()
         try:  # a failure here (e.g. the NVMe index cannot be written) costs this step's stores only
             self.ctrl.expire()
             if self.store_enabled:
-                if self.offload == "lazy" and self.gpu is not None:
-                    self._plan_lazy()
+                if self.lazy is not None:
+                    self.lazy.plan(self.max_blocks_per_step or (1 << 30))
                 else:
                     self._plan_stores(scheduled)
         except Exception as e:  # noqa: BLE001
@@ -396,99 +387,17 @@ class KVTierScheduler:
         if pairs:
             self.ctrl.store([k for k, _ in pairs], [b for _, b in pairs], self._info(r, 0))
 
-    def _plan_lazy(self) -> None:
-        """Lazy offload: up to `max_blocks_per_step` GPU blocks a step that kvtier lacks and vLLM
-        keeps only in its prefix cache, copied down before vLLM reuses them:
-
-        1. the free queue's LRU head (the blocks vLLM hands out next), walked from the head until
-           `LAZY_PROBE` stored blocks in a row show that the write-behind is ahead of vLLM;
-        2. then the blocks of finished requests, oldest first (`_behind`): written behind at the
-           step budget, and in steps of their own while the engine is idle (has_pending_push_work),
-           so a restart finds them.
-        A block vLLM already reused (its hash changed) is skipped and counted (`lazy_lost_blocks`).
-        Nothing is scanned twice: with a roomy GPU pool the head is stored and the walk stops at once."""
-        budget = self.max_blocks_per_step or (1 << 30)
-        keys: list[bytes] = []
-        gpu: list[int] = []
-        # vLLM's free queue is [blocks without a hash][cached blocks, LRU first]: vLLM hands out the
-        # first part before it evicts a cached block. `_slack` is how many such blocks lay ahead at
-        # the last walk, less what vLLM took since (the drop of its free count): while that is a
-        # step's budget or more, no cached block is about to go and the head is not walked.
-        free_now = self.gpu.get_num_free_blocks()
-        if self._slack is not None:
-            self._slack -= max(0, self._free_prev - free_now)
-        self._free_prev = free_now
-        if self._slack is None or self._slack < budget:
-            seen = held = unhashed = 0
-            for b in self.gpu.iter_free_blocks(None):
-                if seen >= 2 * budget or len(keys) >= budget or held >= self.LAZY_PROBE:
-                    break
-                seen += 1
-                k = b.block_hash
-                if k is None:
-                    unhashed += 1
-                    continue
-                if self.ctrl.holds(k, 0):
-                    held += 1
-                    continue
-                held = 0
-                keys.append(k)
-                gpu.append(b.block_id)
-            self._slack = unhashed
-            self._count("n_lazy_scanned", seen)
-        taken = set(gpu)
-        behind = self._behind
-        while behind and len(keys) < budget:
-            k, bid = behind.popleft()
-            if bid in taken or self.ctrl.holds(k, 0):
-                continue
-            if self.gpu.get_block(bid).block_hash != k:   # vLLM evicted it before we got to it
-                self._count("lazy_lost_blocks")
-                continue
-            keys.append(k)
-            gpu.append(bid)
-            taken.add(bid)
-        if not keys:
-            return
-        planned, op_id, _ = self.ctrl.store(keys, gpu)
-        if planned:
-            ids = [gpu[i] for i in planned]
-            self.gpu.touch(ids)                 # vLLM cannot reuse them until the copy is done
-            self._gpu_pinned[op_id] = ids
-            self._lazy_ops[op_id] = [(keys[i], gpu[i]) for i in planned]
-            self._count("lazy_offload_blocks", len(ids))
-
-    def _write_behind(self, r: _Req, block_ids: Sequence[int]) -> None:
-        """Queue a finished request's full blocks for lazy offload (oldest first), bounded."""
-        self._track(r.request)
-        for k, b in zip(r.keys, block_ids):
-            if not self.ctrl.holds(k, 0):
-                self._behind.append((k, b))
-        over = len(self._behind) - self.BEHIND_MAX
-        if over > 0:
-            for _ in range(over):
-                self._behind.popleft()
-            self._count("lazy_lost_blocks", over)
-
     def has_pending_push_work(self) -> bool:
-        """Lazy offload still has finished requests' blocks to write behind, or copies in flight:
-        vLLM keeps stepping (empty steps) after its last request until they are done, for at most
-        `DRAIN_S` seconds after the last scheduled request."""
-        if self.offload != "lazy" or not (self._behind or self.ctrl.in_flight):
-            return False
-        return time.monotonic() - self._last_busy < self.DRAIN_S
+        """Lazy offload still has finished requests' blocks to write behind (connector/lazy_offload.py)."""
+        return self.lazy is not None and self.lazy.pending()
 
     # ---- worker results ----------------------------------------------------------------
     def on_worker_meta(self, wm: KVTierWorkerMeta | None) -> None:
         if wm is None:
             return
-        for op_id, oks in wm.stored.items():
-            pinned = self._gpu_pinned.pop(op_id, None)
-            if pinned is not None and self.gpu is not None:
-                self.gpu.free_blocks(pinned)
-            lazy = self._lazy_ops.pop(op_id, None)
-            if lazy is not None:  # a failed copy: try again (the block may still be in vLLM's cache)
-                self._behind.extendleft(reversed([kb for kb, ok in zip(lazy, oks) if not ok]))
+        if self.lazy is not None:
+            for op_id, oks in wm.stored.items():
+                self.lazy.on_stored(op_id, oks)
         self._async_inflight.difference_update(wm.loaded)
         for rid, ok in wm.loaded.items():  # a failed load: vLLM recomputes those blocks; offer them again
             r = self._reqs.get(rid)
@@ -502,8 +411,9 @@ class KVTierScheduler:
         them (vLLM frees them when the workers report the load received). Lazy offload queues its
         full blocks (`block_ids`, group 0) to be written behind."""
         r = self._reqs.pop(req_id, None)
-        if r is not None and block_ids and self.store_enabled and self.offload == "lazy" and self.gpu is not None:
-            self._write_behind(r, block_ids)
+        if r is not None and block_ids and self.store_enabled and self.lazy is not None:
+            self._track(r.request)
+            self.lazy.write_behind(r.keys, block_ids)
         if r is not None and self.recorder is not None:
             q = r.request
             n_in = int(getattr(q, "num_prompt_tokens", 0) or 0)
@@ -527,12 +437,15 @@ class KVTierScheduler:
 
     def stats(self) -> dict:
         d = self.ctrl.stats()
-        d.update({"gpu_pinned": sum(map(len, self._gpu_pinned.values())), "offload": self.offload,
+        d.update({"gpu_pinned": self.lazy.gpu_pinned if self.lazy is not None else 0, "offload": self.offload,
                   "pending_nvme_writes": d["pending_copies"]})
         return d
 
     def bind_gpu(self, ctx: Any) -> None:
+        """vLLM's GPU block pool (`kvtier.tiers.gpu`): lazy offload walks its free queue."""
         self.gpu = ctx
+        if self.offload == "lazy":
+            self.lazy = LazyOffload(self.ctrl, ctx, self._count)
 
     def close(self) -> None:
         self.ctrl.close()

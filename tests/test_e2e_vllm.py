@@ -365,7 +365,7 @@ def test_lazy_offload_hits(model_dir, prompts, baseline, capsys):
         assert p2["cpu"] >= 2 * _full_blocks(prompts[0]) * U.BLOCK   # the prompts vLLM had to evict
         assert w.worker.totals["blocks_loaded.cpu"] * U.BLOCK == p2["cpu"]
         assert s.sched.leases.pinned() == 0 and s.sched.pinned_blocks() == 0
-        assert not s.sched._gpu_pinned
+        assert not s.sched.lazy.pinned
     finally:
         U.shutdown(llm)
 

@@ -488,24 +488,3 @@ class Executor(Counting):
     def close(self, wait: bool = True) -> None:
         self.down.writes.close(wait=wait)
         self.down.puts.close(wait=wait)
-
-
-class NullExecutor:
-    """Moves nothing and reports every op done (replay and simulation without data)."""
-
-    errors: list[str] = []
-
-    def run(self, plan: Plan) -> Report:
-        rep = Report()
-        for op in plan.loads:
-            rep.loaded[op.req_id] = True
-            if op.via:
-                rep.stored[op.op_id] = [True] * len(op.slots)
-        for op in plan.stores:
-            rep.stored[op.op_id] = [True] * len(op.slots)
-        for op in plan.copies:
-            rep.copied[op.op_id] = [0] * len(op.src_slots)
-        return rep
-
-    def take_load_errors(self, finish: bool = True) -> set[int]:
-        return set()

@@ -21,10 +21,10 @@ from kvtier.policies.base import RequestInfo, NO_INFO
 from kvtier.core.builder import build_controller, build_tiers, fresh_evictions
 from kvtier.core.config import StackConfig, load_config
 from kvtier.core.controller import TierController
-from kvtier.core.executor import Executor, NullExecutor
+from kvtier.core.executor import Executor
 from kvtier.core.outside import Buffers
 from kvtier.core.leases import Lease
-from kvtier.core.plan import Plan
+from kvtier.core.plan import Plan, Report
 
 log = logging.getLogger("kvtier.startup")
 
@@ -214,3 +214,24 @@ class TierStack:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NullExecutor:
+    """Moves nothing and reports every op done (replay and simulation without data)."""
+
+    errors: list[str] = []
+
+    def run(self, plan: Plan) -> Report:
+        rep = Report()
+        for op in plan.loads:
+            rep.loaded[op.req_id] = True
+            if op.via:
+                rep.stored[op.op_id] = [True] * len(op.slots)
+        for op in plan.stores:
+            rep.stored[op.op_id] = [True] * len(op.slots)
+        for op in plan.copies:
+            rep.copied[op.op_id] = [0] * len(op.src_slots)
+        return rep
+
+    def take_load_errors(self, finish: bool = True) -> set[int]:
+        return set()

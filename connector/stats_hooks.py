@@ -1,0 +1,99 @@
+"""The connector's counters into vLLM's stats hooks (the series: connector/metrics.py).
+
+vLLM calls `get_kv_connector_stats` once per step on each side; the scheduler side also writes
+its totals into each NVMe directory for `kvtier inspect --watch`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core.serving_stats import write_stats
+from kvtier.tiers.handles import Medium
+
+from .config import load_settings
+from .guard import hook
+from .metadata import KVTierStats
+from .metrics import KVTierPromMetrics
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger("kvtier.connector")
+
+
+class StatsHooks:
+    """A part of `KVTierConnector`: its `sched` or `worker`, `_last_gauges`, `_stats_at`."""
+
+    @hook()
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """This step's counters (vLLM calls it once per step on each side; see connector/metrics.py).
+
+        Worker: each per-step time becomes one histogram observation (`obs:seconds_*`), and ranks
+        other than 0 leave out their block counts (a block is one block, whatever the ranks; bytes
+        add up over ranks). Scheduler: tier occupancy and leases as gauges, when they changed.
+        """
+        if self.worker is not None:
+            s = self.worker.take_interval_stats()
+            if s is None:
+                return None
+            for k, v in list(s.data.items()):
+                if k.startswith(("seconds_loaded.", "seconds_stored.")) and v > 0:
+                    s.data["obs:" + k] = [float(v)]
+                if self.worker.rank != 0 and k.startswith(("blocks_loaded.", "blocks_stored.")):
+                    del s.data[k]
+            return s
+        if self.sched is None:
+            return None
+        s = self.sched.take_interval_stats()
+        self._publish_stats()
+        gauges = {k: v for k, v in self._gauges().items() if self._last_gauges.get(k) != v}
+        if gauges:
+            self._last_gauges.update(gauges)
+            s = s if s is not None else KVTierStats()
+            for k, v in gauges.items():
+                s.data.setdefault(k, v)  # a controller that reports its own gauges wins
+        return s
+
+    def _publish_stats(self, force: bool = False) -> None:
+        """The scheduler's totals into each NVMe directory, at most once a second (and at
+        shutdown), for `kvtier inspect --watch`."""
+        now = time.monotonic()
+        if not force and now - self._stats_at < 1.0:
+            return
+        self._stats_at = now
+        for t in self._nvme_tiers():
+            write_stats(t.dir, dict(self.sched.totals))
+
+    def _nvme_tiers(self) -> list:
+        return [t for t in self.sched.tiers if t.medium is Medium.FILE] if self.sched is not None else []
+
+    def _gauges(self) -> dict[str, float]:
+        """Occupancy of each local tier and blocks held by leases (the shared tier's server keeps
+        its own)."""
+        out: dict[str, float] = {}
+        for t in self.sched.tiers:
+            if not t.remote:
+                out[f"gauge_resident_blocks.{t.name}"] = int(t.num_used)
+                out[f"gauge_capacity_blocks.{t.name}"] = int(t.capacity_blocks)
+        out["gauge_leased_blocks"] = int(self.sched.leases.pinned())
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVTierPromMetrics:
+        """The `vllm:kvtier_*` series on the API server's /metrics (connector/metrics.py)."""
+        tiers = ["cpu"]
+        try:
+            kvt = vllm_config.kv_transfer_config
+            cfg = load_settings(dict(kvt.kv_connector_extra_config or {}))
+            tiers = [t.name for t in cfg.storage_tiers()]
+        except Exception as e:  # the series still exist; other tiers appear when first counted
+            log.warning("kvtier: metrics: could not read the tier config (%s); assuming a cpu tier", e)
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, tiers=tiers)
