@@ -205,6 +205,14 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         return False
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33's sleep mode: no. Sleep releases the KV cache and wake-up maps it again, while
+        kvtier's workers hold views into those tensors (connector/kv_layout.py) and may have copies
+        in flight; following the remap is not verified on a GPU, so vLLM refuses
+        `enable_sleep_mode` with kvtier mounted (one line at start) rather than risk stale KV."""
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """True: loads are layer by layer (`wait_for_layer_load`), which a full CUDA-graph replay
         would skip; vLLM then captures piecewise graphs, and attention runs between the pieces."""

@@ -68,11 +68,27 @@ def hit_tokens(groups: Sequence[Group], present: Callable[[Group, int], bool], l
     cap leaves one token to compute, stays within the hashed blocks and is a multiple of the
     groups' common block (each group's blocks end at N). Full-attention groups are a prefix
     (the longest present run from `local`); the others are checked at each candidate, lowering N
-    until every group agrees (vLLM's own fixed point)."""
+    until every group agrees (vLLM's own fixed point).
+
+    With an EAGLE / MTP draft group the draft's last block of a hit is not trusted (vLLM drops it
+    from its own hits): the hit is found one block past the cap, that block dropped, and the
+    fixed point run again below it (a window's needs are not downward-closed)."""
     unit = 1
     for g in groups:
         unit = math.lcm(unit, g.block_tokens)
     cap = min(num_tokens - 1, num_hashes * hash_tokens) // unit * unit
+    if any(g.eagle for g in groups):
+        over = min(num_tokens - 1 + unit, num_hashes * hash_tokens) // unit * unit
+        n = _fixed_point(groups, present, local, over, unit) - unit
+        if n <= local:
+            return 0
+        cap = min(cap, n)
+    return max(0, _fixed_point(groups, present, local, cap, unit) - local)
+
+
+def _fixed_point(groups: Sequence[Group], present: Callable[[Group, int], bool], local: int, cap: int,
+                 unit: int) -> int:
+    """The largest N in (local, cap], a multiple of `unit`, every group can serve; else `local`."""
     n = cap
     while n > local:
         lowered = False
@@ -92,7 +108,7 @@ def hit_tokens(groups: Sequence[Group], present: Callable[[Group, int], bool], l
                 break
         if not lowered:
             break
-    return max(0, n - local)
+    return max(local, n)
 
 
 def groups_of(kv_cache_config: Any) -> list[Group]:

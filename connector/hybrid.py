@@ -72,7 +72,9 @@ class HybridRules:
             if g.kind is GroupKind.MAMBA:
                 continue
             t = tables[g.gid] if g.gid < len(tables) else ()
-            full = min(computed // g.block_tokens, len(t))
+            # an EAGLE draft group's last full block is rewritten while the request decodes: stored
+            # one block behind (a hit drops that block anyway, connector/groups.py)
+            full = min(computed // g.block_tokens - (1 if g.eagle else 0), len(t))
             for i in range(done[g.gid], full):
                 key = self.key(hashes, g, i)
                 if key is None:
