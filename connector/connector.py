@@ -348,7 +348,6 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         self.gpu_ctx = ctx
         if self.sched is None:
             return
-        self.sched.bind_gpu(ctx)
         hash_tokens = getattr(getattr(ctx, "pool", None), "hash_block_size", None)
         if self.sched.hybrid is not None and hash_tokens:
             self.sched.hybrid.hash_tokens = int(hash_tokens)   # what vLLM hashes the requests' blocks by
@@ -361,6 +360,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
             else:
                 log.warning("kvtier: offload 'lazy' needs prefix caching (hashed blocks in the GPU free "
                             "queue); it is off, so blocks are stored eagerly")
+        self.sched.bind_gpu(ctx)
 
     @hook(recover="_lookup_failed")
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:

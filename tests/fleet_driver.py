@@ -8,6 +8,8 @@ Protocol on stdout (vLLM's own output goes to stderr): one JSON object a line.
 - {"op": "generate", "prompts": [[ids]], "max_tokens": 8, "pause_after": N | null}
     greedy tokens per prompt; with pause_after, once N requests have finished it writes
     {"paused": N} and waits for any line on stdin before it steps on (the test acts meanwhile);
+    with pause_tokens: N, the same once the first request has N tokens (and is still running);
+    until it pauses, every step waits for the shared tier's lookups in flight (a fixed order);
     answers {"tokens": [[ids]], "stats": ...}
 - {"op": "drain"}: waits until every shared-tier write in flight has reached the server
 - {"op": "stats"}: {"stats": {"sched": totals, "worker": totals, "shared": the tier's stats}}
@@ -47,13 +49,19 @@ def stats() -> dict:
     return out
 
 
-def _pause(done: int) -> None:
-    """Tell the test, once the shared tier's lookups in flight are answered; wait for its go."""
+def _settle() -> None:
+    """Wait until the shared tier's lookups in flight are answered: vLLM skips a request whose
+    lookup is pending and schedules the next, so without this the order would follow the server."""
     import kvtier.connector as C
     for c in C.live_connectors("scheduler"):
         if c.sched is not None and c.sched.ctrl.remote is not None:
             for fut, _, _ in list(c.sched.tiers[c.sched.ctrl.remote]._probes.values()):
                 fut.result(timeout=60)
+
+
+def _pause(done: int) -> None:
+    """Tell the test, once the shared tier's lookups in flight are answered; wait for its go."""
+    _settle()
     say({"paused": done})
     if not sys.stdin.readline():
         raise SystemExit("stdin closed")
@@ -79,6 +87,8 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, pause_after: int | 
     first = 0   # tokens of the first request so far
     paused = pause_after is None and pause_tokens is None
     while eng.has_unfinished_requests():
+        if not paused:
+            _settle()   # requests are scheduled in the order they were added
         for o in eng.step():
             if o.request_id == ids[0]:
                 first = len(o.outputs[0].token_ids)

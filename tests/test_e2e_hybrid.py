@@ -26,24 +26,10 @@ pytestmark = [pytest.mark.vllm,
 MAX_TOKENS = 8
 
 
-def _save(model, path) -> str:
-    with torch.no_grad():  # larger weights so greedy tokens depend on the context strongly
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else None
-    model.save_pretrained(path, safe_serialization=True)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     U.set_env()
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                           num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=64,
-                           layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=2048,
-                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    return _save(Gemma3ForCausalLM(cfg), tmp_path_factory.mktemp("gemma3"))
+    return U.build_tiny_gemma3(tmp_path_factory.mktemp("gemma3"))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +101,6 @@ def test_sliding_window_model_keeps_hma_and_is_served(gemma, gemma_prompts, gemm
     try:
         s, w = _sched()
         assert U.generate(llm, gemma_prompts, MAX_TOKENS) == gemma_baseline
-        t = s.sched.totals
         t = s.sched.totals
         # the corrupt block fails its request's load (vLLM takes a hybrid model's failures per
         # request): it is recomputed, asks again and is served 5 blocks (the window of 160 tokens

@@ -43,6 +43,28 @@ def build_tiny_llama(path: str | Path, seed: int = 0) -> str:
     return str(path)
 
 
+def build_tiny_gemma3(path: str | Path, seed: int = 0, window: int = 64) -> str:
+    """Save a random 4-layer Gemma-3 (sliding window `window` on every other layer: two KV-cache
+    groups, full and sliding) under `path`."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return str(path)
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=32, vocab_size=512, sliding_window=window,
+                           layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=2048,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(cfg)
+    with torch.no_grad():  # larger weights so greedy tokens depend on the context strongly
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else None
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
 def prompts(n: int, blocks: int, seed: int = 1, extra: int = 5) -> list[list[int]]:
     """n token-id prompts of `blocks` full blocks plus `extra` tokens (ids 3..511)."""
     rng = random.Random(seed)
