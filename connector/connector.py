@@ -83,6 +83,15 @@ def _world_size(vllm_config: Any) -> int:
     return int(getattr(getattr(vllm_config, "parallel_config", None), "world_size", 1) or 1)
 
 
+def _drops_draft_block(vllm_config: Any) -> bool:
+    """Speculative decoding whose draft's trailing block a hit drops (EAGLE / MTP)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    drop = getattr(spec, "use_eagle_block_drop", None) or spec.use_eagle   # vLLM 0.32 / earlier name
+    return bool(drop())
+
+
 class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -94,8 +103,9 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         bb, block_tokens = block_geometry(kv_cache_config)
         self.block_tokens = block_tokens or vllm_config.cache_config.block_size
         self.block_bytes_estimate = bb
-        self.groups, why = served_groups(kv_cache_config)
-        self.hybrid = len(self.groups) > 1 or any(g.kind is not GroupKind.FULL for g in self.groups)
+        self.groups, why = served_groups(kv_cache_config, _drops_draft_block(vllm_config))
+        # the group rules (connector/hybrid.py) serve several groups, a window, a state, a draft's block
+        self.hybrid = len(self.groups) > 1 or any(g.kind is not GroupKind.FULL or g.eagle for g in self.groups)
         self.enabled = bb > 0 and why is None
         if not self.enabled:
             log.warning("kvtier: connector disabled: %s", why or f"block of {bb} bytes")
@@ -122,7 +132,9 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             tiers = build_tiers(cfg, "control", self.fingerprint, ranks=_world_size(vllm_config)) if self.enabled else []
             ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
-            hybrid = HybridRules(self.groups, math.gcd(*[g.block_tokens for g in self.groups])) \
+            # MTP with several modules re-prefills its last lookahead tokens: not final until then
+            reprefill = max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1)
+            hybrid = HybridRules(self.groups, math.gcd(*[g.block_tokens for g in self.groups]), reprefill) \
                 if self.hybrid else None
             self.sched = KVTierScheduler(block_tokens=self.block_tokens, group_id=0,
                                          store=cfg.serving.store and self.enabled, offload="eager",

@@ -15,6 +15,7 @@ equal keys in every group, and a Mamba state at boundary N is keyed by the hash 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -153,8 +154,10 @@ def block_geometry(kv_cache_config: Any) -> tuple[int, int]:
     return bb, bt
 
 
-def served_groups(kv_cache_config: Any) -> tuple[list, str | None]:
-    """(the groups kvtier serves, why it cannot serve them or None)."""
+def served_groups(kv_cache_config: Any, eagle: bool = False) -> tuple[list, str | None]:
+    """(the groups kvtier serves, why it cannot serve them or None). `eagle`: speculative decoding
+    drops the draft's trailing block (vLLM's `use_eagle_block_drop`); where vLLM flags no group as
+    the draft's (a one-group model), every group counts as the draft's, as in vLLM's own cache."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
         return [], "no KV-cache groups"
     try:
@@ -165,4 +168,6 @@ def served_groups(kv_cache_config: Any) -> tuple[list, str | None]:
         return [], "no prefix-cacheable KV-cache group"
     if any(g.block_tokens % min(x.block_tokens for x in groups) for g in groups):
         return [], "KV-cache groups whose block sizes do not divide each other"
+    if eagle and not any(g.eagle for g in groups):   # vLLM: KVCacheCoordinator's fallback
+        groups = [dataclasses.replace(g, eagle=True) for g in groups]
     return groups, None

@@ -17,9 +17,10 @@ from .groups import Group, GroupKind, hit_tokens, key_index
 
 
 class HybridRules:
-    def __init__(self, groups: Sequence[Group], hash_tokens: int) -> None:
+    def __init__(self, groups: Sequence[Group], hash_tokens: int, reprefill: int = 0) -> None:
         self.groups = list(groups)
         self.hash_tokens = hash_tokens
+        self.reprefill = reprefill   # trailing computed tokens not final yet (multi-module MTP)
         self._sfx = {g.gid: g.gid.to_bytes(GROUP_ID_BYTES, "big", signed=False) for g in self.groups}
 
     def key(self, hashes: Sequence[Any], g: Group, i: int) -> bytes | None:
@@ -72,9 +73,9 @@ class HybridRules:
             if g.kind is GroupKind.MAMBA:
                 continue
             t = tables[g.gid] if g.gid < len(tables) else ()
-            # an EAGLE draft group's last full block is rewritten while the request decodes: stored
-            # one block behind (a hit drops that block anyway, connector/groups.py)
-            full = min(computed // g.block_tokens - (1 if g.eagle else 0), len(t))
+            # every full block, as vLLM caches them (a draft group's trailing block is dropped by
+            # the hit that would load it: connector/groups.py)
+            full = min(max(0, computed - self.reprefill) // g.block_tokens, len(t))
             for i in range(done[g.gid], full):
                 key = self.key(hashes, g, i)
                 if key is None:

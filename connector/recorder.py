@@ -7,18 +7,19 @@ integer by a hash keyed with a secret of this deployment (`record-secret` beside
 equal prefixes give equal ids, within a deployment and across its restarts, and no id reveals a
 token. No token id or text is written.
 
-Off the scheduler's critical path: `record` only queues a tuple; one writer thread formats, writes
-each line with one `write` of the whole line and flushes. Bounded: the queue holds at most
-`QUEUE_MAX` records (more are dropped, counted) and the file rotates at `max_bytes` (the previous
-one kept as `PATH.1`). A SIGTERM (vLLM's shutdown calls `close`) drains the queue: the file ends
-on a whole line.
+Off the scheduler's critical path: `record` only appends a tuple to a deque (no lock: safe when a
+signal handler calls `close` while the scheduler is inside `record`); one writer thread, woken
+every `POLL_S`, formats and writes each line with one `write` of the whole line. Bounded: at most
+`QUEUE_MAX` records wait (more are dropped, counted) and the file rotates at `max_bytes` (the
+previous one kept as `PATH.1`). `close` (vLLM's shutdown on SIGTERM) writes what waits, within its
+timeout: the file ends on a whole line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
+import collections
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -28,6 +29,7 @@ import xxhash
 log = logging.getLogger("kvtier.connector")
 
 QUEUE_MAX = 1 << 16
+POLL_S = 0.05
 SECRET_BYTES = 32
 
 
@@ -60,9 +62,10 @@ class TraceRecorder:
         self._count = count or (lambda key, v=1: None)
         self._key = _secret(self.path)
         self._t0 = time.time()
-        self._q: queue.Queue = queue.Queue(QUEUE_MAX)
+        self._q: collections.deque = collections.deque()
         self._fd = self._open()
         self._closed = False
+        self._stop = threading.Event()   # set by `close` only: the writer drains and ends
         self._thread = threading.Thread(target=self._run, name="kvtier-record", daemon=True)
         self._thread.start()
         log.info("kvtier: recording the traffic to %s (block %d tokens, rotated at %d MiB)", self.path,
@@ -75,10 +78,10 @@ class TraceRecorder:
         """Queue one finished request (vLLM's arrival time in seconds, its prompt's full-block hashes)."""
         if self._closed:
             return
-        try:
-            self._q.put_nowait((arrival_s, input_length, output_length, [bytes(h) for h in hashes]))
-        except queue.Full:
+        if len(self._q) >= QUEUE_MAX:
             self._count("record_dropped_requests")
+            return
+        self._q.append((arrival_s, input_length, output_length, [bytes(h) for h in hashes]))
 
     def _id(self, h: bytes) -> int:
         """A 63-bit id of a block hash, keyed with the deployment's secret."""
@@ -93,32 +96,39 @@ class TraceRecorder:
 
     def _run(self) -> None:
         while True:
-            rec = self._q.get()
-            if rec is None:
+            stopping = self._stop.is_set()
+            while self._q:
+                self._write(self._q.popleft())
+            if stopping:
                 return
-            try:
-                line = self._line(rec)
-                if os.fstat(self._fd).st_size + len(line) > self.max_bytes:
-                    os.close(self._fd)
-                    os.replace(self.path, self.path + ".1")
-                    self._fd = self._open()
-                    self._count("record_rotations")
-                os.write(self._fd, line)
-                self._count("recorded_requests")
-            except OSError as e:  # a full disk: the record is lost, counted, never raised into vLLM
-                self._count("record_errors")
-                log.debug("kvtier: record_trace: %s", e)
+            self._stop.wait(POLL_S)
+
+    def _write(self, rec: tuple) -> None:
+        try:
+            line = self._line(rec)
+            if os.fstat(self._fd).st_size + len(line) > self.max_bytes:
+                os.close(self._fd)
+                os.replace(self.path, self.path + ".1")
+                self._fd = self._open()
+                self._count("record_rotations")
+            os.write(self._fd, line)
+            self._count("recorded_requests")
+        except OSError as e:  # a full disk: the record is lost, counted, never raised into vLLM
+            self._count("record_errors")
+            log.debug("kvtier: record_trace: %s", e)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write what is queued (bounded) and close the file."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self._q.put(None, timeout=timeout_s)
-        except queue.Full:
-            pass
+        self._stop.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():   # still writing: what is left is lost, the file ends on a whole line
+            log.warning("kvtier: record_trace: %d requests not written within %.0f s of shutdown",
+                        len(self._q), timeout_s)
+            self._count("record_dropped_requests", len(self._q))
+            return
         try:
             os.close(self._fd)
         except OSError:

@@ -11,18 +11,13 @@ the draft's KV, so equal proposals show the draft's KV was served as computed (t
 nothing is accepted; corrupting only the draft layer's bytes in DRAM changes every prompt's
 proposals and no target token).
 
-The draft's last block, the rule that applies in vLLM 0.32: vLLM annotates no KV-cache group as the
-draft's for a one-group model (`KVCacheGroupSpec.is_eagle_group` is set only where vLLM splits
-layers into several groups: kv_cache_utils `_annotate_eagle_groups`), so kvtier sees no draft group
-(`Group.eagle` False) and serves the whole prefix: 6 blocks of a prompt of 6 blocks and 5 tokens,
-as vLLM's OffloadingConnector does with no annotated group ("fail toward serving", stale drafter KV
-only lowers acceptance). vLLM's own prefix cache applies the other rule: with no annotated group
-every group is the draft's (KVCacheCoordinator.__init__) and a hit drops its last block: 5 blocks
-(`test_vllm_prefix_cache_drops_the_last_block`). The difference costs nothing for a repeated prompt
-(the draft's KV at the hit's last position was computed with the same next token) but a prompt that
-shares the hit and diverges right after it gets the draft's KV of that position computed with the
-other prompt's next token: its proposals may differ from a run without kvtier (acceptance only;
-the target's tokens are identical and asserted so).
+The draft's last block: vLLM 0.32 annotates no KV-cache group as the draft's for a one-group model
+(`KVCacheGroupSpec.is_eagle_group` is set only where vLLM splits layers into several groups), and
+its own prefix cache then counts every group as the draft's (KVCacheCoordinator.__init__): a hit
+drops its last block, since the draft's KV at the hit's last position was computed with the next
+token of the request that stored it. kvtier applies the same rule (connector/groups.py
+`served_groups`): every full block stored, a hit of a prompt of 6 blocks and 5 tokens is 5 blocks,
+and a prompt that shares the 6 blocks and diverges after them gets the baseline's proposals too.
 """
 
 from __future__ import annotations
@@ -145,7 +140,7 @@ def test_eagle_draft_served_from_cpu_then_nvme(models, prompts, baseline, tmp_pa
     from kvtier.connector.groups import Group, GroupKind
     ps, sib = prompts
     (base, base_drafts), (base_sib, base_sib_drafts) = baseline
-    full = N * BLOCKS
+    full, hit = N * BLOCKS, N * (BLOCKS - 1)
     nvme = tmp_path / "nvme"
     cfg = dict(cpu_capacity_blocks=256, nvme_path=str(nvme), nvme_capacity_blocks=512)
     llm = _llm(models, U.kvtier_config(nvme_write_lag_steps=0, **cfg))
@@ -153,7 +148,7 @@ def test_eagle_draft_served_from_cpu_then_nvme(models, prompts, baseline, tmp_pa
         s, w = _connectors()
         kvc = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
         assert [g.is_eagle_group for g in kvc.kv_cache_groups] == [False]   # vLLM flags no group
-        assert s.groups == [Group(0, GroupKind.FULL, U.BLOCK, eagle=False)] and not s.hybrid
+        assert s.groups == [Group(0, GroupKind.FULL, U.BLOCK, eagle=True)] and s.hybrid   # every group a draft's
         assert len(w.worker.layout.names) == 3       # 2 target layers and the draft's, one block
         log = _drafts(llm)
         assert _run(llm, log, ps) == (base, base_drafts)                    # pass 1 stores
@@ -161,14 +156,12 @@ def test_eagle_draft_served_from_cpu_then_nvme(models, prompts, baseline, tmp_pa
         assert t.get("hit_tokens", 0) == 0 and t["stored_blocks.cpu"] == full and t["stored_blocks.nvme"] == full
         assert _run(llm, log, ps) == (base, base_drafts)                    # pass 2: kvtier's
         t = dict(s.sched.totals)
-        # the whole prefix, the draft's last block too (no group is the draft's): 6 blocks a prompt
-        assert t["hit_tokens"] == full * U.BLOCK and t["hit_blocks.cpu"] == full
-        assert w.worker.totals["blocks_loaded.cpu"] == full
-        # siblings share the 6 blocks: served 6 (vLLM's prefix cache: 5); the target's tokens are
-        # the baseline's (the draft's KV of position 191 was computed with the other next token)
-        out, _ = _run(llm, log, sib)
-        assert out == base_sib
-        assert s.sched.totals["hit_tokens"] == 2 * full * U.BLOCK
+        # the prefix less the draft's last block, as vLLM's own cache: 5 blocks a prompt
+        assert t["hit_tokens"] == hit * U.BLOCK and t["hit_blocks.cpu"] == hit
+        assert w.worker.totals["blocks_loaded.cpu"] == hit
+        # siblings share the 6 blocks and are served 5: tokens and proposals the baseline's
+        assert _run(llm, log, sib) == (base_sib, base_sib_drafts)
+        assert s.sched.totals["hit_tokens"] == 2 * hit * U.BLOCK
     finally:
         U.shutdown(llm)
     # a restart: from NVMe, the draft's KV too
@@ -178,7 +171,7 @@ def test_eagle_draft_served_from_cpu_then_nvme(models, prompts, baseline, tmp_pa
         log = _drafts(llm)
         assert _run(llm, log, ps) == (base, base_drafts)
         t = dict(s.sched.totals)
-        assert t["hit_tokens"] == full * U.BLOCK and t["hit_blocks.nvme"] == full and t.get("hit_blocks.cpu", 0) == 0
+        assert t["hit_tokens"] == hit * U.BLOCK and t["hit_blocks.nvme"] == hit and t.get("hit_blocks.cpu", 0) == 0
         # not vacuous: noise over the draft layer's bytes in DRAM (promoted there) changes every
         # prompt's proposals and no target token
         lay, g = w.worker.layout, torch.Generator().manual_seed(0)
@@ -187,7 +180,7 @@ def test_eagle_draft_served_from_cpu_then_nvme(models, prompts, baseline, tmp_pa
             rows = p.buffer.view(-1, lay.block_bytes)
             rows[:, lo:hi] = (torch.randn(rows.shape[0], (hi - lo) // 4, generator=g) * 3).view(torch.uint8)
         out, drafts = _run(llm, log, ps)
-        assert s.sched.totals["hit_blocks.cpu"] == full
+        assert s.sched.totals["hit_blocks.cpu"] == hit
         assert out == base and all(a != b for a, b in zip(drafts, base_drafts))
     finally:
         U.shutdown(llm)

@@ -61,6 +61,35 @@ def test_rotates_by_size(tmp_path):
     assert 0 < n < 40 and r._count is not None
 
 
+def test_a_full_queue_drops_and_counts(tmp_path, monkeypatch):
+    """The writer held inside one write: at most QUEUE_MAX requests wait, the rest are dropped and
+    counted; every waiting one is written once the writer goes on."""
+    import threading
+
+    import kvtier.connector.recorder as R
+    monkeypatch.setattr(R, "QUEUE_MAX", 4)
+    counts: dict = {}
+    r = TraceRecorder(str(tmp_path / "t.jsonl"), block_tokens=32,
+                      count=lambda k, v=1: counts.__setitem__(k, counts.get(k, 0) + v))
+    entered, go = threading.Event(), threading.Event()
+    write = r._write
+
+    def held(rec):
+        entered.set()
+        assert go.wait(60)
+        write(rec)
+    r._write = held
+    r.record(0.0, 32, 1, [b"%032d" % 0])
+    assert entered.wait(60)                      # the writer holds the first request
+    for i in range(1, 11):
+        r.record(0.0, 32, 1, [b"%032d" % i])
+    assert counts == {"record_dropped_requests": 6}
+    go.set()
+    r.close(timeout_s=60)
+    assert counts == {"record_dropped_requests": 6, "recorded_requests": 5}
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 5
+
+
 def test_sigterm_mid_recording_leaves_a_valid_file(tmp_path):
     """A process recording as fast as it can is sent SIGTERM (its handler closes the recorder, as
     vLLM's shutdown does): every line of the file parses, and there are some."""
