@@ -37,7 +37,7 @@ def test_shipped_vllm_stack_policies(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_NVME_CAPACITY", "64MiB")
     s = load_settings({"config": "gpu-cpu-nvme"})
     assert (s.policy.eviction, tier_of(s, "nvme").eviction, s.policy.offload) == ("lru", None, "lazy")
-    assert tier_of(s, "nvme").path == str(tmp_path)
+    assert tier_of(s, "nvme").path == str(tmp_path / "vllm")   # not the CLI's default directory
 
 
 def test_unknown_inline_key_is_an_error():
