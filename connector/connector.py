@@ -130,7 +130,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         shared = tier_of(cfg, "redis")
         if role == KVConnectorRole.SCHEDULER:
-            tiers = build_tiers(cfg, "control", self.fingerprint, ranks=_world_size(vllm_config)) if self.enabled else []
+            tiers = build_tiers(cfg, "control", self.fingerprint, ranks=_world_size(vllm_config)) \
+                if self.enabled else []
             ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
             # MTP with several modules re-prefills its last lookahead tokens: not final until then
             reprefill = max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1)

@@ -81,11 +81,11 @@ class TraceRecorder:
         if len(self._q) >= QUEUE_MAX:
             self._count("record_dropped_requests")
             return
-        self._q.append((arrival_s, input_length, output_length, [bytes(h) for h in hashes]))
+        self._q.append((arrival_s, input_length, output_length, tuple(hashes)))   # bytes() in the writer
 
     def _id(self, h: bytes) -> int:
         """A 63-bit id of a block hash, keyed with the deployment's secret."""
-        return xxhash.xxh3_64_intdigest(self._key + h) >> 1
+        return xxhash.xxh3_64_intdigest(self._key + bytes(h)) >> 1
 
     def _line(self, rec: tuple) -> bytes:
         arrival, n_in, n_out, hashes = rec

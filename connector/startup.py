@@ -101,7 +101,8 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
     if pool is not None:
         line += (f"cpu pool {pool.num_slots} slots ({_size(pool.num_slots * pool.block_bytes)}, "
                  f"{'pinned' if pool.pinned else 'pageable'}); ")
-        if gpu and not pool.pinned and cpu is not None and cpu.pin in ("auto", True):  # pin=true without CUDA: cpu_pool warns
+        # pin=true without CUDA: cpu_pool warns
+        if gpu and not pool.pinned and cpu is not None and cpu.pin in ("auto", True):
             warnings.append("kvtier: pinned host memory unavailable; the CPU tier uses pageable memory "
                             "(slower GPU<->CPU copies)")
     if nv is not None:
