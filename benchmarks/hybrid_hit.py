@@ -40,7 +40,6 @@ when it spawns worker processes, so here every LLM computes on the same torch th
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import random
@@ -53,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, "ttft"))
 import vllm_util as U  # noqa: E402
-from bench_ttft import Engines  # noqa: E402  (several LLMs in one process, each its own connector)
+from bench_ttft import Engines, drop_page_cache  # noqa: E402  (several LLMs in one process, each its own connector)
 
 BLOCK = U.BLOCK
 VOCAB = 512
@@ -100,15 +99,6 @@ def connectors(nvme_dir: str):
     if len(s) != 1 or len(w) != 1:
         raise SystemExit(f"hybrid_hit: expected one kvtier connector per side, found {len(s)} / {len(w)}")
     return s[0], w[0]
-
-
-def drop_page_cache(nvme_dir: str) -> None:
-    for p in glob.glob(os.path.join(nvme_dir, "**", "data.*"), recursive=True):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 class Hits:

@@ -166,6 +166,16 @@ class Engines:
             pass
 
 
+def drop_page_cache(nvme_dir: str, pattern: str = "data.*") -> None:
+    """Drop the page cache of an NVMe tier's data files, so the next read comes from the disk."""
+    for p in glob.glob(os.path.join(nvme_dir, "**", pattern), recursive=True):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def disk_read_s(path: str, nbytes: int, threads: int = 4, chunk: int = 8 << 20) -> float:
     """The disk's own time for `nbytes` of `path`: plain O_DIRECT preadv in `chunk` pieces over
     `threads` threads (kvtier's engine settings), page cache bypassed (dropped first if the
@@ -300,12 +310,7 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
         return time.perf_counter() - t0
 
     def drop_cache():
-        for p in glob.glob(os.path.join(nvme_cold, "**", "data.0"), recursive=True):
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        drop_page_cache(nvme_cold, "data.0")
 
     res: dict[str, dict] = {k: {"reps_ms": [], "tokens": set()}
                             for k in hits + ["recompute", "kvtier-miss+store", "nvme-disk-read", "redis-raw-get"]}
