@@ -81,8 +81,18 @@ def scheduler_line(conn: Any) -> str:
     return (f"kvtier connector (scheduler) started: tiers {'; '.join(parts) or 'none (disabled)'}; "
             f"block {conn.block_tokens} tokens x {_size(bb)}; {policies}, offload {pol.offload}, "
             f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
-            f"fingerprint {fingerprint_hash(fp)} (model {fp['model']}: {conn.model_identity_how}, "
-            f"{fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); config {st.source}")
+            f"{_identity_part(conn, fingerprint_hash(fp))} ({fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); "
+            f"config {st.source}")
+
+
+def _identity_part(conn: Any, fp_hash: str) -> str:
+    """The model's identity and the fingerprint, or why the persistent tiers wait."""
+    ident = conn.identity
+    if ident.value is not None:
+        return f"fingerprint {fp_hash} (model {ident.value}: {ident.how})"
+    closed = [conn.sched.tiers[i].name for i in conn.persistent.closed] if conn.persistent is not None else []
+    wait = f"; {', '.join(closed)} closed until it is done (the DRAM tier serves)" if closed else ""
+    return f"model identity: {ident.how}{wait}"
 
 
 def worker_line(conn: Any) -> tuple[str, list[str]]:
@@ -136,12 +146,14 @@ def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
 
 
 def remote_opener(t: Any, fingerprint: dict, rank: int):
-    """The worker's shared-tier data plane, opened once the block size is known."""
-    def open_(block_bytes: int, count):
+    """The worker's shared-tier data plane, opened once the block size and the model's identity
+    (`model`, from the scheduler's metadata) are known."""
+    def open_(block_bytes: int, count, model: str | None = None):
         from kvtier.tiers.redis_conn import Namespace, RedisSettings
         from kvtier.tiers.redis_data import RedisData
         s = RedisSettings.of(t)
-        return RedisData(s, Namespace(fingerprint, s.secret, rank), block_bytes, threads=t.io_threads,
+        fp = dict(fingerprint, model=model) if model else fingerprint
+        return RedisData(s, Namespace(fp, s.secret, rank), block_bytes, threads=t.io_threads,
                          count=count, name=t.name)
     return open_
 
