@@ -179,15 +179,13 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
 
     @staticmethod
     def _fit_scheduler(cfg: Any) -> Any:
-        """The tiers' sizes on the scheduler side: an nvme tier that does not fit its disk is shrunk
-        (one warning naming both sizes; its data file is preallocated in full when a worker opens
-        it); a cpu tier given as a share takes the size of this process's worker pool when there is
+        """The tiers' sizes on the scheduler side: an nvme tier that does not fit its disk is refused
+        (ConfigError naming the key, both sizes; its data file is preallocated in full when a worker
+        opens it); a cpu tier given as a share takes the size of this process's worker pool when there is
         one (vLLM's single-process executor builds the worker first), else it is resolved here and
         follows the workers' pools at their first report (they size them after vLLM's KV cache)."""
         from kvtier.core.fit import fit_to_machine
-        cfg, warnings = fit_to_machine(cfg, shrink=True, kinds=("nvme",))
-        for w in warnings:
-            log.warning("%s", w)
+        cfg, _ = fit_to_machine(cfg, kinds=("nvme",))
         cpu = tier_of(cfg, "cpu")
         if cpu is not None and cpu.share() is not None:
             pools = [c.worker.pools[0].num_slots for c in live_connectors("worker") if c.worker and c.worker.pools]

@@ -35,28 +35,29 @@ def attach_vllm_log_handler() -> bool:
 
 def fit_pool_slots(tier: Any, block_bytes: int, ranks: int = 1,
                    available: int | None = None) -> tuple[int, str | None]:
-    """The worker's CPU pool: the tier's capacity (a size, or a share of the memory kvtier may use)
-    in what is available now (vLLM's KV cache is already allocated when the worker sizes its pool,
-    so it is counted), shared by the `ranks` workers of this host, less `memory_headroom()`.
-    Returns (slots, the warning when shrunk); raises ConfigError when not one block fits."""
+    """The worker's CPU pool: the tier's capacity in what is available now (vLLM's KV cache is
+    already allocated when the worker sizes its pool, so it is counted), shared by the `ranks`
+    workers of this host, less `memory_headroom()` (max(10%, 2 GiB) of the host's memory).
+    A share ('50%') takes that share of it ("whatever fits"); a size that does not fit is
+    refused, as the CLI refuses it: ConfigError, one line naming the key, the size asked and what
+    is available. Returns (slots, None)."""
     from kvtier.core.config import ConfigError
     from kvtier.core.fit import available_memory, memory_headroom
 
     avail = available_memory() if available is None else available
-    budget = max(0, avail - memory_headroom()) // max(1, ranks)
+    keep = memory_headroom()
+    budget = max(0, avail - keep) // max(1, ranks)
     share = tier.share()
     slots = int(budget * share) // block_bytes if share is not None else tier.blocks(block_bytes)
-    fit = budget // block_bytes
-    if slots >= 1 and fit >= slots:
+    if slots >= 1 and budget // block_bytes >= slots:
         return slots, None
     asked = tier.capacity if share is not None else _size(slots * block_bytes)
-    where = (f"{_size(budget)} of memory is available to each of {ranks} worker(s) after vLLM's KV cache "
-             f"(MemAvailable {_size(avail)}, less headroom)")
-    if min(fit, slots) < 1:
-        raise ConfigError(f"kvtier: cpu tier {tier.name!r}: {asked} asked but only {where}: holds no block of "
-                          f"{_size(block_bytes)}; refused (lower VLLM_CPU_KVCACHE_SPACE or free memory)")
-    return fit, f"kvtier: cpu tier {tier.name!r}: {asked} asked but only {where}: shrunk to {fit} blocks " \
-                f"({_size(fit * block_bytes)})"
+    where = (f"{_size(budget)} available to {'each of ' + str(ranks) + ' workers' if ranks > 1 else 'it'} "
+             f"(MemAvailable {_size(avail)} after vLLM's KV cache, less {_size(keep)} kept free)")
+    key = "cpu_capacity" if tier.capacity is not None else "cpu_capacity_blocks"
+    raise ConfigError(f"kvtier: tiers.{tier.name}.capacity ({key}): {asked} of DRAM asked, only {where}"
+                      + (f": holds no block of {_size(block_bytes)}" if slots < 1 else "")
+                      + "; refused: lower it or give a share such as '50%'")
 
 
 def _size(n: float) -> str:
