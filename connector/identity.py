@@ -123,7 +123,8 @@ class ModelIdentity:
         if not s.hashed:
             return f"all {s.files} from the digest cache, {s.seconds:.2f} s"
         gbps = s.bytes / s.seconds / 1e9 if s.seconds > 0 else 0.0
-        return (f"{s.hashed} of {s.files} hashed, {s.bytes / 1e9:.2f} GB in {s.seconds:.2f} s = {gbps:.2f} GB/s"
+        size = f"{s.bytes / 1e9:.2f} GB" if s.bytes >= 1e9 else f"{s.bytes / 1e6:.1f} MB"
+        return (f"{s.hashed} of {s.files} hashed, {size} in {s.seconds:.2f} s = {gbps:.2f} GB/s"
                 f"{'' if s.hashed == s.files else ', the rest from the digest cache'}")
 
 
