@@ -31,6 +31,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "redis_url": ("redis", "url"), "redis_cluster": ("redis", "cluster"), "redis_admission": ("redis", "admission"),
     "redis_timeout_s": ("redis", "timeout_s"), "async_shared_loads": (None, "serving.async_shared_loads"),
     "record_trace": (None, "serving.record_trace"), "record_max_bytes": (None, "serving.record_max_bytes"),
+    "model_identity": (None, "serving.model_identity"), "data_dir": (None, "serving.data_dir"),
 }
 _KNOWN = {"config", "promote"} | set(_OVERRIDES)
 

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                  KVConnectorRole,
                                                                  KVConnectorTransferResults, SupportsHMA)
 
-from kvtier.core.builder import build_controller, build_tiers
+from kvtier.core.builder import build_controller
 from kvtier.core.config import ConfigError
 from kvtier.core.once import Once
 from kvtier.tiers.handles import Medium
@@ -42,8 +42,10 @@ from .groups import GroupKind, block_geometry, served_groups
 from .guard import SafeAnswers, hook
 from .handoff import clear_reports, read_reports, write_report
 from .hybrid import HybridRules
-from .identity import model_identity
+from .digest_cache import data_dir_of
+from .identity import ModelIdentity
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
+from .persistent import PersistentTiers
 from .scheduler import KVTierScheduler
 from .startup import (attach_vllm_log_handler, flush_budget_s, register_by_name, remote_opener, scheduler_line,
                       short_totals, worker_line)
@@ -114,7 +116,10 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER and self.enabled:
             cfg = self._fit_scheduler(cfg)
         self.config = cfg
-        self.fingerprint = self._fingerprint(vllm_config)
+        self.identity = ModelIdentity(str(vllm_config.model_config.model), vllm_config.model_config.revision,
+                                      cfg.serving.model_identity, data_dir_of(cfg.serving.data_dir),
+                                      start=role == KVConnectorRole.SCHEDULER and self.enabled)
+        self.fingerprint = self._fingerprint(vllm_config, self.identity.value)
         cpu = tier_of(cfg, "cpu")
         nvme = tier_of(cfg, "nvme")
         self.sched: KVTierScheduler | None = None
@@ -130,8 +135,9 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         shared = tier_of(cfg, "redis")
         if role == KVConnectorRole.SCHEDULER:
-            tiers = build_tiers(cfg, "control", self.fingerprint, ranks=_world_size(vllm_config)) \
-                if self.enabled else []
+            self.persistent = PersistentTiers(cfg, self.identity, lambda m: self._fingerprint(vllm_config, m),
+                                              _world_size(vllm_config)) if self.enabled else None
+            tiers = self.persistent.build() if self.persistent is not None else []
             ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
             # MTP with several modules re-prefills its last lookahead tokens: not final until then
             reprefill = max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1)
@@ -142,6 +148,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                                          max_blocks_per_step=cfg.serving.max_blocks_per_step, controller=ctrl,
                                          async_shared_loads=cfg.serving.async_shared_loads and not self.hybrid,
                                          hybrid=hybrid)
+            self.sched.model_identity = self.identity.value
         else:
             rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
             self.worker = KVTierWorker(None, cpu_tier=cpu, pin=cpu.pin if cpu is not None else "auto",
@@ -151,7 +158,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
                                        ranks=_world_size(vllm_config), expected_block_bytes=bb or None,
                                        num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                                       remote_fn=remote_opener(shared, self.fingerprint, rank) if shared else None)
+                                       remote_fn=remote_opener(shared, self.fingerprint, rank) if shared else None,
+                                       remote_needs_identity=True)
         _LIVE.add(self)
         if self.sched is not None and shared is not None:
             algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
@@ -171,15 +179,13 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
 
     @staticmethod
     def _fit_scheduler(cfg: Any) -> Any:
-        """The tiers' sizes on the scheduler side: an nvme tier that does not fit its disk is shrunk
-        (one warning naming both sizes; its data file is preallocated in full when a worker opens
-        it); a cpu tier given as a share takes the size of this process's worker pool when there is
+        """The tiers' sizes on the scheduler side: an nvme tier that does not fit its disk is refused
+        (ConfigError naming the key, both sizes; its data file is preallocated in full when a worker
+        opens it); a cpu tier given as a share takes the size of this process's worker pool when there is
         one (vLLM's single-process executor builds the worker first), else it is resolved here and
         follows the workers' pools at their first report (they size them after vLLM's KV cache)."""
         from kvtier.core.fit import fit_to_machine
-        cfg, warnings = fit_to_machine(cfg, shrink=True, kinds=("nvme",))
-        for w in warnings:
-            log.warning("%s", w)
+        cfg, _ = fit_to_machine(cfg, kinds=("nvme",))
         cpu = tier_of(cfg, "cpu")
         if cpu is not None and cpu.share() is not None:
             pools = [c.worker.pools[0].num_slots for c in live_connectors("worker") if c.worker and c.worker.pools]
@@ -191,15 +197,12 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                 cfg, _ = fit_to_machine(cfg, kinds=("cpu",), check=False)
         return cfg
 
-    def _fingerprint(self, vllm_config: Any) -> dict:
-        """What must match for a stored block to be served (`StackConfig.fingerprint` with vLLM's
-        model, KV dtype, layout and parallelism)."""
+    def _fingerprint(self, vllm_config: Any, model: str | None) -> dict:
+        """What must match for a stored block to be served (`StackConfig.fingerprint` with the
+        model's identity, vLLM's KV dtype, layout and parallelism)."""
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
-        path = str(getattr(mc, "model", "?"))
-        rev = getattr(mc, "revision", None)
-        model, self.model_identity_how = model_identity(path, rev)
         return self.config.fingerprint(
-            model=model, revision=str(rev),
+            model=model or "(not known yet)", revision=str(getattr(mc, "revision", None)),
             dtype=str(getattr(mc, "dtype", "?")),
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
             layout=self._layout_name(), tp=int(getattr(pc, "tensor_parallel_size", 1)),
@@ -379,6 +382,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.sched is None or not self.enabled:
             return 0, False
+        self.persistent.poll(self.sched)
         n = self.sched.lookup(request, num_computed_tokens)
         return n, bool(n) and self.sched.loads_async(request.request_id)
 
@@ -409,6 +413,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self.sched is None or not self.enabled:
             return KVTierMetadata()
+        self.persistent.poll(self.sched)
         so = scheduler_output
         bstate = getattr(so, "kv_connector_block_state", None)
         if self.hybrid:

@@ -45,6 +45,7 @@ class KVTierMetadata(KVConnectorMetadata):
     async_loads: list[str] = field(default_factory=list)  # requests vLLM loads asynchronously
     idle: bool = False                   # nothing scheduled but asynchronous loads: the worker may wait
     tier_names: list[str] | None = None
+    model_identity: str | None = None    # the model's identity once known (the worker opens the shared tier)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)  # accepted, not planned: load errors
 
     def is_empty(self) -> bool:

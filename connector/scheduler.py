@@ -91,6 +91,7 @@ class KVTierScheduler:
         self._failed_loads: dict[str, list[int]] = {}  # accepted by vLLM, not planned: load errors
         self._once = Once(log)
         self._async_inflight: set[str] = set()  # ... until the workers report it done
+        self.model_identity: str | None = None  # sent to the workers once the persistent tiers are open
 
     @property
     def leases(self):
@@ -288,7 +289,8 @@ class KVTierScheduler:
         meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, copies=plan.copies,
                               remote_tier=self.ctrl.remote, tier_names=self.ctrl.names,
                               async_loads=self._async_step, failed_loads=self._failed_loads,
-                              idle=not scheduled and bool(self._async_inflight))
+                              idle=not scheduled and bool(self._async_inflight),
+                              model_identity=self.model_identity)
         self._async_step = []
         self._failed_loads = {}
         self._name_nvme(meta)
@@ -446,6 +448,12 @@ class KVTierScheduler:
         self.gpu = ctx
         if self.offload == "lazy":
             self.lazy = LazyOffload(self.ctrl, ctx, self._count)
+
+    def open_tier(self, t: int, tier: SlotTier) -> None:
+        """A persistent tier opened after start (`TierController.open_tier`)."""
+        self.ctrl.open_tier(t, tier)
+        if t == self.nvme:
+            self.nvme_dir = tier.dir
 
     def close(self) -> None:
         self.ctrl.close()

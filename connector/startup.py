@@ -35,28 +35,29 @@ def attach_vllm_log_handler() -> bool:
 
 def fit_pool_slots(tier: Any, block_bytes: int, ranks: int = 1,
                    available: int | None = None) -> tuple[int, str | None]:
-    """The worker's CPU pool: the tier's capacity (a size, or a share of the memory kvtier may use)
-    in what is available now (vLLM's KV cache is already allocated when the worker sizes its pool,
-    so it is counted), shared by the `ranks` workers of this host, less `memory_headroom()`.
-    Returns (slots, the warning when shrunk); raises ConfigError when not one block fits."""
+    """The worker's CPU pool: the tier's capacity in what is available now (vLLM's KV cache is
+    already allocated when the worker sizes its pool, so it is counted), shared by the `ranks`
+    workers of this host, less `memory_headroom()` (max(10%, 2 GiB) of the host's memory).
+    A share ('50%') takes that share of it ("whatever fits"); a size that does not fit is
+    refused, as the CLI refuses it: ConfigError, one line naming the key, the size asked and what
+    is available. Returns (slots, None)."""
     from kvtier.core.config import ConfigError
     from kvtier.core.fit import available_memory, memory_headroom
 
     avail = available_memory() if available is None else available
-    budget = max(0, avail - memory_headroom()) // max(1, ranks)
+    keep = memory_headroom()
+    budget = max(0, avail - keep) // max(1, ranks)
     share = tier.share()
     slots = int(budget * share) // block_bytes if share is not None else tier.blocks(block_bytes)
-    fit = budget // block_bytes
-    if slots >= 1 and fit >= slots:
+    if slots >= 1 and budget // block_bytes >= slots:
         return slots, None
     asked = tier.capacity if share is not None else _size(slots * block_bytes)
-    where = (f"{_size(budget)} of memory is available to each of {ranks} worker(s) after vLLM's KV cache "
-             f"(MemAvailable {_size(avail)}, less headroom)")
-    if min(fit, slots) < 1:
-        raise ConfigError(f"kvtier: cpu tier {tier.name!r}: {asked} asked but only {where}: holds no block of "
-                          f"{_size(block_bytes)}; refused (lower VLLM_CPU_KVCACHE_SPACE or free memory)")
-    return fit, f"kvtier: cpu tier {tier.name!r}: {asked} asked but only {where}: shrunk to {fit} blocks " \
-                f"({_size(fit * block_bytes)})"
+    where = (f"{_size(budget)} available to {'each of ' + str(ranks) + ' workers' if ranks > 1 else 'it'} "
+             f"(MemAvailable {_size(avail)} after vLLM's KV cache, less {_size(keep)} kept free)")
+    key = "cpu_capacity" if tier.capacity is not None else "cpu_capacity_blocks"
+    raise ConfigError(f"kvtier: tiers.{tier.name}.capacity ({key}): {asked} of DRAM asked, only {where}"
+                      + (f": holds no block of {_size(block_bytes)}" if slots < 1 else "")
+                      + "; refused: lower it or give a share such as '50%'")
 
 
 def _size(n: float) -> str:
@@ -81,8 +82,18 @@ def scheduler_line(conn: Any) -> str:
     return (f"kvtier connector (scheduler) started: tiers {'; '.join(parts) or 'none (disabled)'}; "
             f"block {conn.block_tokens} tokens x {_size(bb)}; {policies}, offload {pol.offload}, "
             f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
-            f"fingerprint {fingerprint_hash(fp)} (model {fp['model']}: {conn.model_identity_how}, "
-            f"{fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); config {st.source}")
+            f"{_identity_part(conn, fingerprint_hash(fp))} ({fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); "
+            f"config {st.source}")
+
+
+def _identity_part(conn: Any, fp_hash: str) -> str:
+    """The model's identity and the fingerprint, or why the persistent tiers wait."""
+    ident = conn.identity
+    if ident.value is not None:
+        return f"fingerprint {fp_hash} (model {ident.value}: {ident.how})"
+    closed = [conn.sched.tiers[i].name for i in conn.persistent.closed] if conn.persistent is not None else []
+    wait = f"; {', '.join(closed)} closed until it is done (the DRAM tier serves)" if closed else ""
+    return f"model identity: {ident.how}{wait}"
 
 
 def worker_line(conn: Any) -> tuple[str, list[str]]:
@@ -136,12 +147,14 @@ def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
 
 
 def remote_opener(t: Any, fingerprint: dict, rank: int):
-    """The worker's shared-tier data plane, opened once the block size is known."""
-    def open_(block_bytes: int, count):
+    """The worker's shared-tier data plane, opened once the block size and the model's identity
+    (`model`, from the scheduler's metadata) are known."""
+    def open_(block_bytes: int, count, model: str | None = None):
         from kvtier.tiers.redis_conn import Namespace, RedisSettings
         from kvtier.tiers.redis_data import RedisData
         s = RedisSettings.of(t)
-        return RedisData(s, Namespace(fingerprint, s.secret, rank), block_bytes, threads=t.io_threads,
+        fp = dict(fingerprint, model=model) if model else fingerprint
+        return RedisData(s, Namespace(fp, s.secret, rank), block_bytes, threads=t.io_threads,
                          count=count, name=t.name)
     return open_
 

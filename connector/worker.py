@@ -37,16 +37,20 @@ class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
                  nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1,
-                 num_blocks: int | None = None, copy_streams=None, cpu_tier=None) -> None:
+                 num_blocks: int | None = None, copy_streams=None, cpu_tier=None,
+                 remote_needs_identity: bool = False) -> None:
         """`cpu_tier`: the cpu tier's config (else `cpu_blocks_fn(block bytes)` slots).
         `remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
-        rank, or None without a shared tier. `num_blocks`: vLLM's KV-cache blocks (the tensors may
+        rank, or None without a shared tier; with `remote_needs_identity` it is
+        `remote_fn(block_bytes, count, model)`, opened at the first step whose metadata names the
+        model's identity (the scheduler sends it once the weights' digest is done). `num_blocks`: vLLM's KV-cache blocks (the tensors may
         hold more kernel blocks, `KVLayout`); `expected_block_bytes`: what the scheduler sized its
         tiers with (a layout that disagrees is refused). `copy_streams`: forces the device copier
         with these streams (tests)."""
         self._cpu_tier = cpu_tier
         self._cpu_blocks_fn = cpu_blocks_fn
         self._remote_fn = remote_fn
+        self._remote_needs_identity = remote_needs_identity
         self._pin = pin
         self._expected = expected_block_bytes
         self._num_blocks = num_blocks
@@ -106,12 +110,15 @@ class KVTierWorker(Counting):
                            count=self._count)
         self.ex.fail_loads = self.fail_loads
         log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
-        if self._remote_fn is not None and self.remote is None:
-            self.remote = self._remote_fn(lay.block_bytes, self._count)
-            why = self.remote.ping()
-            if why:
-                log.warning("kvtier worker: shared tier %s not reachable now (%s): misses until it answers",
-                            self.remote.s.where, why)
+        if self._remote_fn is not None and self.remote is None and not self._remote_needs_identity:
+            self._open_remote(self._remote_fn(lay.block_bytes, self._count))
+
+    def _open_remote(self, remote) -> None:
+        self.remote = remote
+        why = remote.ping()
+        if why:
+            log.warning("kvtier worker: shared tier %s not reachable now (%s): misses until it answers",
+                        self.remote.s.where, why)
 
     def disable(self) -> None:
         """register_kv_caches failed: this worker loads nothing (load errors) and stores nothing."""
@@ -130,6 +137,8 @@ class KVTierWorker(Counting):
                                                      default=0))
         ex.planes += [None] * (n - len(ex.planes))
         if meta.remote_tier is not None:
+            if self.remote is None and self._remote_needs_identity and meta.model_identity and self.layout:
+                self._open_remote(self._remote_fn(self.layout.block_bytes, self._count, meta.model_identity))
             ex.planes[meta.remote_tier] = self.remote
         if meta.nvme_tier is not None:
             self._open_nvme(meta)

@@ -221,10 +221,10 @@ def test_cpu_tier_beyond_available_memory_is_refused_or_shrunk(tmp_path, ram):
     with pytest.raises(ConfigError) as e:
         fit_to_machine(_cfg(tmp_path, cpu="9.5GiB", nvme=None))
     assert str(e.value) == ("s.yaml: tiers.0.capacity: tier 'cpu': asks 9.50 GiB of DRAM (9728 blocks), only "
-                            "9.00 GiB available to it (10.00 GiB available - 1.00 GiB headroom); lower it or give "
+                            "9.00 GiB available to it (10.00 GiB available - 1.00 GiB kept free); lower it or give "
                             "a share such as '50%'")
     with pytest.raises(ConfigError, match=r"only 6.00 GiB available to it \(10.00 GiB available - 3.00 GiB "
-                                          r"reserved - 1.00 GiB headroom\)"):
+                                          r"reserved - 1.00 GiB kept free\)"):
         fit_to_machine(_cfg(tmp_path, cpu="7GiB", nvme=None), reserved_memory=3 * GiB)
     cfg, warnings = fit_to_machine(_cfg(tmp_path, cpu="9.5GiB", nvme=None), shrink=True)
     assert cfg.tiers[0].blocks(cfg.block_bytes) == 9 * 1024 and len(warnings) == 1
@@ -261,7 +261,7 @@ def test_available_memory_is_memavailable_not_physical():
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     a = available_memory()
     assert 0 < a < phys and a <= mi["MemAvailable"] + (256 << 20)   # a memory cgroup can only lower it
-    assert 256 << 20 <= memory_headroom() <= 4 << 30
+    assert memory_headroom() == max(phys // 10, 2 << 30)
 
 
 def test_a_dram_tier_just_below_physical_memory_is_refused_before_allocation(tmp_path):
@@ -271,7 +271,7 @@ def test_a_dram_tier_just_below_physical_memory_is_refused_before_allocation(tmp
     below_physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") - (128 << 20)
     cfg = _cfg(tmp_path, cpu=below_physical, nvme=None, bb="64KiB")
     with pytest.raises(ConfigError, match=r"tiers.0.capacity: tier 'cpu': asks .* of DRAM .* only .* available "
-                                          r"to it \(.* available - .* headroom\)"):
+                                          r"to it \(.* available - .* kept free\)"):
         fit_to_machine(cfg)
 
 
@@ -282,9 +282,9 @@ def test_nvme_share_and_check_on_a_small_file_system(tmp_path):
     stride = slot_stride(65536)
     with small_fs("32M") as fs:
         free = fs.free_bytes()
-        cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="50%", bb="64KiB", path=f"{fs.path}/nv"))
-        n = cfg.tiers[1].blocks(65536)
-        assert n == (free - DISK_HEADROOM) // 2 // (stride + DISK_HEADROOM_PER_BLOCK)
+        with pytest.raises(ConfigError, match=r"tiers.1.capacity: tier 'nvme': 50% of the .* free at .*, less "
+                                              r"2.00 GiB kept free \(max\(10%, 2 GiB\) of the disk\), holds no slot"):
+            fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="50%", bb="64KiB", path=f"{fs.path}/nv"))
         with pytest.raises(ConfigError) as e:
             fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="64MiB", bb="64KiB", path=f"{fs.path}/nv"))
         assert f"tiers.1.capacity: tier 'nvme': asks " in str(e.value) and f"available at {fs.path}" in str(e.value)
@@ -310,3 +310,32 @@ def test_read_only_file_system_is_erofs_not_eacces(tmp_path):
                 check_environment(_cfg(tmp_path, path=f"{fs.path}/nv"))
         finally:
             fs.remount(read_only=False)
+
+
+def test_what_kvtier_sizes_leaves_max_10_percent_or_2_gib_free(tmp_path, monkeypatch):
+    """The headroom rule on fake machines (meminfo / statvfs figures): a share resolves to what
+    is free beyond max(10%, 2 GiB) of the memory or the disk; a DRAM size must leave it too."""
+    import kvtier.core.fit as c
+    from kvtier.core.fit import fit_to_machine, headroom
+    from kvtier.tiers.nvme_block import slot_stride
+    assert headroom(8 * GiB) == 2 * GiB and headroom(20 * GiB) == 2 * GiB and headroom(100 * GiB) == 10 * GiB
+    monkeypatch.setattr(c, "physical_memory", lambda: 24 * GiB)
+    monkeypatch.setattr(c, "available_memory", lambda: 20 * GiB)
+    keep = int(2.4 * GiB)
+    cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="50%", nvme=None))
+    assert cfg.tiers[0].blocks(1 << 20) == (20 * GiB - keep) // 2 >> 20
+    cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="100%", nvme=None))
+    assert 20 * GiB - cfg.tiers[0].blocks(1 << 20) * (1 << 20) >= keep
+    with pytest.raises(ConfigError, match=r"tiers.0.capacity: tier 'cpu': asks 19.00 GiB of DRAM .* only 17.60 GiB "
+                                          r"available to it \(20.00 GiB available - 2.40 GiB kept free\)"):
+        fit_to_machine(_cfg(tmp_path, cpu="19GiB", nvme=None))
+    stride = slot_stride(1 << 20)
+    for free, total in ((100 * GiB, 200 * GiB), (3 * GiB, 4 * GiB), (50 * GiB, 60 * GiB)):
+        monkeypatch.setattr(c, "disk_space", lambda p, f=free, t=total: (f, t))
+        for share in ("50%", "100%"):
+            cfg, _ = fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme=share))
+            n = cfg.tiers[1].blocks(1 << 20)
+            assert free - n * stride >= max(total // 10, 2 * GiB), (free, total, share, n)
+        assert n == (free - (4 << 20) - max(total // 10, 2 * GiB)) // (stride + 512)
+    with pytest.raises(ConfigError, match=r"tiers.1.capacity: tier 'nvme': asks .* of disk .* only 50.00 GiB"):
+        fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="60GiB"))

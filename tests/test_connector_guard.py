@@ -101,9 +101,12 @@ def test_failed_plan_fails_loads_and_releases_every_pin():
     assert not run_step(s, []).failed_loads
 
 
-# ---- a CPU pool that does not fit memory: shrunk at start, the scheduler's tier follows ----------
+# ---- a CPU pool that does not fit memory is refused; a share the worker resolves smaller: the scheduler follows
 
-def test_fit_pool_slots_shrinks_or_refuses(monkeypatch):
+def test_fit_pool_slots_refuses_what_does_not_fit(monkeypatch):
+    """A DRAM tier given as a size that does not fit is refused in one line naming the key, the
+    size asked and what is available (it was shrunk to fit while the start line showed the size
+    asked); a share takes whatever fits."""
     import pytest
 
     import kvtier.core.fit
@@ -113,17 +116,24 @@ def test_fit_pool_slots_shrinks_or_refuses(monkeypatch):
     bb, head = 1 << 20, 1 << 30
     cpu = TierConfig(name="cpu", kind="cpu", capacity_blocks=100)
     assert fit_pool_slots(cpu, bb, available=head + 200 * bb) == (100, None)
-    n, warn = fit_pool_slots(cpu, bb, available=head + 40 * bb)
-    assert n == 40 and "shrunk to 40 blocks" in warn and "100.0 MiB asked" in warn
-    n, _ = fit_pool_slots(cpu, bb, ranks=2, available=head + 40 * bb)
-    assert n == 20                              # two workers on the host share it
-    with pytest.raises(ConfigError, match="refused"):
-        fit_pool_slots(cpu, bb, available=head)
+    with pytest.raises(ConfigError) as e:
+        fit_pool_slots(cpu, bb, available=head + 40 * bb)
+    assert str(e.value) == ("kvtier: tiers.cpu.capacity (cpu_capacity_blocks): 100.0 MiB of DRAM asked, only "
+                            "40.0 MiB available to it (MemAvailable 1.0 GiB after vLLM's KV cache, less 1.0 GiB "
+                            "kept free); refused: lower it or give a share such as '50%'")
+    assert fit_pool_slots(cpu, bb, ranks=2, available=head + 200 * bb) == (100, None)
+    with pytest.raises(ConfigError, match=r"only 60.0 MiB available to each of 2 workers"):
+        fit_pool_slots(cpu, bb, ranks=2, available=head + 120 * bb)     # two workers on the host share it
+    big = TierConfig(name="cpu", kind="cpu", capacity="1TiB")
+    with pytest.raises(ConfigError, match=r"tiers.cpu.capacity \(cpu_capacity\): 1024.0 GiB of DRAM asked"):
+        fit_pool_slots(big, bb, available=head + 40 * bb)
     half = TierConfig(name="cpu", kind="cpu", capacity="50%")
+    with pytest.raises(ConfigError, match=r"50% of DRAM asked, only 0 B available .*: holds no block of 1.0 MiB"):
+        fit_pool_slots(half, bb, available=head)
     assert fit_pool_slots(half, bb, available=head + 40 * bb) == (20, None)   # a share of what is left
 
 
-def test_shrunk_pool_limits_the_schedulers_tier(monkeypatch):
+def test_a_smaller_pool_limits_the_schedulers_tier(monkeypatch):
     import torch
 
     import kvtier.core.fit
@@ -134,8 +144,9 @@ def test_shrunk_pool_limits_the_schedulers_tier(monkeypatch):
     caches = {f"l{i}": buf[i] for i in range(2)}
     bb = 2 * 2 * 4 * 8 * 4
     monkeypatch.setattr(kvtier.core.fit, "memory_headroom", lambda: 1 << 30)
-    monkeypatch.setattr(kvtier.core.fit, "available_memory", lambda: (1 << 30) + 5 * bb)
-    w = KVTierWorker(lambda _bb: 8, pin=False)
+    monkeypatch.setattr(kvtier.core.fit, "available_memory", lambda: (1 << 30) + 10 * bb)
+    from kvtier.core.config import TierConfig
+    w = KVTierWorker(lambda _bb: 8, pin=False, cpu_tier=TierConfig(name="cpu", kind="cpu", capacity="50%"))
     w.register_kv_caches(caches)
     assert w.pools[0].num_slots == 5
     s, tier = make(cap=8)

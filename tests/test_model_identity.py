@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from kvtier.connector.identity import SAMPLE_BYTES, model_identity, weights_digest
+from kvtier.connector.identity import model_identity, weights_digest
 
 
 def _model(d, size=3 * 1024 * 1024, seed=1):
@@ -36,12 +36,16 @@ def test_copies_agree_and_in_place_changes_differ(tmp_path):
     assert model_identity(str(b))[0] != ia
 
 
-def test_first_and_last_bytes_are_sampled(tmp_path):
+def test_every_byte_counts(tmp_path):
+    """Any byte of a weight file changes the identity: the first, the last, and one between
+    where the old 16 x 64 KiB sampling never looked."""
     a = _model(tmp_path / "a")
     d0, n = weights_digest(str(a))
     assert n == 1
     w = a / "model.safetensors"
-    for pos in (0, w.stat().st_size - 1):
+    size = w.stat().st_size
+    between = (size - 64 * 1024) // 15 // 2 + 64 * 1024      # halfway between the first two old samples
+    for pos in (0, between, size - 1):
         data = bytearray(w.read_bytes())
         data[pos] ^= 1
         w.write_bytes(bytes(data))
@@ -52,7 +56,7 @@ def test_first_and_last_bytes_are_sampled(tmp_path):
 
 
 def test_small_files_and_hub_ids(tmp_path):
-    a = _model(tmp_path / "a", size=SAMPLE_BYTES // 2)
+    a = _model(tmp_path / "a", size=32 * 1024)
     assert model_identity(str(a))[0].startswith("weights:")
     empty = str(tmp_path / "no-cache")
     assert model_identity("org/model", "abc123", cache_dir=empty) == ("org/model@abc123", "hub id (no cached snapshot)")
@@ -75,10 +79,12 @@ def test_hub_ids_are_named_by_the_cached_snapshot(tmp_path):
     assert model_identity("org/model", "1" * 40, cache_dir=cache)[0] == "org/model@" + "1" * 40
 
 
-def test_unreadable_weights_fall_back_to_the_path(tmp_path, caplog):
+def test_unreadable_weights_leave_the_identity_unknown(tmp_path, caplog):
+    """Weights that cannot be read give no identity (the persistent tiers then stay closed), never
+    an identity by path that would outlive the weights."""
     a = _model(tmp_path / "a")
     os.unlink(a / "model.safetensors")
     os.symlink(tmp_path / "missing", a / "model.safetensors")    # a dangling link: ENOENT on open
     ident, how = model_identity(str(a))
-    assert ident == str(a) and "unreadable" in how
+    assert ident is None and "unknown" in how
     assert "cannot read" in caplog.text and "model.safetensors" in caplog.text

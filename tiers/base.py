@@ -101,6 +101,7 @@ class SlotTier:
     remote = False         # a shared tier whose server owns membership and eviction (tiers.redis)
     verifies = False       # a load carries each block's expected checksum (checksums(slots))
     data_plane = None      # the object that holds the bytes in this process, or None
+    ready = True           # open: serves and takes blocks (tiers.closed.ClosedTier: not yet)
 
     def __init__(self, name: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy) -> None:
         if capacity_blocks <= 0:

@@ -87,6 +87,7 @@ class _RemoteBase:
     eviction_name = "server"
     capacity_blocks = 0
     data_plane = None
+    ready = True
 
     def close(self) -> None:
         """Nothing held (RedisTier closes its connections)."""

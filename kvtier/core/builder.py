@@ -56,12 +56,18 @@ def make_promotion(cfg: StackConfig) -> PromotionPolicy:
 
 
 def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: dict | None = None,
-               ranks: int = 1) -> Any:
+               ranks: int = 1, closed: str | None = None) -> Any:
     """Storage tier `index` of the config (the gpu tier is vLLM's block pool, not built here).
-    `ranks`: workers holding a shard of every block (the shared tier asks for all of them)."""
+    `ranks`: workers holding a shard of every block (the shared tier asks for all of them).
+    `closed`: a persistent tier (nvme, redis) is built closed, for this reason (`ClosedTier`)."""
     if data not in DATA_MODES:
         raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}")
     t = cfg.storage_tiers()[index]
+    if closed is not None and t.kind in ("nvme", "redis"):
+        from kvtier.tiers.closed import ClosedTier
+        from kvtier.tiers.handles import Medium
+        return ClosedTier(t.name, Medium.SHARED if t.kind == "redis" else Medium.FILE, t.kind == "redis",
+                          cfg.block_bytes, closed)
     cap = t.blocks(cfg.block_bytes)
     fp = fingerprint or cfg.fingerprint()
     if t.kind == "redis":
@@ -88,11 +94,11 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
 
 
 def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None = None,
-                ranks: int = 1) -> list[Any]:
+                ranks: int = 1, closed: str | None = None) -> list[Any]:
     tiers: list[Any] = []
     try:
         for i in range(len(cfg.storage_tiers())):
-            tiers.append(build_tier(cfg, i, data, fingerprint, ranks))
+            tiers.append(build_tier(cfg, i, data, fingerprint, ranks, closed))
     except BaseException:
         for t in tiers:
             t.close()

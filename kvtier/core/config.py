@@ -205,6 +205,8 @@ class ServingConfig(_Model):
     async_shared_loads: bool = True    # a shared-tier hit loads while the request waits (no step waits)
     record_trace: str | None = None    # record the traffic here (connector/recorder.py; for `kvtier plan`)
     record_max_bytes: int = 256 << 20  # ... rotated at this size (the previous file kept as PATH.1)
+    model_identity: str | None = Field(default=None, min_length=1, max_length=256)  # names the weights (no digest)
+    data_dir: str | None = None        # the weights' digest cache (default $KVTIER_DATA_DIR or ~/.cache/kvtier)
 
     @field_validator("record_max_bytes", mode="before")
     @classmethod

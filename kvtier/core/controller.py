@@ -72,6 +72,7 @@ class TierController(Completion, Counting):
         self._plan = Plan()
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
         self._once = Once(log)
+        self._wb_max_cfg = writeback_blocks
         self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers[:self.nlocal]]
         self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
 
@@ -278,6 +279,9 @@ class TierController(Completion, Counting):
         t = src_tier + 1 if t is None else t
         if not src:
             return 0
+        if not self.tiers[t].ready:   # a persistent tier waiting for the model's identity
+            self._count(f"not_open_blocks.{self.names[t]}", len(src))
+            return 0
         keys = [k for _, k in src]
         slots: list[int] = []
         if t != self.remote:
@@ -400,6 +404,20 @@ class TierController(Completion, Counting):
             if fresh_eviction is not None:
                 t.eviction = fresh_eviction[i]
         return n
+
+    def open_tier(self, t: int, tier: SlotTier) -> None:
+        """Put `tier` in place of the closed tier at index `t` (`tiers.closed.ClosedTier`: a
+        persistent tier opened once the model's identity is known)."""
+        old = self.tiers[t]
+        if old.ready or tier.remote != old.remote:
+            raise ValueError(f"tier {t} ({old.name}) is not a closed tier of that kind")
+        self.tiers[t] = tier
+        self.names[t] = tier.name
+        tier.bind_counter(self._count)
+        if t < self.nlocal:
+            self._index[t] = tier.resident
+            self._wb_max[t] = max(1, min(self._wb_max_cfg, tier.capacity_blocks // 4))
+        old.close()
 
     @property
     def in_flight(self) -> int:

@@ -14,9 +14,8 @@ from kvtier.core.errors import ConfigError
 
 StackConfig = Any   # kvtier.core.config.StackConfig
 
-MEMORY_HEADROOM_SHARE = 0.05          # of physical memory, kept free of DRAM tiers ...
-MEMORY_HEADROOM_MIN = 256 << 20       # ... at least 256 MiB
-MEMORY_HEADROOM_MAX = 4 << 30         # ... at most 4 GiB
+HEADROOM_SHARE = 0.10                 # kept free of what kvtier sizes: 10% of the memory / the disk ...
+HEADROOM_MIN = 2 << 30                # ... and at least 2 GiB
 DISK_HEADROOM = 4 << 20               # per nvme tier: its index and spill manifest, ...
 DISK_HEADROOM_PER_BLOCK = 512         # ... plus this per slot
 
@@ -105,10 +104,24 @@ def available_memory() -> int:
     return avail if room is None else min(avail, room)
 
 
+def headroom(total: int) -> int:
+    """What kvtier leaves free of a memory or a disk of `total` bytes: max(10%, 2 GiB)."""
+    return max(int(total * HEADROOM_SHARE), HEADROOM_MIN)
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def memory_headroom() -> int:
-    """Memory kept free of DRAM tiers: 5% of physical memory, between 256 MiB and 4 GiB."""
-    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(min(MEMORY_HEADROOM_MAX, max(MEMORY_HEADROOM_MIN, phys * MEMORY_HEADROOM_SHARE)))
+    """Memory kept free of DRAM tiers, however they are given: `headroom` of physical memory."""
+    return headroom(physical_memory())
+
+
+def disk_space(path: str | os.PathLike) -> tuple[int, int]:
+    """(free bytes, total bytes) of the file system holding `path`."""
+    u = shutil.disk_usage(path)
+    return u.free, u.total
 
 
 def _held_slots(path: str, stride: int) -> int:
@@ -126,10 +139,11 @@ def fit_to_machine(cfg: StackConfig, *, reserved_memory: int = 0, shrink: bool =
 
     A cpu tier's share is of the memory kvtier may use: `available_memory()` minus
     `reserved_memory` (what the caller will still allocate, e.g. vLLM's own KV cache) minus
-    `memory_headroom()`; the cpu tiers together must fit in it. An nvme tier's share is of the
-    free space at its path plus its own data files, less `DISK_HEADROOM` (+ per slot) for the
-    index and manifest, and never below the slots its data file already holds; the nvme tiers
-    on one file system together must fit it. A tier that does not fit raises ConfigError naming
+    `memory_headroom()` (max(10%, 2 GiB) of the host's memory, kept free however the tier is
+    given); the cpu tiers together must fit in it. An nvme tier's share is of the free space at its
+    path plus its own data files, less max(10%, 2 GiB) of that disk (`headroom`) and
+    `DISK_HEADROOM` (+ per slot) for the index and manifest, and never below the slots its data
+    file already holds; the nvme tiers on one file system together must fit it. A tier that does not fit raises ConfigError naming
     the tier, the size asked and the size available, or, with `shrink`, comes back shrunk to fit
     with one warning line each (returned). `check=False` only resolves the shares (for commands
     that allocate nothing: inspect, fsck, metadata-only replay). `kinds`: the tiers to look at
@@ -146,10 +160,10 @@ def fit_to_machine(cfg: StackConfig, *, reserved_memory: int = 0, shrink: bool =
 
     cpu = [i for i, t in enumerate(cfg.tiers) if t.kind == "cpu" and "cpu" in kinds]
     if cpu:
-        avail, headroom = available_memory(), memory_headroom()
-        budget = max(0, avail - reserved_memory - headroom)
+        avail, keep = available_memory(), memory_headroom()
+        budget = max(0, avail - reserved_memory - keep)
         how = (f"{fs(avail)} available{' (memory cgroup)' if _cgroup_room() is not None else ''}"
-               f"{f' - {fs(reserved_memory)} reserved' if reserved_memory else ''} - {fs(headroom)} headroom")
+               f"{f' - {fs(reserved_memory)} reserved' if reserved_memory else ''} - {fs(keep)} kept free")
         want = {}
         for i in cpu:
             p = cfg.tiers[i].share()
@@ -178,18 +192,22 @@ def fit_to_machine(cfg: StackConfig, *, reserved_memory: int = 0, shrink: bool =
             continue
         probe = _existing_ancestor(Path(t.path))
         try:
-            d = disks.setdefault(os.stat(probe).st_dev, {"free": shutil.disk_usage(probe).free, "at": probe,
-                                                         "tiers": []})
+            dev = os.stat(probe).st_dev
+            if dev not in disks:
+                free, total = disk_space(probe)
+                disks[dev] = {"free": free, "keep": headroom(total), "at": probe, "tiers": []}
+            d = disks[dev]
         except OSError as e:
             raise ConfigError(f"{cfg.source}: tiers.{i}.path: {probe}: {e.strerror}") from None
         d["tiers"].append(i)
         held[i] = _held_slots(t.path, stride)
         p = t.share()
-        if p is not None:
-            usable = d["free"] + held[i] * stride - DISK_HEADROOM
+        if p is not None:   # a share of what is free beyond the headroom kvtier leaves on the disk
+            usable = d["free"] + held[i] * stride - DISK_HEADROOM - d["keep"]
             blocks[i] = max(held[i], int(max(0, usable) * p) // (stride + DISK_HEADROOM_PER_BLOCK))
             if blocks[i] <= 0:
-                raise err(i, f"{t.capacity} of the {fs(d['free'])} free at {probe} holds no slot of {fs(stride)}")
+                raise err(i, f"{t.capacity} of the {fs(d['free'])} free at {probe}, less {fs(d['keep'])} kept "
+                             f"free (max(10%, 2 GiB) of the disk), holds no slot of {fs(stride)}")
     for d in disks.values():
         idx = d["tiers"]
         usable = d["free"] + sum(held[i] for i in idx) * stride   # its own data files are reused

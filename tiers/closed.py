@@ -1,0 +1,41 @@
+"""A persistent tier that is not open yet: it stands in the controller's list until it is.
+
+The NVMe and shared tiers are keyed by the fingerprint, which names the model by the digest of
+its weights; until that digest is done (seconds for multi-GB weights, off the start path) they
+must neither serve nor take a block. `ClosedTier` holds nothing, takes nothing (`ready` is
+False: the controller plans no copy into it and counts the blocks as `not_open_blocks.<tier>`)
+and answers every lookup with a miss; `TierController.open_tier` puts the real tier in its place.
+"""
+
+from __future__ import annotations
+
+from kvtier.policies.lru import LRU
+
+from .base import SlotTier
+from .handles import Medium
+
+
+class ClosedTier(SlotTier):
+    """The place of tier `name` (of `medium`; `remote` for the shared tier) while it is closed."""
+
+    kind = "closed"
+    ready = False
+    dir = None
+    capacity_blocks = 0
+
+    def __init__(self, name: str, medium: Medium, remote: bool, block_bytes: int, why: str) -> None:
+        super().__init__(name, 1, block_bytes, LRU(1))
+        self._free = []               # no slot to allocate
+        self.medium = medium
+        self.remote = remote
+        self.why = why
+
+    def probe(self, keys, wait: bool = True) -> int:
+        """The shared tier's lookup: nothing here."""
+        return 0
+
+    def known(self, key: bytes) -> bool:
+        return False
+
+    def summary(self) -> str:
+        return f"{self.name} closed ({self.why})"
