@@ -7,11 +7,15 @@ reuses them, and writes finished requests' blocks behind, at most `budget` block
 
 from __future__ import annotations
 
-import time
+import logging
 from collections import deque
 from typing import Any, Callable, Sequence
 
 from kvtier.core.controller import TierController
+
+from .drain import DrainBudget
+
+log = logging.getLogger("kvtier.connector")
 
 
 class LazyOffload:
@@ -20,9 +24,10 @@ class LazyOffload:
 
     PROBE = 4          # stored blocks in a row at the free queue's head that end the walk
     BEHIND_MAX = 1 << 16  # finished requests' blocks waiting to be written behind, at most
-    DRAIN_S = 30.0     # seconds of idle steps after the last request to finish writing behind
+    DRAIN_S = 30.0     # seconds of idle steps without progress after which writing behind gives up
 
-    def __init__(self, ctrl: TierController, gpu: Any, count: Callable[..., None]) -> None:
+    def __init__(self, ctrl: TierController, gpu: Any, count: Callable[..., None],
+                 clock: Callable[[], float] | None = None) -> None:
         self.ctrl = ctrl
         self.gpu = gpu                        # SchedulerContext (kvtier.tiers.gpu)
         self._count = count
@@ -31,7 +36,7 @@ class LazyOffload:
         self.pinned: dict[int, list[int]] = {}              # store op -> GPU blocks protected for its copy
         self._slack: int | None = None        # blocks without a hash ahead of the cached ones
         self._free_prev = 0
-        self.last_busy = time.monotonic()     # the last step that scheduled a request
+        self.drain = DrainBudget(self.DRAIN_S, clock)   # idle steps (and at shutdown) while work is left
 
     def plan(self, budget: int) -> None:
         """Up to `budget` GPU blocks this step that kvtier lacks and vLLM keeps only in its prefix
@@ -43,6 +48,7 @@ class LazyOffload:
            and in steps of their own while the engine is idle (`pending`), so a restart finds them.
         A block vLLM already reused (its hash changed) is skipped and counted (`lazy_lost_blocks`).
         Nothing is scanned twice: with a roomy GPU pool the head is stored and the walk stops at once."""
+        self.drain.step(self.work())
         keys: list[bytes] = []
         gpu: list[int] = []
         # vLLM's free queue is [blocks without a hash][cached blocks, LRU first]: vLLM hands out the
@@ -103,12 +109,32 @@ class LazyOffload:
                 self.behind.popleft()
             self._count("lazy_lost_blocks", over)
 
+    def work(self) -> int:
+        """Blocks still to write behind, GPU blocks being copied and copy ops in flight."""
+        return len(self.behind) + self.gpu_pinned + self.ctrl.in_flight
+
     def pending(self) -> bool:
-        """Blocks still to write behind, or copies in flight, within `DRAIN_S` of the last
-        scheduled request: vLLM keeps stepping (empty steps) until they are done."""
+        """Blocks still to write behind, or copies in flight, while the drain budget lasts (steps
+        that make progress, a stall or clock jump costing one step; at shutdown vLLM's timeout):
+        vLLM keeps stepping (empty steps) until they are done."""
         if not (self.behind or self.ctrl.in_flight):
             return False
-        return time.monotonic() - self.last_busy < self.DRAIN_S
+        return self.drain.open
+
+    def report_shutdown(self) -> int:
+        """One line at shutdown: the finished requests' blocks left unwritten (counted), or none."""
+        left = len(self.behind) + self.gpu_pinned
+        d = self.drain
+        if not left:
+            log.info("kvtier: shutdown: write-behind complete, no finished request's block left unwritten")
+            return 0
+        why = (f"within the {d.stop_budget:.1f} s vLLM's shutdown timeout left" if d.stop_budget is not None
+               else f"after {d.limit_s:.0f} s of steps without progress" if not d.open
+               else "before vLLM shut down")
+        log.warning("kvtier: shutdown: write-behind: %d finished requests' blocks not written %s "
+                    "(misses after a restart)", left, why)
+        self._count("lazy_unwritten_blocks", left)
+        return left
 
     def on_stored(self, op_id: int, oks: Sequence[bool]) -> None:
         """A store op's report: its GPU blocks go back to vLLM; a failed copy is tried again (the
