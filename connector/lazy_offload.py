@@ -34,6 +34,10 @@ class LazyOffload:
         self.behind: deque[tuple[bytes, int]] = deque()    # (key, GPU block) of finished requests
         self.ops: dict[int, list[tuple[bytes, int]]] = {}   # store op -> its (key, GPU block)
         self.pinned: dict[int, list[int]] = {}              # store op -> GPU blocks protected for its copy
+        # key -> the GPU block it was copied from: not copied again while that block holds it (the
+        # top tier may evict the copy; copying it again would churn), again once vLLM reuses it
+        self.copied: dict[bytes, int] = {}
+        self._copied_key: dict[int, bytes] = {}   # ... and back: at most one entry per GPU block
         self._slack: int | None = None        # blocks without a hash ahead of the cached ones
         self._free_prev = 0
         self.drain = DrainBudget(self.DRAIN_S, clock)   # idle steps (and at shutdown) while work is left
@@ -69,7 +73,7 @@ class LazyOffload:
                 if k is None:
                     unhashed += 1
                     continue
-                if self.ctrl.holds(k, 0):
+                if self.ctrl.holds(k, 0) or self.was_copied(k):
                     held += 1
                     continue
                 held = 0
@@ -80,7 +84,7 @@ class LazyOffload:
         taken = set(gpu)
         while self.behind and len(keys) < budget:
             k, bid = self.behind.popleft()
-            if bid in taken or self.ctrl.holds(k, 0):
+            if bid in taken or self.ctrl.holds(k, 0) or self.was_copied(k):
                 continue
             if self.gpu.get_block(bid).block_hash != k:   # vLLM evicted it before we got to it
                 self._count("lazy_lost_blocks")
@@ -96,12 +100,26 @@ class LazyOffload:
             self.gpu.touch(ids)                 # vLLM cannot reuse them until the copy is done
             self.pinned[op_id] = ids
             self.ops[op_id] = [(keys[i], gpu[i]) for i in planned]
+            for i in planned:
+                self._copied_from(keys[i], gpu[i])
             self._count("lazy_offload_blocks", len(ids))
+
+    def was_copied(self, key: bytes) -> bool:
+        """Copied down from a GPU block that still holds it (this GPU residency)."""
+        b = self.copied.get(key)
+        return b is not None and self.gpu.get_block(b).block_hash == key
+
+    def _copied_from(self, key: bytes, block_id: int) -> None:
+        old = self._copied_key.pop(block_id, None)
+        if old is not None and self.copied.get(old) == block_id:
+            del self.copied[old]
+        self.copied[key] = block_id
+        self._copied_key[block_id] = key
 
     def write_behind(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Queue a finished request's full blocks (oldest first), bounded by `BEHIND_MAX`."""
         for k, b in zip(keys, block_ids):
-            if not self.ctrl.holds(k, 0):
+            if not self.ctrl.holds(k, 0) and not self.was_copied(k):
                 self.behind.append((k, b))
         over = len(self.behind) - self.BEHIND_MAX
         if over > 0:
@@ -144,7 +162,11 @@ class LazyOffload:
             self.gpu.free_blocks(ids)
         lazy = self.ops.pop(op_id, None)
         if lazy is not None:
-            self.behind.extendleft(reversed([kb for kb, ok in zip(lazy, oks) if not ok]))
+            lost = [kb for kb, ok in zip(lazy, oks) if not ok]
+            for k, b in lost:
+                if self.copied.get(k) == b:
+                    del self.copied[k], self._copied_key[b]
+            self.behind.extendleft(reversed(lost))
 
     @property
     def gpu_pinned(self) -> int:

@@ -203,3 +203,30 @@ def test_write_behind_gives_up_without_progress_and_at_shutdown():
     assert steps == 5 and tier2.num_resident == 20
     assert s2.lazy.report_shutdown() == 24 - 4 * 5
     assert s2.totals["lazy_unwritten_blocks"] == 4
+
+
+def test_a_gpu_block_is_copied_once_per_residency():
+    """A 3-block CPU tier under 6 cached GPU blocks: the tier evicts the first copies while vLLM
+    still holds their blocks; the walk does not copy them again (was: three copies a step, for
+    ever). Once vLLM reuses a block for other content, that content is copied, once. (A copied
+    block goes back to the free queue's tail: the walk meets the other three next.)"""
+    pool, hashed = pool_with_hashed(6, n=8)
+    s, tier = make(budget=3, cap=3)
+    s.bind_gpu(BlockPoolContext(pool))
+    ids = [b.block_id for b in hashed]
+    copied = []
+    for _ in range(10):
+        copied += [i for op in step(s).stores for i in op.block_ids]
+    assert copied == ids and s.totals["lazy_offload_blocks"] == 6
+    assert tier.num_resident == 3                       # the tier kept the last three
+    new = pool.get_new_blocks(2)                        # vLLM reuses the unhashed block and the LRU one
+    assert new[1].block_id == ids[0] and new[1].block_hash is None
+    h = ku.BlockHash(bytes([99]) * 32)
+    new[1].set_block_hash(ku.make_block_hash_with_group_id(h, 0))
+    req = _Req("r", [h], 5)
+    s.lookup(req, 0)
+    s.on_finished("r", [ids[0]])
+    pool.free_blocks(new)
+    for _ in range(10):
+        copied += [i for op in step(s).stores for i in op.block_ids]
+    assert copied == ids + [ids[0]] and s.totals["lazy_offload_blocks"] == 7
