@@ -230,3 +230,24 @@ def test_a_gpu_block_is_copied_once_per_residency():
     for _ in range(10):
         copied += [i for op in step(s).stores for i in op.block_ids]
     assert copied == ids + [ids[0]] and s.totals["lazy_offload_blocks"] == 7
+
+
+def test_sigterm_sets_the_shutdown_budget_then_calls_vllms_handler():
+    """At SIGTERM lazy offload gets vLLM's shutdown timeout less the teardown, then the handler
+    vLLM installed runs; with Python's default handler kvtier installs nothing."""
+    import os
+    import signal
+
+    from kvtier.connector.drain import drain_at_sigterm
+    s, _ = make(budget=4)
+    s.bind_gpu(BlockPoolContext(pool_with_hashed()[0]))
+    seen = []
+    prev = signal.signal(signal.SIGTERM, lambda *a: seen.append("vllm"))
+    try:
+        assert drain_at_sigterm(lambda: s, 30, 4.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert seen == ["vllm"] and s.lazy.drain.stop_budget == 25.0
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert not drain_at_sigterm(lambda: s, 30, 4.0)
+    finally:
+        signal.signal(signal.SIGTERM, prev)
