@@ -146,7 +146,7 @@ class LazyOffload:
         if not left:
             log.info("kvtier: shutdown: write-behind complete, no finished request's block left unwritten")
             return 0
-        why = (f"within the {d.stop_budget:.1f} s vLLM's shutdown timeout left" if d.stop_budget is not None
+        why = (f"in the {d.stop_budget:.1f} s that vLLM's --shutdown-timeout left" if d.stop_budget is not None
                else f"after {d.limit_s:.0f} s of steps without progress" if not d.open
                else "before vLLM shut down")
         log.warning("kvtier: shutdown: write-behind: %d finished requests' blocks not written %s "
