@@ -38,6 +38,7 @@ from kvtier.core.once import Once
 from kvtier.tiers.handles import Medium
 
 from .config import load_settings, tier_of
+from .drain import drain_at_sigterm
 from .groups import GroupKind, block_geometry, served_groups
 from .guard import SafeAnswers, hook
 from .handoff import clear_reports, read_reports, write_report
@@ -161,6 +162,10 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                                        remote_fn=remote_opener(shared, self.fingerprint, rank) if shared else None,
                                        remote_needs_identity=True)
         _LIVE.add(self)
+        if self.sched is not None:  # SIGTERM: lazy offload writes behind within vLLM's shutdown timeout
+            me = weakref.ref(self)
+            drain_at_sigterm(lambda: getattr(me(), "sched", None), getattr(vllm_config, "shutdown_timeout", 0),
+                             flush_budget_s(SHUTDOWN_FLUSH_TIMEOUT_S))
         if self.sched is not None and shared is not None:
             algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
             if algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
@@ -340,6 +345,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                     self.sched.on_worker_meta(rep)
                     n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
                     log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
+            if self.sched.lazy is not None:
+                self.sched.lazy.report_shutdown()
             self._publish_stats(force=True)
             if self.sched.recorder is not None:
                 self.sched.recorder.close()

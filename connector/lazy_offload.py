@@ -7,11 +7,15 @@ reuses them, and writes finished requests' blocks behind, at most `budget` block
 
 from __future__ import annotations
 
-import time
+import logging
 from collections import deque
 from typing import Any, Callable, Sequence
 
 from kvtier.core.controller import TierController
+
+from .drain import DrainBudget
+
+log = logging.getLogger("kvtier.connector")
 
 
 class LazyOffload:
@@ -20,18 +24,23 @@ class LazyOffload:
 
     PROBE = 4          # stored blocks in a row at the free queue's head that end the walk
     BEHIND_MAX = 1 << 16  # finished requests' blocks waiting to be written behind, at most
-    DRAIN_S = 30.0     # seconds of idle steps after the last request to finish writing behind
+    DRAIN_S = 30.0     # seconds of idle steps without progress after which writing behind gives up
 
-    def __init__(self, ctrl: TierController, gpu: Any, count: Callable[..., None]) -> None:
+    def __init__(self, ctrl: TierController, gpu: Any, count: Callable[..., None],
+                 clock: Callable[[], float] | None = None) -> None:
         self.ctrl = ctrl
         self.gpu = gpu                        # SchedulerContext (kvtier.tiers.gpu)
         self._count = count
         self.behind: deque[tuple[bytes, int]] = deque()    # (key, GPU block) of finished requests
         self.ops: dict[int, list[tuple[bytes, int]]] = {}   # store op -> its (key, GPU block)
         self.pinned: dict[int, list[int]] = {}              # store op -> GPU blocks protected for its copy
+        # key -> the GPU block it was copied from: not copied again while that block holds it (the
+        # top tier may evict the copy; copying it again would churn), again once vLLM reuses it
+        self.copied: dict[bytes, int] = {}
+        self._copied_key: dict[int, bytes] = {}   # ... and back: at most one entry per GPU block
         self._slack: int | None = None        # blocks without a hash ahead of the cached ones
         self._free_prev = 0
-        self.last_busy = time.monotonic()     # the last step that scheduled a request
+        self.drain = DrainBudget(self.DRAIN_S, clock)   # idle steps (and at shutdown) while work is left
 
     def plan(self, budget: int) -> None:
         """Up to `budget` GPU blocks this step that kvtier lacks and vLLM keeps only in its prefix
@@ -43,6 +52,7 @@ class LazyOffload:
            and in steps of their own while the engine is idle (`pending`), so a restart finds them.
         A block vLLM already reused (its hash changed) is skipped and counted (`lazy_lost_blocks`).
         Nothing is scanned twice: with a roomy GPU pool the head is stored and the walk stops at once."""
+        self.drain.step(self.work())
         keys: list[bytes] = []
         gpu: list[int] = []
         # vLLM's free queue is [blocks without a hash][cached blocks, LRU first]: vLLM hands out the
@@ -63,7 +73,7 @@ class LazyOffload:
                 if k is None:
                     unhashed += 1
                     continue
-                if self.ctrl.holds(k, 0):
+                if self.ctrl.holds(k, 0) or self.was_copied(k):
                     held += 1
                     continue
                 held = 0
@@ -74,7 +84,7 @@ class LazyOffload:
         taken = set(gpu)
         while self.behind and len(keys) < budget:
             k, bid = self.behind.popleft()
-            if bid in taken or self.ctrl.holds(k, 0):
+            if bid in taken or self.ctrl.holds(k, 0) or self.was_copied(k):
                 continue
             if self.gpu.get_block(bid).block_hash != k:   # vLLM evicted it before we got to it
                 self._count("lazy_lost_blocks")
@@ -90,12 +100,26 @@ class LazyOffload:
             self.gpu.touch(ids)                 # vLLM cannot reuse them until the copy is done
             self.pinned[op_id] = ids
             self.ops[op_id] = [(keys[i], gpu[i]) for i in planned]
+            for i in planned:
+                self._copied_from(keys[i], gpu[i])
             self._count("lazy_offload_blocks", len(ids))
+
+    def was_copied(self, key: bytes) -> bool:
+        """Copied down from a GPU block that still holds it (this GPU residency)."""
+        b = self.copied.get(key)
+        return b is not None and self.gpu.get_block(b).block_hash == key
+
+    def _copied_from(self, key: bytes, block_id: int) -> None:
+        old = self._copied_key.pop(block_id, None)
+        if old is not None and self.copied.get(old) == block_id:
+            del self.copied[old]
+        self.copied[key] = block_id
+        self._copied_key[block_id] = key
 
     def write_behind(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> None:
         """Queue a finished request's full blocks (oldest first), bounded by `BEHIND_MAX`."""
         for k, b in zip(keys, block_ids):
-            if not self.ctrl.holds(k, 0):
+            if not self.ctrl.holds(k, 0) and not self.was_copied(k):
                 self.behind.append((k, b))
         over = len(self.behind) - self.BEHIND_MAX
         if over > 0:
@@ -103,12 +127,32 @@ class LazyOffload:
                 self.behind.popleft()
             self._count("lazy_lost_blocks", over)
 
+    def work(self) -> int:
+        """Blocks still to write behind, GPU blocks being copied and copy ops in flight."""
+        return len(self.behind) + self.gpu_pinned + self.ctrl.in_flight
+
     def pending(self) -> bool:
-        """Blocks still to write behind, or copies in flight, within `DRAIN_S` of the last
-        scheduled request: vLLM keeps stepping (empty steps) until they are done."""
+        """Blocks still to write behind, or copies in flight, while the drain budget lasts (steps
+        that make progress, a stall or clock jump costing one step; at shutdown vLLM's timeout):
+        vLLM keeps stepping (empty steps) until they are done."""
         if not (self.behind or self.ctrl.in_flight):
             return False
-        return time.monotonic() - self.last_busy < self.DRAIN_S
+        return self.drain.open
+
+    def report_shutdown(self) -> int:
+        """One line at shutdown: the finished requests' blocks left unwritten (counted), or none."""
+        left = len(self.behind) + self.gpu_pinned
+        d = self.drain
+        if not left:
+            log.info("kvtier: shutdown: write-behind complete, no finished request's block left unwritten")
+            return 0
+        why = (f"in the {d.stop_budget:.1f} s that vLLM's --shutdown-timeout left" if d.stop_budget is not None
+               else f"after {d.limit_s:.0f} s of steps without progress" if not d.open
+               else "before vLLM shut down")
+        log.warning("kvtier: shutdown: write-behind: %d finished requests' blocks not written %s "
+                    "(misses after a restart)", left, why)
+        self._count("lazy_unwritten_blocks", left)
+        return left
 
     def on_stored(self, op_id: int, oks: Sequence[bool]) -> None:
         """A store op's report: its GPU blocks go back to vLLM; a failed copy is tried again (the
@@ -118,7 +162,11 @@ class LazyOffload:
             self.gpu.free_blocks(ids)
         lazy = self.ops.pop(op_id, None)
         if lazy is not None:
-            self.behind.extendleft(reversed([kb for kb, ok in zip(lazy, oks) if not ok]))
+            lost = [kb for kb, ok in zip(lazy, oks) if not ok]
+            for k, b in lost:
+                if self.copied.get(k) == b:
+                    del self.copied[k], self._copied_key[b]
+            self.behind.extendleft(reversed(lost))
 
     @property
     def gpu_pinned(self) -> int:

@@ -12,7 +12,6 @@ ids, block hashes, block ids) so tests and offline drivers use it without vLLM.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -272,7 +271,7 @@ class KVTierScheduler:
         scheduled = list(scheduled)
         self._boundaries = boundaries or {}   # hybrid: Mamba states vLLM hands over this step
         if scheduled and self.lazy is not None:
-            self.lazy.last_busy = time.monotonic()
+            self.lazy.drain.busy()
         try:  # a failure here (e.g. the NVMe index cannot be written) costs this step's stores only
             self.ctrl.expire()
             if self.store_enabled:
