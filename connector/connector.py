@@ -3,8 +3,7 @@
 Load with::
 
     KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.connector",
-                     kv_role="kv_both", kv_connector_extra_config={"config": "cpu.yaml",
-                                                                   "cpu_capacity_blocks": 4096})
+                     kv_role="kv_both", kv_connector_extra_config={"config": "cpu.yaml"})
 
 A cache-style connector: `requires_kv_delivery` is False (a dropped store is a future miss).
 Local loads are synchronous; shared-tier loads, and every load of a hybrid model, are
@@ -184,11 +183,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
 
     @staticmethod
     def _fit_scheduler(cfg: Any) -> Any:
-        """The tiers' sizes on the scheduler side: an nvme tier that does not fit its disk is refused
-        (ConfigError naming the key, both sizes; its data file is preallocated in full when a worker
-        opens it); a cpu tier given as a share takes the size of this process's worker pool when there is
-        one (vLLM's single-process executor builds the worker first), else it is resolved here and
-        follows the workers' pools at their first report (they size them after vLLM's KV cache)."""
+        """Scheduler-side sizes: an nvme tier that does not fit its disk is refused (ConfigError); a cpu
+        share takes this process's worker pool size, else is resolved here and follows the workers' reports."""
         from kvtier.core.fit import fit_to_machine
         cfg, _ = fit_to_machine(cfg, kinds=("nvme",))
         cpu = tier_of(cfg, "cpu")
