@@ -44,7 +44,8 @@ class KvtierCachePolicy(CachePolicy):
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext | None = None) -> None:
+        """(vLLM 0.33 passes the storing request's context; 0.32 does not.)"""
         self.chunks[key] = chunk
         self._key_of[chunk.chunk_id] = key
         self._p.on_insert([chunk.chunk_id], [key])
