@@ -61,13 +61,14 @@ def payload(i: int, nbytes: int, salt: bytes = b"") -> bytes:
 class Deployment:
     """One vLLM instance's scheduler-side offloading (see the module docstring)."""
 
-    def __init__(self, model: str, secondary_tiers: list[dict], cpu_chunks: int = 4, **extra) -> None:
+    def __init__(self, model: str, secondary_tiers: list[dict], cpu_chunks: int = 4, block_bytes: int = BLOCK_BYTES,
+                 engine_id: str | None = None, **extra) -> None:
         self.cfg = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-            worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=False,
-            extra_config={"cpu_bytes_to_use": cpu_chunks * BLOCK_BYTES * BLOCKS_PER_CHUNK,
+            worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=False,
+            extra_config={"cpu_bytes_to_use": cpu_chunks * block_bytes * BLOCKS_PER_CHUNK,
                           "secondary_tiers": [dict(t) for t in secondary_tiers], **extra},
-            engine_id="kvtier-test-" + uuid.uuid4().hex[:12],
+            engine_id=engine_id or "kvtier-test-" + uuid.uuid4().hex[:12],
             model=OffloadingModelConfig(name=model, dtype="float16"),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
             parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,

@@ -155,7 +155,8 @@ def test_another_deployment_never_gets_the_first_ones_chunks(tmp_path, redis_ser
 @pytest.mark.parametrize("tier,match", [
     ({"pathx": "/tmp"}, r"secondary tier KvtierNvmeTier: pathx: unknown key"),
     ({"io": "fast"}, r"secondary tier KvtierNvmeTier: io: "),
-    ({"capacity_blocks": 0}, r"secondary tier KvtierNvmeTier: capacity_blocks: "),
+    ({"capacity_blocks": 0}, r"secondary tier KvtierNvmeTier: capacity_blocks: must be between"),
+    ({"capacity": "1GiB"}, r"secondary tier KvtierNvmeTier: tier 'nvme': give capacity or capacity_blocks, not both"),
 ])
 def test_bad_nvme_options_are_one_line_naming_the_key(tmp_path, tier, match):
     cfg = {**nvme(tmp_path / "nv"), **tier}

@@ -6,10 +6,11 @@ A chunk of vLLM's CPU primary tier is one kvtier block under vLLM's offload key,
 header keyed by the directory's secret that names the key and the fingerprint (model weights,
 dtype, layout, chunk geometry). The same write order as the connector's: the bytes go through
 the tier's data plane (its I/O engine's threads), an fdatasync on this tier's flusher thread,
-then the index commit in `get_finished_jobs` (scheduler thread), so the index never names
-unwritten bytes and a restart serves every committed chunk. A read verifies key, fingerprint
+then the index commit in `get_finished_jobs` (the scheduler thread, as the connector's scheduler
+commits its index: one LMDB transaction for every store that finished since the last call), so
+the index never names unwritten bytes and a restart serves every committed chunk. A read verifies key, fingerprint
 and payload: a chunk that fails is a failed load (vLLM recomputes it), quarantined (the next
-lookup misses) and counted. Nothing here blocks the scheduler on I/O.
+lookup misses) and counted. No data I/O runs on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -135,33 +136,41 @@ class KvtierNvmeTier(KvtierSecondaryTier):
                 return IOResult(ok=[False] * len(r.ok), nbytes=0, errors=[f"fdatasync: {e}"])
         return r
 
-    def _finish_store(self, st: _Store) -> None:
-        for k in st.keys:
-            n = self._storing.get(k, 0) - 1
-            if n > 0:
-                self._storing[k] = n
-            else:
-                self._storing.pop(k, None)
-        try:
-            r = st.done.result()
-        except Exception as e:  # noqa: BLE001
-            r = IOResult(ok=[False] * len(st.slots), errors=[str(e)])
-        good = [i for i, ok in enumerate(r.ok) if ok]
-        bad = [st.slots[i] for i, ok in enumerate(r.ok) if not ok]
-        if bad:
-            self.tier.abort(bad)
-            self.count("write_errors", len(bad))
-            self._once(("write",), logging.ERROR, "kvtier: secondary tier %s: %d chunks "
-                       "not written (%s); they stay in the primary tier only", self.tier_type, len(bad), r.errors[:2])
-        ok = not bad
-        if good:
+    def _finish_stores(self, done: list[_Store]) -> None:
+        """Index the chunks of every store that finished, in one transaction (one fsync a step)."""
+        slots, sums, good_of = [], [], {}
+        for st in done:
+            for k in st.keys:
+                n = self._storing.get(k, 0) - 1
+                if n > 0:
+                    self._storing[k] = n
+                else:
+                    self._storing.pop(k, None)
             try:
-                self.tier.commit_written([st.slots[i] for i in good], [st.sums[i] for i in good])
+                r = st.done.result()
+            except Exception as e:  # noqa: BLE001
+                r = IOResult(ok=[False] * len(st.slots), errors=[str(e)])
+            bad = [s for s, ok in zip(st.slots, r.ok) if not ok]
+            if bad:
+                self.tier.abort(bad)
+                self.count("write_errors", len(bad))
+                self._once(("write",), logging.ERROR, "kvtier: secondary tier %s: %d chunks not written (%s); they "
+                           "stay in the primary tier only", self.tier_type, len(bad), r.errors[:2])
+            good = [(s, c) for s, c, ok in zip(st.slots, st.sums, r.ok) if ok]
+            slots += [s for s, _ in good]
+            sums += [c for _, c in good]
+            good_of[st.job_id] = (not bad, r.nbytes)
+        committed = True
+        if slots:
+            try:
+                self.tier.commit_written(slots, sums)
             except Exception as e:  # noqa: BLE001 - an index write failed: nothing indexed
-                self.tier.abort([st.slots[i] for i in good])
+                self.tier.abort(slots)
                 self.failed("index_commit", e)
-                ok = False
-        self.finish(st.job_id, ok, t0=st.t0, nbytes=r.nbytes)
+                committed = False
+        for st in done:
+            ok, nbytes = good_of[st.job_id]
+            self.finish(st.job_id, ok and committed, t0=st.t0, nbytes=nbytes)
 
     # ---- loads: verified reads straight into the primary tier's chunks ----------------------
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -215,10 +224,11 @@ class KvtierNvmeTier(KvtierSecondaryTier):
 
     # ---- completion ---------------------------------------------------------------------
     def get_finished_jobs(self) -> list[JobResult]:
-        for jid, st in list(self._stores.items()):
-            if st.done.done():
-                del self._stores[jid]
-                self._finish_store(st)
+        done = [st for st in self._stores.values() if st.done.done()]
+        for st in done:
+            del self._stores[st.job_id]
+        if done:
+            self._finish_stores(done)
         for jid, ld in list(self._loads.items()):
             if ld.handle is None or ld.handle.done():
                 del self._loads[jid]

@@ -9,6 +9,7 @@ takes it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvtier import FORMAT_VERSION
@@ -29,9 +30,7 @@ def one_line(err: ConfigError, where: str) -> str:
     out = []
     for ln in body:
         ln = ln.replace(f"{where}: ", "")
-        for prefix in ("tiers.1.", "tiers.1 ", "tiers[1]."):
-            ln = ln.replace(prefix, "")
-        out.append(ln)
+        out.append(re.sub(r"tiers[.\[]1\]?[.:]?\s*", "", ln))
     return f"{where}: " + "; ".join(out)
 
 
