@@ -171,3 +171,20 @@ def test_bad_shared_options_are_one_line_naming_the_key(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"KvtierNvmeTier: path: missing"):
         Deployment(model_dir(tmp_path, 11), [{"type": "KvtierNvmeTier", "module_path": "kvtier.vllm"}])
+
+
+def test_a_corrupt_value_on_the_server_is_a_miss_and_a_counter(tmp_path, redis_server, dep_factory):
+    dep = dep_factory(model_dir(tmp_path, 12), [shared(redis_server.url, namespace="corrupt")])
+    keys, datas = chunks(8, dep.chunk_bytes, b"corrupt")
+    dep.store(keys[:4], datas[:4])
+    dep.store(keys[4:], datas[4:])                           # keys[:4] only on the server now
+    tier = dep.tiers[0]
+    cl = redis_server.client()
+    name = tier.tier.ns.name(keys[0])
+    n = cl.strlen(name)
+    last = cl.getrange(name, n - 1, n - 1)
+    cl.setrange(name, n - 1, bytes([last[0] ^ 0x01]))        # one payload byte flipped
+    assert dep.load(keys[:4]) == []                          # the prefix ends at the bad chunk
+    c = tier.all_counters()
+    assert c["load_misses"] == 1 and c["server.corrupt_blocks"] == 1
+    assert dep.load(keys[1:4]) == datas[1:4]

@@ -228,15 +228,26 @@ class KvtierNvmeTier(KvtierSecondaryTier):
         for st in done:
             del self._stores[st.job_id]
         if done:
-            self._finish_stores(done)
+            try:
+                self._finish_stores(done)
+            except Exception as e:  # noqa: BLE001 - never into vLLM: the jobs fail
+                self.failed("store", e)
+                reported = {r.job_id for r in self._done}
+                for st in done:
+                    if st.job_id not in reported:
+                        self.finish(st.job_id, False)
         for jid, ld in list(self._loads.items()):
             if ld.handle is None or ld.handle.done():
                 del self._loads[jid]
-                self._finish_load(ld)
+                try:
+                    self._finish_load(ld)
+                except Exception as e:  # noqa: BLE001
+                    self.failed("load", e)
+                    self.finish(jid, False)
         return self.take_done()
 
     def has_pending_work(self) -> bool:
-        return bool(self._stores or self._loads)
+        return bool(self._stores or self._loads or self._done)
 
     def drain_jobs(self) -> None:
         for st in list(self._stores.values()):

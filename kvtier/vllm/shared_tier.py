@@ -7,8 +7,9 @@ Cluster) as a vLLM secondary tier, for a fleet of vLLM instances of one model.
 Keys live in the namespace of the fingerprint (model weights, dtype, layout, chunk geometry,
 parallelism, `namespace`), so another model or deployment on the same server never finds them;
 each value carries kvtier's keyed header, so a foreign, planted or corrupt value is a miss and a
-counter. The server owns eviction: a chunk found by a lookup may be gone at load (a failed load,
-vLLM recomputes). Lookups ask the server on kvtier's prober thread (RETRY until the answer is
+counter, and a key whose load failed is a miss from then on (until this instance stores it again),
+so a bad value is never found again and again. The server owns eviction: a chunk found by a lookup
+may be gone at load (a failed load, vLLM recomputes). Lookups ask the server on kvtier's prober thread (RETRY until the answer is
 in); transfers run on the tier's pipelines; a server that fails or stalls trips kvtier's breaker,
 and while it is open every lookup is a MISS: never a hang.
 """
@@ -16,6 +17,7 @@ and while it is open every lookup is a MISS: never a hang.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -25,6 +27,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from kvtier.tiers.handles import IOHandle, IOResult
 
 from .common import KvtierSecondaryTier
+
+FAILED_MAX = 1 << 16    # keys whose load failed, remembered as misses (the oldest forgotten first)
 
 
 @dataclass
@@ -47,11 +51,14 @@ class KvtierSharedTier(KvtierSecondaryTier):
         super().__init__(offloading_spec, primary_kv_view, tier_type, **options)
         self._jobs: dict[int, _Job] = {}
         self._storing: set[OffloadKey] = set()
+        self._failed: OrderedDict[OffloadKey, None] = OrderedDict()   # loads that failed: misses from now on
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         try:
             if self.tier.conn.breaker.down:
                 self.count("lookups_server_down")
+                return LookupResult.MISS
+            if key in self._failed:
                 return LookupResult.MISS
             n = self.tier.probe([key], wait=False)
         except Exception as e:  # noqa: BLE001
@@ -100,14 +107,20 @@ class KvtierSharedTier(KvtierSecondaryTier):
         good = [k for k, ok in zip(job.keys, r.ok) if ok]
         lost = [k for k, ok in zip(job.keys, r.ok) if not ok]
         if job.load:
-            if lost:   # gone (the server evicted it), corrupt, foreign or unreachable: a miss
+            if lost:   # gone (the server evicted it), corrupt, foreign or unreachable: a miss from now on
                 self.tier.note_gone(lost)
                 self.count("load_misses", len(lost))
+                for k in lost:
+                    self._failed[k] = None
+                while len(self._failed) > FAILED_MAX:
+                    self._failed.popitem(last=False)
             ok = not lost
             self.finish(job.job_id, ok, None if ok else good, t0=job.t0, nbytes=r.nbytes)
             return
         self._storing.difference_update(job.keys)
         self.tier.note_written(good)
+        for k in good:   # this instance wrote it again: good bytes
+            self._failed.pop(k, None)
         if lost:
             self.count("store_errors", len(lost))
         self.finish(job.job_id, not lost, t0=job.t0, nbytes=r.nbytes)
@@ -116,11 +129,15 @@ class KvtierSharedTier(KvtierSecondaryTier):
         for jid, job in list(self._jobs.items()):
             if job.handle.done():
                 del self._jobs[jid]
-                self._finish(job)
+                try:
+                    self._finish(job)
+                except Exception as e:  # noqa: BLE001 - never into vLLM: the job fails
+                    self.failed("load" if job.load else "store", e)
+                    self.finish(jid, False)
         return self.take_done()
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs)
+        return bool(self._jobs or self._done)
 
     def drain_jobs(self) -> None:
         for job in list(self._jobs.values()):
