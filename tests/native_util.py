@@ -5,8 +5,8 @@ the CPU primary tier's shared memory (`SharedOffloadRegion` of rank 0), which th
 vLLM's CPUOffloadingWorker does after a GPU -> CPU copy, and reads after a CPU load.
 
 The calls follow vLLM's OffloadingConnector scheduler: prepare_store, (worker copies), complete_store,
-on_request_finished, on_schedule_end each step; lookups in prefix order until the first non-HIT,
-stepping while a chunk is HIT_PENDING / RETRY, then prepare_load, (worker copies), complete_load.
+on_request_finished, on_schedule_end each step; lookups as `_maximal_prefix_lookup` makes them, then
+prepare_load, (worker copies), complete_load.
 """
 
 from __future__ import annotations
@@ -119,23 +119,27 @@ class Deployment:
         return list(out.evicted_keys)
 
     def lookup(self, keys: list[bytes], timeout_s: float = 60.0) -> tuple[int, ReqContext]:
-        """Chunks of the prefix of `keys` ready in the primary tier, as vLLM's scheduler finds them:
-        each in order until the first MISS, stepping while HIT_PENDING / RETRY."""
+        """Chunks of the prefix of `keys` ready in the primary tier, as vLLM's scheduler finds them
+        (`_maximal_prefix_lookup`): each step every key in order until the first MISS, scanning
+        past HIT_PENDING / RETRY; a step with any of those is asked again after on_schedule_end."""
         ctx = self._ctx("load")
         end = time.monotonic() + timeout_s
-        n = 0
-        for k in keys:
-            while True:
+        while True:
+            hits, defer = 0, False
+            for k in keys:
                 r = self.manager.lookup(k, ctx)
-                if r in (LookupResult.HIT, LookupResult.MISS):
+                if r is LookupResult.MISS:
                     break
-                assert time.monotonic() < end, f"lookup still {r} after {timeout_s}s"
-                self.step()
-                time.sleep(0.002)
-            if r is LookupResult.MISS:
-                break
-            n += 1
-        return n, ctx
+                if r is LookupResult.RETRY:
+                    defer = True
+                    continue
+                defer = defer or r is LookupResult.HIT_PENDING
+                hits += 1
+            if not defer:
+                return hits, ctx
+            assert time.monotonic() < end, f"lookup still deferred after {timeout_s}s"
+            self.step()
+            time.sleep(0.002)
 
     def load(self, keys: list[bytes]) -> list[bytes]:
         """The bytes of the prefix of `keys` the offloading stack holds (CPU -> GPU: the worker's read)."""

@@ -134,7 +134,7 @@ def test_redis_killed_mid_run_is_a_miss_never_a_hang(tmp_path, redis_factory, de
     n, _ = dep.lookup([offload_key(99, b"kill")])
     assert n == 0
     c = dep.tiers[0].all_counters()
-    assert c["load_misses"] == 1                             # the known chunk's load failed: vLLM recomputes
+    assert c["load_misses"] == 4                             # the four known chunks: failed loads, recomputed
     assert c["server.unreachable"] >= 1 and c["lookups_server_down"] >= 1   # the breaker: misses at once
     dep.store(*chunks(2, dep.chunk_bytes, b"after"))         # stores fail quietly: counted, no exception
     assert dep.tiers[0].all_counters()["store_errors"] == 2
@@ -188,3 +188,17 @@ def test_a_corrupt_value_on_the_server_is_a_miss_and_a_counter(tmp_path, redis_s
     c = tier.all_counters()
     assert c["load_misses"] == 1 and c["server.corrupt_blocks"] == 1
     assert dep.load(keys[1:4]) == datas[1:4]
+
+
+def test_a_requests_lookups_take_one_round_trip_to_the_server(tmp_path, redis_server, dep_factory):
+    a = dep_factory(model_dir(tmp_path, 13), [shared(redis_server.url, namespace="rt")], cpu_chunks=8)
+    keys, datas = chunks(8, a.chunk_bytes, b"roundtrip")
+    a.store(keys, datas)
+    b = dep_factory(model_dir(tmp_path, 13), [shared(redis_server.url, namespace="rt")], cpu_chunks=8)
+    conn = b.tiers[0].tier.conn
+    asked = []
+    real = conn.exists
+    conn.exists = lambda ks, ranks=1: asked.append(len(ks)) or real(ks, ranks)   # a spy on the real client
+    more = keys + [offload_key(100 + i, b"roundtrip") for i in range(4)]          # 8 stored, then 4 not
+    assert b.load(more) == datas
+    assert asked == [12]                     # the step's 12 unknown keys in one pipelined EXISTS

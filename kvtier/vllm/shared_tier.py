@@ -9,7 +9,8 @@ parallelism, `namespace`), so another model or deployment on the same server nev
 each value carries kvtier's keyed header, so a foreign, planted or corrupt value is a miss and a
 counter, and a key whose load failed is a miss from then on (until this instance stores it again),
 so a bad value is never found again and again. The server owns eviction: a chunk found by a lookup
-may be gone at load (a failed load, vLLM recomputes). Lookups ask the server on kvtier's prober thread (RETRY until the answer is
+may be gone at load (a failed load, vLLM recomputes). Lookups gather a step's unknown keys and
+ask the server in one round trip when the step ends (`shared_lookup`; RETRY until the answer is
 in); transfers run on the tier's pipelines; a server that fails or stalls trips kvtier's breaker,
 and while it is open every lookup is a MISS: never a hang.
 """
@@ -21,12 +22,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from kvtier.tiers.handles import IOHandle, IOResult
 
 from .common import KvtierSecondaryTier
+from .shared_lookup import BatchedLookup
 
 FAILED_MAX = 1 << 16    # keys whose load failed, remembered as misses (the oldest forgotten first)
 
@@ -52,6 +54,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
         self._jobs: dict[int, _Job] = {}
         self._storing: set[OffloadKey] = set()
         self._failed: OrderedDict[OffloadKey, None] = OrderedDict()   # loads that failed: misses from now on
+        self._lookups = BatchedLookup(self.tier, self.count)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         try:
@@ -60,13 +63,19 @@ class KvtierSharedTier(KvtierSecondaryTier):
                 return LookupResult.MISS
             if key in self._failed:
                 return LookupResult.MISS
-            n = self.tier.probe([key], wait=False)
+            found = self._lookups.ask(key)
         except Exception as e:  # noqa: BLE001
             self.failed("lookup", e)
             return LookupResult.MISS
-        if n is None:
+        if found is None:
             return LookupResult.RETRY
-        return LookupResult.HIT if n else LookupResult.MISS
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        try:
+            self._lookups.flush()
+        except Exception as e:  # noqa: BLE001
+            self.failed("lookup", e)
 
     def touch(self, keys, req_context: ReqContext) -> None:
         self.tier.touch_keys(list(keys))
@@ -121,6 +130,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
         self.tier.note_written(good)
         for k in good:   # this instance wrote it again: good bytes
             self._failed.pop(k, None)
+        self._lookups.forget_miss(good)
         if lost:
             self.count("store_errors", len(lost))
         self.finish(job.job_id, not lost, t0=job.t0, nbytes=r.nbytes)
@@ -151,6 +161,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
             self.drain_jobs()
             self.get_finished_jobs()
         finally:
+            self._lookups.close()
             self.tier.close()
             self.release_primary()
 
