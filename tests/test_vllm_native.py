@@ -202,3 +202,14 @@ def test_a_requests_lookups_take_one_round_trip_to_the_server(tmp_path, redis_se
     more = keys + [offload_key(100 + i, b"roundtrip") for i in range(4)]          # 8 stored, then 4 not
     assert b.load(more) == datas
     assert asked == [12]                     # the step's 12 unknown keys in one pipelined EXISTS
+
+
+def test_a_full_nvme_tier_evicts_by_its_policy(tmp_path, dep_factory):
+    dep = dep_factory(model_dir(tmp_path, 14), [nvme(tmp_path / "nv", capacity_blocks=4, eviction="lru")])
+    keys, datas = chunks(8, dep.chunk_bytes, b"full")
+    dep.store(keys[:4], datas[:4])
+    dep.store(keys[4:], datas[4:])
+    tier = dep.tiers[0]
+    assert tier.tier.num_resident == 4 and tier.counters["evicted"] == 4
+    assert [tier.tier.find(k) is not None for k in keys] == [False] * 4 + [True] * 4   # the oldest left
+    assert dep.load(keys[:2]) == []                          # gone from the primary and from NVMe
