@@ -104,6 +104,8 @@ def test_flipped_byte_is_a_miss_and_a_counter(tmp_path, dep_factory, caplog):
     assert tier.tier.find(keys[1]) is None                   # quarantined: the next lookup misses
     assert tier.lookup(keys[1], ReqContext("x")) is LookupResult.MISS
     stats = dep.manager.get_stats()                          # exported through vLLM's stats
+    defs = type(dep.spec).build_metric_definitions(dict(dep.cfg.extra_config))   # and declared to it
+    assert defs["vllm:kv_offload_kvtier_events"].labelnames == ("tier", "event")
     assert stats.data["data"]["vllm:kv_offload_kvtier_events"][("KvtierNvmeTier", "corrupt_chunks")] == 1
     assert dep.load(keys[2:4]) == datas[2:4]                 # the rest is still served
 
