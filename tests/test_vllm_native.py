@@ -215,3 +215,40 @@ def test_a_full_nvme_tier_evicts_by_its_policy(tmp_path, dep_factory):
     assert tier.tier.num_resident == 4 and tier.counters["evicted"] == 4
     assert [tier.tier.find(k) is not None for k in keys] == [False] * 4 + [True] * 4   # the oldest left
     assert dep.load(keys[:2]) == []                          # gone from the primary and from NVMe
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from native_util import Deployment, nvme, offload_key, payload
+dep = Deployment({model!r}, [nvme({path!r})], cpu_chunks=8, engine_id="kvtier-kill-" + str(__import__("os").getpid()))
+for b in range(10**6):
+    keys = [offload_key(i, b"k%d" % b) for i in range(4)]
+    dep.store(keys, [payload(i, dep.chunk_bytes, b"k%d" % b) for i in range(4)])
+    print(b, flush=True)
+"""
+
+
+def test_kill_9_while_storing_then_a_restart_serves_every_reported_chunk_byte_exact(tmp_path, dep_factory):
+    import signal
+    import subprocess
+    model, path = model_dir(tmp_path, 15), str(tmp_path / "nv")
+    src = CHILD.format(tests=str(Path(__file__).resolve().parent), model=model, path=path)
+    p = subprocess.Popen([sys.executable, "-c", src], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        done = -1
+        while done < 5:
+            line = p.stdout.readline()
+            assert line, "the storing process died"
+            done = int(line)
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        shm = f"/dev/shm/vllm_offload_kvtier-kill-{p.pid}.mmap"
+        if os.path.exists(shm):
+            os.unlink(shm)
+    dep = dep_factory(model, [nvme(path)], cpu_chunks=8)     # the lock died with the process
+    for b in range(done + 1):
+        keys, datas = chunks(4, dep.chunk_bytes, b"k%d" % b)
+        assert dep.load(keys) == datas, f"request {b}"
+    assert dep.tiers[0].counters.get("corrupt_chunks", 0) == 0
