@@ -158,6 +158,7 @@ def test_another_deployment_never_gets_the_first_ones_chunks(tmp_path, redis_ser
     ({"pathx": "/tmp"}, r"secondary tier KvtierNvmeTier: pathx: unknown key"),
     ({"io": "fast"}, r"secondary tier KvtierNvmeTier: io: "),
     ({"capacity_blocks": 0}, r"secondary tier KvtierNvmeTier: capacity_blocks: must be between"),
+    ({"eviction": "mru"}, r"secondary tier KvtierNvmeTier: eviction: unknown policy 'mru'; known: "),
     ({"capacity": "1GiB"}, r"secondary tier KvtierNvmeTier: tier 'nvme': give capacity or capacity_blocks, not both"),
 ])
 def test_bad_nvme_options_are_one_line_naming_the_key(tmp_path, tier, match):

@@ -47,6 +47,11 @@ def tier_stack(kind: str, tier_type: str, options: dict[str, Any], block_bytes: 
             **{k: v for k, v in options.items()}}
     if kind == "nvme" and "path" not in tier:
         raise ConfigError(f"{where}: path: missing (the directory of the NVMe tier)")
+    if kind == "nvme" and "eviction" in tier:
+        from kvtier.policies import EVICTION
+        if tier["eviction"] not in EVICTION.classes:
+            raise ConfigError(f"{where}: eviction: unknown policy {tier['eviction']!r}; "
+                              f"known: {', '.join(EVICTION.names())}")
     data = {"block_bytes": block_bytes, "block_tokens": block_tokens, "model": fingerprint["model"],
             "dtype": fingerprint["dtype"], "layout": fingerprint["layout"],
             "tiers": [{"name": "dram", "kind": "cpu", "capacity_blocks": 1}, tier]}
