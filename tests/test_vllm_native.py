@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -253,3 +254,21 @@ def test_kill_9_while_storing_then_a_restart_serves_every_reported_chunk_byte_ex
         keys, datas = chunks(4, dep.chunk_bytes, b"k%d" % b)
         assert dep.load(keys) == datas, f"request {b}"
     assert dep.tiers[0].counters.get("corrupt_chunks", 0) == 0
+
+
+def test_reset_cache_drains_the_tier_and_keeps_its_chunks(tmp_path, redis_server, dep_factory):
+    """vLLM's reset_cache (sleep, weight update): drain_jobs, then every job's result is in."""
+    dep = dep_factory(model_dir(tmp_path, 16), [nvme(tmp_path / "nv"), shared(redis_server.url, namespace="reset")])
+    keys, datas = chunks(4, dep.chunk_bytes, b"reset")
+    ctx = ReqContext("r")
+    dep.manager.on_new_request(ctx)
+    out = dep.manager.prepare_store(keys, ctx)
+    by_key = dict(zip(keys, datas))
+    for k, c in zip(out.keys_to_store, out.store_spec.chunk_ids):
+        dep.rows[int(c)].copy_(torch.frombuffer(bytearray(by_key[k]), dtype=torch.uint8))
+    dep.manager.complete_store(out.keys_to_store, ctx)      # cascades in flight
+    dep.manager.on_request_finished(ctx)
+    dep.manager.reset_cache()                                # asserts no job is left unreported
+    assert not dep.manager.has_pending_work()
+    assert dep.tiers[0].tier.num_resident == 4
+    assert dep.load(keys) == datas                           # the primary is empty: from NVMe
