@@ -117,3 +117,11 @@ def test_no_private_name_crosses_a_module():
 def test_no_module_over_500_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_only_kvtier_vllm_imports_kvtier_vllm():
+    """`kvtier.vllm` needs vLLM's tiering API; kvtier's core, tiers, policies and connector never need it."""
+    g = _graph(top_level_only=False)
+    bad = sorted(f"{m} -> {t}" for m, ts in g.items() if not m.startswith("kvtier.vllm")
+                 for t in ts if t == "kvtier.vllm" or t.startswith("kvtier.vllm."))
+    assert "kvtier.vllm.nvme_tier" in MODULES and bad == []

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+TIERING_BASE = "vllm/v1/kv_offload/tiering/base.py"          # SecondaryTierManager (native offloading)
+POLICY_BASE = "vllm/v1/kv_offload/cpu/policies/base.py"      # CachePolicy (its CPU primary tier)
 
 
 def cache_dir() -> Path:
@@ -91,6 +93,11 @@ def wheel_source(version: str, member: str) -> str:
     tmp.write_text(text)
     os.replace(tmp, path)
     return text
+
+
+def source(version: str, member: str) -> str:
+    """`member`'s text in vLLM `version` ("installed": the files of the vLLM in this venv)."""
+    return installed_source(member) if version == "installed" else wheel_source(version, member)
 
 
 def installed_source(member: str) -> str:
