@@ -67,9 +67,13 @@ def chunk_fingerprint(spec: Any, block_bytes: int, namespace: str | None = None,
     weights, `connector.identity`), the KV dtype and layout, the chunk geometry (groups, their
     tokens and layers, blocks per chunk, bytes) and the parallelism whose workers' bytes the
     chunk concatenates; `namespace` separates deployments further by choice."""
+    from kvtier.connector.digest_cache import default_data_dir
     from kvtier.connector.identity import model_identity as identify
     c = spec.config
-    ident = model_identity or identify(c.model.name)[0]
+    ident, how = (model_identity, "") if model_identity else identify(c.model.name, data_dir=default_data_dir())
+    if ident is None:   # weights unreadable: no identity, so nothing may be shared under one
+        raise ConfigError(f"model_identity: the model {c.model.name}'s identity is unknown ({how}); "
+                          "give model_identity to name its weights")
     groups = ";".join(f"{g.group_id}:{g.tokens_per_block}:{len(g.layer_names)}" for g in c.groups)
     p = c.parallel
     tokens = sum(g.tokens_per_block for g in c.groups[:1]) * c.cache.blocks_per_chunk
