@@ -258,7 +258,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.start_load()
 
-    @hook()
+    @hook(recover="_layer_wait_failed")
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:
             self.worker.wait_layer(layer_name)

@@ -20,6 +20,7 @@ from kvtier.core.executor import Executor
 from kvtier.core.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
+from kvtier.tiers.io_hooks import fault_point
 
 from .kv_layout import KVCopier, KVLayout
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
@@ -123,6 +124,7 @@ class KVTierWorker(Counting):
         if meta is None or self.ex is None:
             return
         ex = self.ex
+        ex.begin_step()   # a new step: its stores are tainted only by its own failed loads
         ex.fail_loads = self.fail_loads
         if meta.tier_names:
             ex.tier_names = list(meta.tier_names)
@@ -212,12 +214,38 @@ class KVTierWorker(Counting):
         return lost | (self.ex.take_failed_recving() if self.ex is not None else set())
 
     def wait_layer(self, layer_name: str) -> None:
-        """The forward is about to run `layer_name`'s attention: its blocks must be in place."""
-        events = self.ex.layer_events if self.ex is not None else None
-        if events is None:
+        """The forward is about to run `layer_name`'s attention: its blocks must be in place (the
+        compute stream waits for the layer's copies). A wait that fails falls back to the host
+        waiting for every copy of the step (`settle_loads`); never an early return."""
+        ex = self.ex
+        if ex is None or not ex.loads_pending:
             return
-        li = self.layout.layer_of.get(layer_name)
-        self.kv.wait_layer(events[-1] if li is None else events[li])
+        try:
+            fault_point("layer_wait")
+            events = ex.layer_events
+            if events is not None:
+                li = self.layout.layer_of.get(layer_name)
+                self.kv.wait_layer(events[-1] if li is None else events[li])
+        except Exception as e:  # noqa: BLE001 - the host waits instead
+            self._count("layer_wait_failed")
+            self._once(("layer_wait",) + cause(e), logging.ERROR, "kvtier: the forward's wait for %s's loaded "
+                       "blocks failed (%s): the host waits for the step's copies instead; any it cannot confirm "
+                       "are load errors", layer_name, e)
+            self.settle_loads()
+
+    def settle_loads(self) -> None:
+        """The host waits for every load copy of the step and accounts them; a copy that failed or
+        cannot be confirmed makes its blocks load errors (vLLM recomputes them; the step's stores
+        are dropped). Afterwards no layer waits: everything is in place."""
+        ex = self.ex
+        if ex is None:
+            return
+        try:
+            ex.finish_loads()
+        except Exception as e:  # noqa: BLE001 - cannot confirm: fail the loads rather than trust them
+            self._once(("settle",) + cause(e), logging.ERROR, "kvtier: the step's load copies cannot be "
+                       "confirmed (%s): their blocks are load errors", e)
+            ex.abandon_loads()
 
     def finish_loads(self) -> None:
         if self.ex is not None:
@@ -235,7 +263,7 @@ class KVTierWorker(Counting):
         if self.ex is None or self.disabled:
             self.fail_step_stores()
             return
-        tainted = self.ex.has_load_errors
+        tainted = self.ex.tainted
         if tainted and meta.stores:
             self._once(("tainted",), logging.WARNING, "kvtier: a load failed this step: its %d stores are "
                        "dropped (computed over blocks vLLM recomputes)", len(meta.stores))
