@@ -315,3 +315,29 @@ def test_fault_spec_names_a_known_point(monkeypatch):
     monkeypatch.setenv("KVTIER_FAULT", "load_copies:error:1")
     with pytest.raises(ValueError, match="not one of"):
         io_hooks._Hooks()
+
+
+def test_a_failed_store_is_not_written_down(monkeypatch, tmp_path):
+    """A store that failed leaves its DRAM slots stale: the step's copy down from them writes
+    nothing to the data file (the index would not take it, but `fsck --rebuild` reads headers)."""
+    from kvtier.connector.metadata import CopyOp
+    from kvtier.connector.nvme import NvmeControl
+    from kvtier.policies.lru import LRU
+    from kvtier.tiers.nvme_block import slot_stride
+
+    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, nvme_io="posix")
+    w.register_kv_caches(flash_caches(blocks=NB))
+    h = Hooks(w)
+    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
+    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))
+    monkeypatch.setattr(io_hooks.HOOKS, "counts", {})
+    monkeypatch.setattr(io_hooks.HOOKS, "fault", ("store_copy", "error", 1))
+    _, rep = h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [1, 2])],
+                                   copies=[CopyOp(2, [0, 1], [3, 4], [b"k0", b"k1"])], **nv), [])
+    assert rep.stored == {1: [False, False]} and rep.copied == {2: [-1, -1]}
+    stride = slot_stride(w.layout.block_bytes)
+    with open(w.nvme.path, "rb") as f:
+        f.seek(3 * stride)
+        assert not any(f.read(2 * stride))           # slots 3 and 4: never written
+    w.close()
+    ctl.close()
