@@ -44,6 +44,7 @@ from .handoff import clear_reports, read_reports, write_report
 from .hybrid import HybridRules
 from .identity import model_identity
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
+from .parallel import shards, store_rank
 from .scheduler import KVTierScheduler
 from .startup import (attach_vllm_log_handler, flush_budget_s, register_by_name, remote_opener, scheduler_line,
                       short_totals, worker_line)
@@ -130,9 +131,9 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         shared = tier_of(cfg, "redis")
         if role == KVConnectorRole.SCHEDULER:
-            tiers = build_tiers(cfg, "control", self.fingerprint, ranks=_world_size(vllm_config)) \
+            tiers = build_tiers(cfg, "control", self.fingerprint, ranks=shards(vllm_config, kv_cache_config)) \
                 if self.enabled else []
-            ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
+            ctrl = build_controller(cfg, tiers, ranks=shards(vllm_config, kv_cache_config))
             # MTP with several modules re-prefills its last lookahead tokens: not final until then
             reprefill = max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1)
             hybrid = HybridRules(self.groups, math.gcd(*[g.block_tokens for g in self.groups]), reprefill) \
@@ -151,7 +152,10 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
                                        ranks=_world_size(vllm_config), expected_block_bytes=bb or None,
                                        num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                                       remote_fn=remote_opener(shared, self.fingerprint, rank) if shared else None)
+                                       store_rank=store_rank(vllm_config, rank, kv_cache_config),
+                                       remote_fn=remote_opener(shared, self.fingerprint,
+                                                               store_rank(vllm_config, rank, kv_cache_config))
+                                       if shared else None)
         _LIVE.add(self)
         if self.sched is not None and shared is not None:
             algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))

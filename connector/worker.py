@@ -38,13 +38,16 @@ class KVTierWorker(Counting):
     def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
                  nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1,
-                 num_blocks: int | None = None, copy_streams=None, cpu_tier=None) -> None:
+                 num_blocks: int | None = None, copy_streams=None, cpu_tier=None,
+                 store_rank: int | None = None) -> None:
         """`cpu_tier`: the cpu tier's config (else `cpu_blocks_fn(block bytes)` slots).
         `remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
         rank, or None without a shared tier. `num_blocks`: vLLM's KV-cache blocks (the tensors may
         hold more kernel blocks, `KVLayout`); `expected_block_bytes`: what the scheduler sized its
         tiers with (a layout that disagrees is refused). `copy_streams`: forces the device copier
-        with these streams (tests)."""
+        with these streams (tests). `store_rank`: whose shard this worker's blocks are (default
+        its own rank); 0 on every rank when the ranks hold the same KV (MLA under tensor
+        parallelism): only rank 0 writes the NVMe file and the shared tier, every rank reads them."""
         self._cpu_tier = cpu_tier
         self._cpu_blocks_fn = cpu_blocks_fn
         self._remote_fn = remote_fn
@@ -54,7 +57,8 @@ class KVTierWorker(Counting):
         self._copy_streams = copy_streams
         self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
         self._lag = nvme_write_lag_steps
-        self.rank = rank                      # this worker's shard: NVMe file data.<rank>, its own checksums
+        self.rank = rank
+        self.store_rank = rank if store_rank is None else store_rank  # NVMe file data.<it>, its checksums
         self._ranks = ranks                   # workers on this host, each with its own pool
         self._init_counters()
         self._once = Once(log)
@@ -157,7 +161,7 @@ class KVTierWorker(Counting):
         io, threads, direct = self._nvme_args
         try:
             self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
-                                 rank=self.rank)
+                                 rank=self.store_rank)
         except Exception as e:  # noqa: BLE001 - any failure to open is a tier unavailable, not a crash
             self._nvme_failed_at = now
             self._count("nvme_open_failed")
@@ -269,6 +273,8 @@ class KVTierWorker(Counting):
                        "dropped (computed over blocks vLLM recomputes)", len(meta.stores))
         stores, meta.stores = meta.stores, []
         copies, meta.copies = meta.copies, []
+        if self.store_rank != self.rank:  # another rank writes the same bytes to the file / shared tier
+            copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.remote_tier)]
         failed = self.ex.store(stores, tainted)
         self.ex.copy(copies, failed)
 
