@@ -152,3 +152,40 @@ def test_restart_serves_only_good_blocks(served, model_dir, prompts, baseline, c
         assert w.corrupt_blocks == 0 and "blocks_load_failed.nvme" not in w.totals
     finally:
         U.shutdown(llm)
+
+
+def test_spec_decoding_v1_order_drops_what_a_failed_load_computed(model_dir, capsys):
+    """vLLM's V1 model runner with speculative decoding (here a draft model: the target itself) takes the load errors and
+    the worker report before the deferred `wait_for_save`. Pass 2 extends stored prompts by two
+    blocks while every load fails: that step computes the two new blocks over KV that was never
+    loaded; they must not be stored, or pass 3 (served by kvtier) is given them and its tokens
+    differ from vLLM's own."""
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 2}
+    base4 = U.prompts(3, 4, seed=31)
+    longer = [p[:4 * U.BLOCK] + q for p, q in zip(base4, U.prompts(3, 2, seed=37))]   # 6 blocks + 5
+    llm = U.make_llm(model_dir, speculative_config=spec)
+    try:
+        want = U.generate(llm, longer, MAX_TOKENS)
+    finally:
+        U.shutdown(llm)
+    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64), speculative_config=spec)
+    try:
+        s, w = _parts()
+        U.generate(llm, base4, MAX_TOKENS)                       # pass 1: 4 blocks a prompt stored
+        t1 = dict(s.totals)
+        w.fail_loads = True
+        second = U.generate(llm, longer, MAX_TOKENS)             # pass 2: every load fails
+        w.fail_loads = False
+        t2 = dict(s.totals)
+        third = U.generate(llm, longer, MAX_TOKENS)              # pass 3: what kvtier holds
+        t3 = dict(s.totals)
+        with capsys.disabled():
+            print(f"\n[kvtier e2e] draft-model spec decoding (V1 hook order): pass 2 hit blocks "
+                  f"{t2['hit_blocks.cpu'] - t1.get('hit_blocks.cpu', 0)}, failed requests "
+                  f"{t2.get('load_failed_requests', 0)}; pass 3 hit blocks {t3['hit_blocks.cpu'] - t2['hit_blocks.cpu']}")
+        assert t2["hit_blocks.cpu"] - t1.get("hit_blocks.cpu", 0) == 12 and t2["load_failed_requests"] == 3
+        assert second == want and third == want
+        assert t3["hit_blocks.cpu"] - t2["hit_blocks.cpu"] == 12   # not the 2 blocks pass 2 computed over
+                                                                    # the failed load (18 and wrong tokens before)
+    finally:
+        U.shutdown(llm)
