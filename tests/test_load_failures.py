@@ -134,6 +134,31 @@ def test_load_errors_taken_before_the_deferred_save_still_taint_it(v1):
     w.close()
 
 
+def test_a_step_load_failure_taints_even_when_an_asynchronous_load_lands_first(monkeypatch):
+    """V1 order: `get_transfer_results` copies an asynchronous load in (after the forward) before
+    `wait_for_save`; the step's own failed load, accounted on the way, still taints its stores,
+    and the asynchronous request's blocks load."""
+    w = worker(flash_caches(blocks=NB))
+    h = Hooks(w)
+    h.get_transfer_results = lambda: C.KVTierConnector.get_transfer_results(h, set())
+    h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2], [1, 2, 3])]), [])
+    poison_copies_of(monkeypatch, w, 6)
+    meta = KVTierMetadata(loads=[LoadOp("sync", 0, [0], [6]), LoadOp("later", 0, [1, 2], [8, 9])],
+                          async_loads=["later"], stores=[StoreOp(2, 0, [4], [0])])
+    w.bind(meta)
+    h.start_load_kv(None)
+    for name in w.layout.names:
+        h.wait_for_layer_load(name)
+    out = h.get_transfer_results()
+    assert out.finished_recving == {"later"}
+    assert h.get_block_ids_with_load_errors() == {6}
+    report = h.build_connector_worker_meta()
+    assert report.loaded == {"sync": False, "later": True}
+    h.wait_for_save()
+    assert h.build_connector_worker_meta().stored == {2: [False]}
+    w.close()
+
+
 @pytest.mark.parametrize("v1", [False, True], ids=["v2-order", "v1-order"])
 def test_injected_load_copy_fault_fails_every_load_from_the_nth(monkeypatch, caplog, v1):
     caches = flash_caches(blocks=NB)

@@ -342,6 +342,8 @@ class Executor(Failures, Counting):
                         f[-1].wait(left)
                     except Exception:  # noqa: BLE001 - still running (timeout) or failed: reported when done
                         pass
+        if self._async:
+            self.finish_loads()   # the step's own loads first: their failures taint its stores
         polling, self._polling = self._polling, True
         try:
             return self._poll_done()
