@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -45,10 +44,11 @@ from .hybrid import HybridRules
 from .digest_cache import data_dir_of
 from .identity import ModelIdentity
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
+from .parallel import shards, store_rank
 from .persistent import PersistentTiers
 from .scheduler import KVTierScheduler
 from .startup import (attach_vllm_log_handler, flush_budget_s, register_by_name, remote_opener, scheduler_line,
-                      short_totals, worker_line)
+                      short_totals, warn_per_process_hashes, worker_line)
 from .stats_hooks import StatsHooks
 from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
 
@@ -135,10 +135,11 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                         "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
         shared = tier_of(cfg, "redis")
         if role == KVConnectorRole.SCHEDULER:
+            ranks = shards(vllm_config, kv_cache_config)
             self.persistent = PersistentTiers(cfg, self.identity, lambda m: self._fingerprint(vllm_config, m),
-                                              _world_size(vllm_config)) if self.enabled else None
+                                              ranks) if self.enabled else None
             tiers = self.persistent.build() if self.persistent is not None else []
-            ctrl = build_controller(cfg, tiers, ranks=_world_size(vllm_config))
+            ctrl = build_controller(cfg, tiers, ranks=ranks)
             # MTP with several modules re-prefills its last lookahead tokens: not final until then
             reprefill = max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1)
             hybrid = HybridRules(self.groups, math.gcd(*[g.block_tokens for g in self.groups]), reprefill) \
@@ -151,6 +152,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
             self.sched.model_identity = self.identity.value
         else:
             rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
+            srank = store_rank(vllm_config, rank, kv_cache_config)
             self.worker = KVTierWorker(None, cpu_tier=cpu, pin=cpu.pin if cpu is not None else "auto",
                                        nvme_io=nvme.io if nvme else "auto",
                                        nvme_io_threads=nvme.io_threads if nvme else 4,
@@ -158,19 +160,15 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
                                        ranks=_world_size(vllm_config), expected_block_bytes=bb or None,
                                        num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                                       remote_fn=remote_opener(shared, self.fingerprint, rank) if shared else None,
-                                       remote_needs_identity=True)
+                                       store_rank=srank, remote_needs_identity=True,
+                                       remote_fn=remote_opener(shared, self.fingerprint, srank) if shared else None)
         _LIVE.add(self)
         if self.sched is not None:  # SIGTERM: lazy offload writes behind within vLLM's shutdown timeout
             me = weakref.ref(self)
             drain_at_sigterm(lambda: getattr(me(), "sched", None), getattr(vllm_config, "shutdown_timeout", 0),
                              flush_budget_s(SHUTDOWN_FLUSH_TIMEOUT_S))
         if self.sched is not None and shared is not None:
-            algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
-            if algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
-                log.warning("kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block "
-                            "hashes per process, so no other instance will ever hit this one's shared-tier "
-                            "blocks; use sha256 or set the same PYTHONHASHSEED on every instance", algo)
+            warn_per_process_hashes(vllm_config)
         if self.sched is not None and cfg.serving.record_trace and self.enabled:
             from .recorder import TraceRecorder
             self.sched.recorder = TraceRecorder(cfg.serving.record_trace, self.block_tokens,
@@ -262,7 +260,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.start_load()
 
-    @hook()
+    @hook(recover="_layer_wait_failed")
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:
             self.worker.wait_layer(layer_name)

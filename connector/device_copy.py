@@ -108,7 +108,7 @@ class DeviceCopier:
         bytes are used."""
         s = self.streams
         s.fence()
-        with s.side():
+        with self._settled(), s.side():
             for ids, rws in self._chunks(block_ids, rows):
                 st = self._stage(len(ids))
                 idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
@@ -126,7 +126,7 @@ class DeviceCopier:
         s = self.streams
         s.fence()
         events: list[Any] = []
-        with s.side():
+        with self._settled(), s.side():
             chunks = list(self._chunks(block_ids, rows))
             for c, (ids, rws) in enumerate(chunks):
                 st = self._stage(len(ids))
@@ -141,6 +141,20 @@ class DeviceCopier:
                 if not last:  # the staging buffer is reused by the next chunk
                     s.sync(s.record())
         return events
+
+    @contextlib.contextmanager
+    def _settled(self) -> Iterator[None]:
+        """A copy that fails part-way (an OOM on the staging buffer or the index temporaries, a
+        copy the driver rejects) leaves nothing running: the host waits for what was queued before
+        the error goes on, so no late copy writes blocks vLLM recomputes or rows handed out again."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.streams.sync(self.streams.record())
+            except Exception:  # noqa: BLE001 - the device itself failed: the first error goes on
+                pass
+            raise
 
     def close(self) -> None:
         self._staging = None

@@ -76,6 +76,10 @@ class SafeAnswers:
         if self.worker is not None:
             self.worker.fail_step_loads()
 
+    def _layer_wait_failed(self, layer_name: str) -> None:
+        if self.worker is not None:  # never an early return: the host waits, or the loads fail
+            self.worker.settle_loads()
+
     def _save_failed(self) -> None:
         if self.worker is not None:
             self.worker.fail_step_stores()

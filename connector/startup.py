@@ -159,6 +159,15 @@ def remote_opener(t: Any, fingerprint: dict, rank: int):
     return open_
 
 
+def warn_per_process_hashes(vllm_config: Any) -> None:
+    """One warning when vLLM's block hashes are seeded per process: no other instance can hit the shared tier."""
+    algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+    if algo.startswith("xxhash") and not os.environ.get("PYTHONHASHSEED"):
+        log.warning("kvtier: prefix_caching_hash_algo=%s without PYTHONHASHSEED: vLLM seeds its block "
+                    "hashes per process, so no other instance will ever hit this one's shared-tier "
+                    "blocks; use sha256 or set the same PYTHONHASHSEED on every instance", algo)
+
+
 def flush_budget_s(limit_s: float) -> float:
     """How long a worker may wait for its NVMe write-back at shutdown: within the grace vLLM's
     executor gives a worker to exit (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, default 5) before its

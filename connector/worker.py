@@ -20,6 +20,7 @@ from kvtier.core.executor import Executor
 from kvtier.core.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
+from kvtier.tiers.io_hooks import fault_point
 
 from .kv_layout import KVCopier, KVLayout
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
@@ -38,7 +39,7 @@ class KVTierWorker(Counting):
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
                  nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1,
                  num_blocks: int | None = None, copy_streams=None, cpu_tier=None,
-                 remote_needs_identity: bool = False) -> None:
+                 store_rank: int | None = None, remote_needs_identity: bool = False) -> None:
         """`cpu_tier`: the cpu tier's config (else `cpu_blocks_fn(block bytes)` slots).
         `remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
         rank, or None without a shared tier; with `remote_needs_identity` it is
@@ -46,7 +47,9 @@ class KVTierWorker(Counting):
         model's identity (the scheduler sends it once the weights' digest is done). `num_blocks`: vLLM's KV-cache blocks (the tensors may
         hold more kernel blocks, `KVLayout`); `expected_block_bytes`: what the scheduler sized its
         tiers with (a layout that disagrees is refused). `copy_streams`: forces the device copier
-        with these streams (tests)."""
+        with these streams (tests). `store_rank`: whose shard this worker's blocks are (default
+        its own rank); 0 on every rank when the ranks hold the same KV (MLA under tensor
+        parallelism): only rank 0 writes the NVMe file and the shared tier, every rank reads them."""
         self._cpu_tier = cpu_tier
         self._cpu_blocks_fn = cpu_blocks_fn
         self._remote_fn = remote_fn
@@ -57,7 +60,8 @@ class KVTierWorker(Counting):
         self._copy_streams = copy_streams
         self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
         self._lag = nvme_write_lag_steps
-        self.rank = rank                      # this worker's shard: NVMe file data.<rank>, its own checksums
+        self.rank = rank
+        self.store_rank = rank if store_rank is None else store_rank  # NVMe file data.<it>, its checksums
         self._ranks = ranks                   # workers on this host, each with its own pool
         self._init_counters()
         self._once = Once(log)
@@ -130,6 +134,7 @@ class KVTierWorker(Counting):
         if meta is None or self.ex is None:
             return
         ex = self.ex
+        ex.begin_step()   # a new step: its stores are tainted only by its own failed loads
         ex.fail_loads = self.fail_loads
         if meta.tier_names:
             ex.tier_names = list(meta.tier_names)
@@ -164,7 +169,7 @@ class KVTierWorker(Counting):
         io, threads, direct = self._nvme_args
         try:
             self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
-                                 rank=self.rank)
+                                 rank=self.store_rank)
         except Exception as e:  # noqa: BLE001 - any failure to open is a tier unavailable, not a crash
             self._nvme_failed_at = now
             self._count("nvme_open_failed")
@@ -221,12 +226,38 @@ class KVTierWorker(Counting):
         return lost | (self.ex.take_failed_recving() if self.ex is not None else set())
 
     def wait_layer(self, layer_name: str) -> None:
-        """The forward is about to run `layer_name`'s attention: its blocks must be in place."""
-        events = self.ex.layer_events if self.ex is not None else None
-        if events is None:
+        """The forward is about to run `layer_name`'s attention: its blocks must be in place (the
+        compute stream waits for the layer's copies). A wait that fails falls back to the host
+        waiting for every copy of the step (`settle_loads`); never an early return."""
+        ex = self.ex
+        if ex is None or not ex.loads_pending:
             return
-        li = self.layout.layer_of.get(layer_name)
-        self.kv.wait_layer(events[-1] if li is None else events[li])
+        try:
+            fault_point("layer_wait")
+            events = ex.layer_events
+            if events is not None:
+                li = self.layout.layer_of.get(layer_name)
+                self.kv.wait_layer(events[-1] if li is None else events[li])
+        except Exception as e:  # noqa: BLE001 - the host waits instead
+            self._count("layer_wait_failed")
+            self._once(("layer_wait",) + cause(e), logging.ERROR, "kvtier: the forward's wait for %s's loaded "
+                       "blocks failed (%s): the host waits for the step's copies instead; any it cannot confirm "
+                       "are load errors", layer_name, e)
+            self.settle_loads()
+
+    def settle_loads(self) -> None:
+        """The host waits for every load copy of the step and accounts them; a copy that failed or
+        cannot be confirmed makes its blocks load errors (vLLM recomputes them; the step's stores
+        are dropped). Afterwards no layer waits: everything is in place."""
+        ex = self.ex
+        if ex is None:
+            return
+        try:
+            ex.finish_loads()
+        except Exception as e:  # noqa: BLE001 - cannot confirm: fail the loads rather than trust them
+            self._once(("settle",) + cause(e), logging.ERROR, "kvtier: the step's load copies cannot be "
+                       "confirmed (%s): their blocks are load errors", e)
+            ex.abandon_loads()
 
     def finish_loads(self) -> None:
         if self.ex is not None:
@@ -244,12 +275,14 @@ class KVTierWorker(Counting):
         if self.ex is None or self.disabled:
             self.fail_step_stores()
             return
-        tainted = self.ex.has_load_errors
+        tainted = self.ex.tainted
         if tainted and meta.stores:
             self._once(("tainted",), logging.WARNING, "kvtier: a load failed this step: its %d stores are "
                        "dropped (computed over blocks vLLM recomputes)", len(meta.stores))
         stores, meta.stores = meta.stores, []
         copies, meta.copies = meta.copies, []
+        if self.store_rank != self.rank:  # another rank writes the same bytes to the file / shared tier
+            copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.remote_tier)]
         failed = self.ex.store(stores, tainted)
         self.ex.copy(copies, failed)
 

@@ -14,6 +14,7 @@ import xxhash
 
 from .handles import FutureHandle, IOHandle, IOResult
 from .io_engine import HEADER, EngineFile, EngineUnavailable, IOEngine, check_buffers, open_in
+from .io_hooks import fault_point
 
 log = logging.getLogger("kvtier.nvme")
 
@@ -203,6 +204,7 @@ class KvikioEngine(IOEngine):
         def run(i: int) -> IOResult:
             try:
                 t, kv = bufs[i]
+                fault_point("read")
                 n = f.handle.pread(kv, length, offsets[i] + hdr_n).get()
                 if n != length:
                     raise OSError(_errno.EIO, f"short read {n} of {length}")

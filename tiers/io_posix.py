@@ -23,7 +23,7 @@ from kvtier.core.once import Once
 
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 from .io_engine import ALIGN, HEADER, MAX_IO_BYTES, EngineFile, IOEngine, check_buffers, open_in, round_up
-from .io_hooks import HOOKS, crash_point
+from .io_hooks import HOOKS, crash_point, fault_point
 
 log = logging.getLogger("kvtier.nvme")
 
@@ -418,6 +418,8 @@ def _advance_to(iov: list, n: int) -> list:
 
 
 def _preadv_all(fd: int, iov: list, off: int, path: str) -> None:
+    if HOOKS.fault:
+        fault_point("read")
     _all(os.preadv, fd, iov, off, f"read; file {path} truncated?")
 
 

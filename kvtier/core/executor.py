@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvtier.core.failures import Failures
 from kvtier.core.once import Once, cause
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, StoreOp
 from kvtier.core.staging import Staging
@@ -36,11 +37,12 @@ from kvtier.core.write_behind import CopiesDown
 from kvtier.core.outside import Outside
 from kvtier.tiers.cpu_pool import copy_blocks
 from kvtier.tiers.handles import DoneHandle, IOResult, Medium
+from kvtier.tiers.io_hooks import fault_point
 
 log = logging.getLogger("kvtier.executor")
 
 
-class Executor(Counting):
+class Executor(Failures, Counting):
     """Runs plans over the tiers' data planes (`planes[i]`: tier i's CpuPool, NvmeData or
     RedisData, or None where this process has none) and an outside.
 
@@ -67,6 +69,8 @@ class Executor(Counting):
             self._count = self.count = count
         self.once = Once(log)
         self._load_errors: set[int] = set()
+        self.tainted = False                       # a load the step's forward reads failed (`begin_step`)
+        self._polling = False                      # in poll_async / fail_async: failures do not taint
         self.corrupt_blocks = 0
         self.errors: list[str] = []           # I/O errors since the caller last cleared them (the CLI's exit)
         self.down = CopiesDown(self, write_lag_steps)  # copies down, written behind
@@ -103,22 +107,35 @@ class Executor(Counting):
 
     # ---- loads -------------------------------------------------------------------------------
     def load(self, ops: Sequence[LoadOp], layered: bool = False) -> None:
-        """Run loads: tier -> outside. `layered` (and a layered outside): enqueue the copies and
-        leave one event per layer in `layer_events`; else copy now (a lower tier's blocks chunk by
-        chunk as their reads land). Results are reported by `finish_loads`."""
+        """Run loads: tier -> outside. `layered`: a layered outside enqueues the copies and leaves
+        one event per layer in `layer_events`; others copy now (a lower tier's blocks chunk by chunk
+        as their reads land). Results are reported by `finish_loads` (at once unless `layered`).
+        Nothing raises: a failure anywhere (read, verify, staging, queuing a copy) makes the blocks
+        of the requests it touched load errors."""
         if not ops:
             return
         self.finish_loads()  # the last copies may still read the staging rows handed out again here
+        try:
+            self._load(ops, layered)
+        except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
+            self.once(("load_call",) + cause(e), logging.ERROR, "kvtier: loading %d ops failed: %s (their "
+                       "blocks are load errors, recomputed)", len(ops), e)
+            self._fail_pending(ops)
+        if not layered:
+            self.finish_loads()
+
+    def _load(self, ops: Sequence[LoadOp], layered: bool) -> None:
         t0 = time.perf_counter()
         self._copy_s = 0.0
         copy_now = not (layered and self.outside.layered)
-        jobs: list[Any] = []
+        jobs: list[tuple[int, Any]] = []   # (index of its op in _load_done, the copy)
         staged = sum(len(op.slots) for op in ops if self._needs_staging(op))
         stage = self.staging.views(staged) if staged else []
         row0 = 0
         for op in ops:
             name = self.name(op.tier)
             oks = [False] * len(op.slots)
+            at = len(self._load_done)
             try:
                 if self.fail_loads:
                     raise RuntimeError("fail_loads test hook")
@@ -127,8 +144,8 @@ class Executor(Counting):
                     self.host_pool(op.via_tier, op.via)
                 if plane.medium is Medium.HOST:
                     self.host_pool(op.tier, op.slots)
-                    jobs.append(self.outside.job(plane.rows, op.block_ids, op.slots,
-                                                 [plane.views[s] for s in op.slots]))
+                    jobs.append((at, self.outside.job(plane.rows, op.block_ids, op.slots,
+                                                      [plane.views[s] for s in op.slots])))
                     oks = [True] * len(op.slots)
                     if op.via:  # promoted from a lower DRAM tier: a memcpy into the upper tier's slots
                         up = self.host_pool(op.via_tier)
@@ -136,7 +153,7 @@ class Executor(Counting):
                                     self.block_bytes)
                         self.result.stored[op.op_id] = oks
                 else:
-                    oks = self._read_lower(op, plane, jobs, stage, row0, copy_now)
+                    oks = self._read_lower(op, plane, jobs, at, stage, row0, copy_now)
             except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
                 self.once(("load", name) + cause(e), logging.WARNING,
                            "kvtier: load of %d blocks for %s from %s failed: %s (recomputed)",
@@ -148,22 +165,32 @@ class Executor(Counting):
             self._load_done.append((op, name, oks))
         if jobs and not copy_now:
             self._sync_s = time.perf_counter() - t0   # reads + checksums, before the copies run
-            t1 = time.perf_counter()
-            self.layer_events = self.outside.load_layered(jobs)
-            self._copy_s += time.perf_counter() - t1
+            self.layer_events = self._queue(jobs, layered=True)
             self._load_event = self.layer_events[-1] if self.layer_events else None
             return
         if jobs:
-            self._copy_now(jobs)
+            self._queue(jobs, layered=False)
         self._sync_s = time.perf_counter() - t0 - self._copy_s
-        self.finish_loads()
+
+    def _queue_once(self, jobs: list, layered: bool) -> list | None:
+        fault_point("load_copy")
+        if layered:
+            return self.outside.load_layered(jobs)
+        self.outside.run(jobs, to_outside=True)
+        return None
+
+    @property
+    def loads_pending(self) -> bool:
+        """Loads whose copies are queued or whose results `finish_loads` has not taken yet."""
+        return bool(self._load_done) or self._load_event is not None
 
     def _needs_staging(self, op: LoadOp) -> bool:
         p = self.planes[op.tier] if op.tier < len(self.planes) else None
         return (p is not None and p.medium is not Medium.HOST and not op.via and id(op) not in self._fetched
                 and not self.outside.direct_reads)
 
-    def _read_lower(self, op: LoadOp, plane: Any, jobs: list, stage: list, row0: int, copy_now: bool) -> list[bool]:
+    def _read_lower(self, op: LoadOp, plane: Any, jobs: list, at: int, stage: list, row0: int,
+                    copy_now: bool) -> list[bool]:
         """A file or shared-tier load: read into the promotion slots `op.via`, rows of its own (read
         ahead), the outside's own buffers, or staging rows; each block verified; then its copy into
         the outside goes to `jobs`, or runs chunk by chunk as each chunk's reads land."""
@@ -197,25 +224,34 @@ class Executor(Counting):
                 else:
                     reads.append((lo, bad, plane.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
                                                       keys=op.keys[lo:hi] if op.keys else None)))
-        oks: list[bool] = []
+        oks: list[bool] = []       # in the outside
+        read_oks: list[bool] = []  # read and verified (in the promotion slots `op.via`)
         corrupt: list[int] = []
         errors: list[str] = []
         for lo, bad, h in reads:
             r = h.wait()
-            oks.extend(r.ok)
+            read_oks.extend(r.ok)
+            ok = list(r.ok)
             errors.extend(r.errors)
             if shared:  # absent (the server evicted it) or failed verification: a miss, reported
                 self.result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
             corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
-            if not good or direct is not None:
-                continue
-            job = self.outside.job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
-                                   [bufs[i] for i in good])
-            if copy_now:
-                self._copy_now([job])
-            else:
-                jobs.append(job)
+            if good and direct is None:
+                job = self.outside.job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
+                                       [bufs[i] for i in good])
+                if not copy_now:
+                    jobs.append((at, job))
+                else:  # this chunk now; a failed copy fails its blocks, the other chunks' reads go on
+                    try:
+                        self._copy_now([job])
+                    except Exception as e:  # noqa: BLE001 - load errors
+                        self._count("load_copy_failed")
+                        self.once(("load_copy", self.name(op.tier)) + cause(e), logging.ERROR,
+                                   "kvtier: copying %d blocks of %s into the KV failed: %s (load errors, "
+                                   "recomputed)", len(good), op.req_id, e)
+                        ok = [False] * len(ok)
+            oks.extend(ok)
         if corrupt:
             self.corrupt_blocks += len(corrupt)
             self._count(f"corrupt_blocks.{self.name(op.tier)}", len(corrupt))
@@ -224,22 +260,25 @@ class Executor(Counting):
                        "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, self.name(op.tier),
                        errors[:2])
         if op.via:
-            self.result.stored[op.op_id] = oks
+            self.result.stored[op.op_id] = read_oks
         return oks
 
     def _copy_now(self, jobs: list) -> None:
         t1 = time.perf_counter()
-        self.outside.run(jobs, to_outside=True)
-        self._copy_s += time.perf_counter() - t1
+        try:
+            self._queue_once(jobs, layered=False)
+        finally:
+            self._copy_s += time.perf_counter() - t1
 
     def finish_loads(self) -> None:
-        """Wait for the last load's copies; account them; a failed copy makes its blocks load errors."""
+        """Wait (the host) for the last load's copies; account them; a copy that failed, or that
+        cannot be confirmed, makes its blocks load errors."""
         ev, self._load_event = self._load_event, None
         failed = None
         if ev is not None:
             try:
                 self.outside.sync(ev)
-            except Exception as e:  # noqa: BLE001 - pragma: no cover (a failed device copy)
+            except Exception as e:  # noqa: BLE001 - a failed device copy
                 failed = e
                 self.once(("layer_copies",) + cause(e), logging.ERROR, "kvtier: copies of loaded blocks failed: "
                            "%s (their blocks are load errors)", e)
@@ -251,7 +290,7 @@ class Executor(Counting):
                 oks = [False] * len(oks)
             bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
             if bad:
-                self._load_errors.update(bad)
+                self._add_errors(bad)
             self.result.loaded[op.req_id] = self.result.loaded.get(op.req_id, True) and not bad
             n = sum(oks)
             if n:
@@ -303,6 +342,15 @@ class Executor(Counting):
                         f[-1].wait(left)
                     except Exception:  # noqa: BLE001 - still running (timeout) or failed: reported when done
                         pass
+        if self._async:
+            self.finish_loads()   # the step's own loads first: their failures taint its stores
+        polling, self._polling = self._polling, True
+        try:
+            return self._poll_done()
+        finally:
+            self._polling = polling
+
+    def _poll_done(self) -> set[str]:
         done: set[str] = set()
         for rid, ops in list(self._async.items()):
             if any(not self._fetched[id(op)][-1].done() for op in ops if id(op) in self._fetched):
@@ -348,6 +396,7 @@ class Executor(Counting):
                 self._store_failed(op, e, tainted, failed)
         if planned:
             try:
+                fault_point("store_copy")
                 self.outside.sync(self.outside.store_async([j for _, j in planned]))
             except Exception as e:  # noqa: BLE001
                 for op, _ in planned:
@@ -409,8 +458,7 @@ class Executor(Counting):
 
     @property
     def has_load_errors(self) -> bool:
-        """A load of this step failed (its blocks are recomputed: what the step computed after
-        them is stale)."""
+        """Load errors not yet taken (`take_load_errors`)."""
         return bool(self._load_errors)
 
     def take_load_errors(self, finish: bool = True) -> set[int]:
@@ -418,55 +466,6 @@ class Executor(Counting):
             self.finish_loads()
         e, self._load_errors = self._load_errors, set()
         return e
-
-    # ---- failures: the safe answer when work cannot run ----------------------------------------
-    def fail_blocks(self, req_id: str, block_ids: Sequence[int], why: str, waiting: bool = False) -> None:
-        """These blocks of the request were not loaded: load errors (the caller recomputes them).
-        `waiting`: the request waits for an asynchronous load, so it is also reported as done."""
-        ids = list(block_ids)
-        if waiting:
-            self._recv_failed.add(req_id)
-        self._load_errors.update(ids)
-        self.result.loaded[req_id] = False
-        self._count("blocks_load_failed", len(ids))
-        self.once(("load_failed", why), logging.WARNING,
-                   "kvtier: %d blocks of %s not loaded (%s): reported as load errors, recomputed", len(ids), req_id,
-                   why)
-
-    def fail_loads_of(self, ops: Sequence[LoadOp], why: str, async_ids: Sequence[str] = ()) -> None:
-        """These loads cannot run: each block a load error; a request loading asynchronously is
-        also reported as done (with its errors), or it would wait forever."""
-        self._recv_failed.update(async_ids)
-        for op in ops:
-            self.fail_blocks(op.req_id, op.block_ids, why)
-            if op.via:  # a promotion read through DRAM slots: those slots were not written
-                self.result.stored[op.op_id] = [False] * len(op.slots)
-            self._fetched.pop(id(op), None)
-            if op.req_id in self._async:
-                self._recv_failed.add(op.req_id)
-        self.layer_events = None
-
-    def fail_async(self) -> set[str]:
-        """Every asynchronous load still waiting fails; returns the requests to report as done."""
-        for ops in list(self._async.values()):
-            self.fail_loads_of(ops, "the asynchronous load failed")
-        self._recv_failed.update(self._async)
-        self._async.clear()
-        out, self._recv_failed = self._recv_failed, set()
-        self._failed_done |= out
-        return out
-
-    def fail_stores(self, stores: Sequence[StoreOp], copies: Sequence[CopyOp]) -> None:
-        """These stores and copies cannot run: dropped (future misses), their slots released."""
-        n = 0
-        for op in stores:
-            if op.op_id not in self.result.stored:
-                self.result.stored[op.op_id] = [False] * len(op.slots)
-                n += len(op.slots)
-        for op in copies:
-            self.result.copied[op.op_id] = [-1] * len(op.src_slots)
-            n += len(op.src_slots)
-        self._count("blocks_store_dropped", n)
 
     # ---- shutdown ------------------------------------------------------------------------------
     def drain(self, timeout_s: float) -> tuple[int, int]:

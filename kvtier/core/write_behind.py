@@ -132,11 +132,12 @@ class CopiesDown:
 
     def _copy_behind(self, ops: list[CopyOp], failed: set, behind: WriteBehind, shared: bool) -> None:
         ex = self.ex
-        if shared:  # a source slot whose store failed holds stale bytes: never sent where others read it
-            stale = [op for op in ops if any((op.src_tier, s) in failed for s in op.src_slots)]
-            if stale:
-                self._copy_failed(stale, None)
-            ops = [op for op in ops if op not in stale]
+        # a source slot whose store failed holds stale bytes: never written anywhere, not even to a
+        # slot the index will not take (`fsck --rebuild` indexes what the block headers say)
+        stale = [op for op in ops if any((op.src_tier, s) in failed for s in op.src_slots)]
+        if stale:
+            self._copy_failed(stale, None)
+        ops = [op for op in ops if op not in stale]
         batch: list = []
         try:
             srcs = [[ex.host_pool(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
