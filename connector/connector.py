@@ -161,8 +161,11 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                             "blocks; use sha256 or set the same PYTHONHASHSEED on every instance", algo)
         if self.sched is not None and cfg.serving.record_trace and self.enabled:
             from .recorder import TraceRecorder
+            fp, kv = self.fingerprint, self.fingerprint.get("kv_cache_dtype")
+            geo = {"block_bytes": self.block_bytes_estimate, "model": fp.get("model"), "dtype": fp.get("dtype"),
+                   "kv_dtype": fp.get("dtype") if kv in (None, "auto") else kv}   # as the server stores blocks
             self.sched.recorder = TraceRecorder(cfg.serving.record_trace, self.block_tokens,
-                                                cfg.serving.record_max_bytes, count=self.sched._count)
+                                                cfg.serving.record_max_bytes, count=self.sched._count, geometry=geo)
         if self.sched is not None:
             for t in self._nvme_tiers():
                 if clear_reports(t.dir):
