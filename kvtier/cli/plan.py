@@ -27,7 +27,7 @@ import numpy as np
 from kvtier.core.config import ConfigError, StackConfig, load_config
 from kvtier.cli.replay import load_gbps
 from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS
-from kvtier.offline.sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, capacity_grid, measure
+from kvtier.offline.sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, belady_points, capacity_grid, measure
 from kvtier.offline.trace import TraceReader, apply_geometry, default_trace
 from kvtier.core.units import format_size, parse_size
 
@@ -134,10 +134,11 @@ def run(args: argparse.Namespace) -> int:
     rep["geometry_note"] = note
     rep["warnings"][:0] = reader.warnings
     if not args.no_belady and not fleet:  # a fleet has no one cache to bound
-        rep["belady"] = _belady(reqs, sz, [c for _, c in _effective(local, shared, sz)], bt)
+        rep["belady"], rep["belady_method"] = _belady(reqs, sz, [c for _, c in _effective(local, shared, sz)], bt)
     if args.png:
         from kvtier.offline.sizing_plot import plot
-        rep["png"] = plot(rep, sz, args.png)
+        rep["png_layout"] = plot(rep, sz, args.png)
+        rep["png"] = rep["png_layout"]["path"]
     if args.json:
         import json
         print(json.dumps(rep))
@@ -299,14 +300,15 @@ def _fleet(sz: Sizing, local, shared, args, bb: int) -> dict:
                      "shared tier: an lru stack over the blocks the instances miss locally, in arrival order"}
 
 
-def _belady(reqs, sz: Sizing, configured: list[int], bt: int) -> list[dict]:
-    """Belady's MIN (ties deepest-first, replay's rules) at the configured reach and 1/5/10%."""
-    from kvtier.offline.belady import belady
+def _belady(reqs, sz: Sizing, configured: list[int], bt: int) -> tuple[list[dict], dict]:
+    """Belady's MIN (ties deepest-first, replay's rules) at the configured reach and 1/5/10%: exact,
+    or on a sample of the blocks of a large trace (`belady_points`, its error stated)."""
     u = sz.unique_blocks
     caps = sorted({max(1, int(f * u)) for f in BELADY_FRACTIONS} | {c for c in configured if c})
     lru = sz.hit_ratio(caps)
-    return [{"capacity_blocks": c, "hit_ratio": belady(reqs, c, bt, vllm=True)["hit_ratio"],
-             "lru_hit_ratio": float(r)} for c, r in zip(caps, lru)]
+    got = belady_points(reqs, caps, bt, sz.refs)
+    method = {k: got[k] for k in ("sample_rate", "error", "seconds")}
+    return [{**p, "lru_hit_ratio": float(r)} for p, r in zip(got["points"], lru)], method
 
 
 def _size_str(n: int) -> str:
@@ -464,6 +466,10 @@ def text(rep: dict) -> str:
     for b in rest:
         lines.append(f"    Belady (MIN) at {b['capacity_blocks']} blocks: {_pct(b['hit_ratio'])} "
                      f"(lru {_pct(b['lru_hit_ratio'])})")
+    bm = rep.get("belady_method")
+    if bm and bm["sample_rate"] < 1:
+        lines.append(f"    Belady on a sample of the blocks at rate {bm['sample_rate']:.3g}: error +/-{_pct(bm['error'])} "
+                     f"of hit ratio ({bm['seconds']:.1f} s)")
     if "suggestion" in rep:
         s = rep["suggestion"]
         lines.append(f"  suggestion ({s['goal']}): {s['summary']}")
