@@ -171,6 +171,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                 if clear_reports(t.dir):
                     log.warning("kvtier: %s: dropped a shutdown report an earlier run left unread", t.dir)
             log.info("%s", scheduler_line(self))
+            self._publish_stats(force=True)   # the state for `kvtier inspect --server`, then a heartbeat
 
     @staticmethod
     def _fit_scheduler(cfg: Any) -> Any:
@@ -340,7 +341,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                     self.sched.on_worker_meta(rep)
                     n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
                     log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
-            self._publish_stats(force=True)
+            self._publish_stats(force=True, final=True)
             if self.sched.recorder is not None:
                 self.sched.recorder.close()
             t0 = time.monotonic()
