@@ -385,7 +385,7 @@ def measure(reqs: Iterable[Request], block_tokens: int = BLOCK_TOKENS, sample: f
 
 
 BELADY_EXACT_REFS = 1_000_000   # Belady on more block references than this runs on a sample
-BELADY_SAMPLE_REFS = 100_000    # about this many references in the sample
+BELADY_SAMPLE_REFS = 60_000     # about this many references in the sample
 BELADY_GROUPS = 4               # disjoint sub-samples for its error
 
 
@@ -398,11 +398,12 @@ def belady_points(reqs: Sequence[Request], caps: Sequence[int], block_tokens: in
     blocks, the prefix rule over the sampled blocks of each request, as `measure` samples) of about
     BELADY_SAMPLE_REFS references. The stated error is three standard errors from BELADY_GROUPS
     disjoint sub-samples. Returns {"points": [{capacity_blocks, hit_ratio}], "sample_rate", "error"}."""
-    from kvtier.offline.belady import belady
+    from kvtier.offline.belady import belady, next_uses
     refs = refs if refs is not None else sum(len(r.hash_ids) for r in reqs)
     if refs <= BELADY_EXACT_REFS:
-        return {"points": [{"capacity_blocks": c, "hit_ratio": belady(reqs, c, block_tokens, vllm=True)["hit_ratio"]}
-                           for c in caps], "sample_rate": 1.0, "error": 0.0, "seconds": 0.0}
+        nu = next_uses(reqs)
+        return {"points": [{"capacity_blocks": c, "hit_ratio": belady(reqs, c, block_tokens, vllm=True, nu=nu)[
+            "hit_ratio"]} for c in caps], "sample_rate": 1.0, "error": 0.0, "seconds": 0.0}
     t0 = time.perf_counter()
     rate = BELADY_SAMPLE_REFS / refs
     thr = int(rate * (1 << 64))
@@ -429,10 +430,12 @@ def belady_points(reqs: Sequence[Request], caps: Sequence[int], block_tokens: in
             if ids:   # one-token blocks: hits up to q of the len(ids) full sampled blocks
                 part.append(Request(r.timestamp, q + 1, 0, ids))
 
+    nus = [next_uses(p) for p in parts]   # shared by the capacities
+
     def ratio(k: int, c: int, scale: float) -> float:
         if not counted[k]:
             return 0.0
-        return belady(parts[k], max(1, round(c * scale)), 1, vllm=True)["hit_blocks"] / counted[k]
+        return belady(parts[k], max(1, round(c * scale)), 1, vllm=True, nu=nus[k])["hit_blocks"] / counted[k]
     pts, errs = [], []
     for c in caps:
         hr = ratio(0, c, rate)
