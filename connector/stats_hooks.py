@@ -93,7 +93,9 @@ class StatsHooks:
         rec = self.sched.recorder
         return {"stopped": time.time() if final else None, "config": cfg.source,
                 "geometry": {"block_tokens": self.block_tokens, "block_bytes": cfg.block_bytes,
-                             "model": fp.get("model"), "dtype": fp.get("dtype"), "kv_dtype": fp.get("kv_cache_dtype"),
+                             "model": fp.get("model"), "dtype": fp.get("dtype"),
+                             "kv_dtype": fp.get("dtype") if fp.get("kv_cache_dtype") in (None, "auto")
+                             else fp.get("kv_cache_dtype"),
                              "layout": fp.get("layout")},
                 "tiers": [{"name": t.name, "kind": kinds.get(t.name, str(t.medium)),
                            "dir": getattr(t, "dir", None) if t.medium is Medium.FILE else None,

@@ -82,3 +82,17 @@ def test_a_live_server_is_read_from_its_own_state(tmp_path, monkeypatch, capsys)
     assert s["status"] == "not running" and s["totals"] == dict(sc.sched.totals)
     assert main(["inspect", "--server"]) == 0
     assert f"server pid {os.getpid()}: not running (last seen" in capsys.readouterr().out
+
+
+def test_states_of_servers_gone_for_a_day_are_pruned(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_RUN_DIR", str(tmp_path / "run"))
+    monkeypatch.setattr(write_server_state, "_pruned", False, raising=False)
+    (tmp_path / "run").mkdir(mode=0o700)
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    old, recent = tmp_path / "run" / f"server-{int(p.stdout)}.json", tmp_path / "run" / "server-999999998.json"
+    for f in (old, recent):
+        f.write_text(json.dumps({"pid": int(f.name[7:-5]), "time": 0, "totals": {}}))
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    write_server_state({"stopped": None, "totals": {}})
+    assert not old.exists() and recent.exists()
+    assert sorted(s["pid"] for s in read_servers()) == sorted([os.getpid(), 999999998])

@@ -77,6 +77,7 @@ def hit_ratios(stats: dict) -> dict:
 STATE_PREFIX = "server-"
 HEARTBEAT_S = 1.0      # a serving scheduler rewrites its state this often, idle or not
 STALE_S = 10.0         # a state older than this, from a live pid, is a server not answering
+KEEP_S = 86400.0       # the state of a server gone for longer is removed (by the next server to start)
 
 
 def run_dir() -> str:
@@ -108,6 +109,9 @@ def write_server_state(state: dict) -> str | None:
     try:
         if not _own_dir(d):
             raise OSError(f"{d}: not a directory of this user's")
+        if not getattr(write_server_state, "_pruned", False):
+            write_server_state._pruned = True  # type: ignore[attr-defined]
+            _prune(d)
         return write_private(os.path.join(d, f"{STATE_PREFIX}{os.getpid()}.json"),
                              {**state, "pid": os.getpid(), "time": time.time()}, fsync=False)
     except OSError as e:
@@ -116,6 +120,17 @@ def write_server_state(state: dict) -> str | None:
             log.warning("kvtier: cannot leave the server's state in %s: %s (kvtier inspect --server will not "
                         "find it; set KVTIER_RUN_DIR)", d, e)
         return None
+
+
+def _prune(d: str) -> None:
+    """States of servers gone for more than KEEP_S: removed (once per process)."""
+    for n in os.listdir(d):
+        pid = n[len(STATE_PREFIX):-len(".json")] if n.startswith(STATE_PREFIX) and n.endswith(".json") else ""
+        try:
+            if pid.isdigit() and not pid_alive(int(pid)) and time.time() - os.lstat(os.path.join(d, n)).st_mtime > KEEP_S:
+                os.unlink(os.path.join(d, n))
+        except OSError:
+            pass
 
 
 def pid_alive(pid: int) -> bool:

@@ -150,6 +150,7 @@ class Curve:
     adjust: bool = True   # SHARDS-adj (the local curve, where the hot blocks hit)
 
     def add(self, runmax: Iterable[int]) -> None:
+        self._cum = None
         h = self.hist
         for m in runmax:
             if m >= len(h):
@@ -160,7 +161,9 @@ class Curve:
         """Share of the references that hit at capacities `caps` (blocks). A sample that drew more
         (fewer) references than expected (a hot block in or out) has the difference taken from
         (added to) its shortest distances (SHARDS-adj), where a prefix trace's hot blocks are."""
-        cum = np.cumsum(np.asarray(self.hist, dtype=np.int64))
+        cum = getattr(self, "_cum", None)
+        if cum is None:   # the curve is read many times once the pass is over
+            cum = self._cum = np.cumsum(np.asarray(self.hist, dtype=np.int64))
         # a block d deep has 1 + Binomial(d - 1, scale) sampled blocks at or above it: d ~ 1 + (d_s - 1) / scale
         c = np.asarray(caps, dtype=np.float64)
         idx = np.where(c >= 1, np.floor(1 + (c - 1) * self.scale + 1e-9), 0).astype(np.int64)
