@@ -414,6 +414,9 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if self.sched is None or not self.enabled:
             return KVTierMetadata()
         so = scheduler_output
+        if self.sched.recorder is not None:   # the prefill speed the trace states (plan's cost model)
+            self.sched.recorder.step(sum(so.num_scheduled_tokens.get(r.req_id, 0) for r in so.scheduled_new_reqs),
+                                     int(so.total_num_scheduled_tokens))
         bstate = getattr(so, "kv_connector_block_state", None)
         if self.hybrid:
             return self._build_meta_groups(so, bstate)
@@ -461,6 +464,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.sched is None:
             return
+        if self.sched.recorder is not None:
+            self.sched.recorder.step_done()
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, KVTierWorkerMeta):
             self.sched.on_worker_meta(wm)

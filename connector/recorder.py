@@ -42,7 +42,8 @@ QUEUE_MAX = 1 << 16
 POLL_S = 0.05
 SECRET_BYTES = 32
 GEOMETRY_KEY = "kvtier_trace"   # the header line kvtier.offline.trace reads (its GEOMETRY_KEY)
-TAIL_BYTES = 1 << 16   # read back at start: the last timestamp, so a restart's clock continues
+TAIL_BYTES = 1 << 16
+MIN_PREFILL_TOKENS = 256   # the prefill speed is stated once this many tokens were timed   # read back at start: the last timestamp, so a restart's clock continues
 
 
 def _secret(path: str) -> bytes:
@@ -105,6 +106,8 @@ class TraceRecorder:
         self._stop = threading.Event()   # set by `close` only: the writer drains and ends
         self._fd = -1
         self._warned = False
+        self._step: tuple[float, int] | None = None
+        self._prefill = [0, 0.0, 0]        # tokens, seconds, steps timed
         self.active = False
         try:
             make_private_dirs(os.path.dirname(self.path))   # each missing one 0700
@@ -129,11 +132,36 @@ class TraceRecorder:
         """Open (create) the trace at its path; a header line starts each session and each new file."""
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         try:
-            self._append(fd, (json.dumps({GEOMETRY_KEY: {"version": 1, **self.geometry}}) + "\n").encode())
+            self._append(fd, self._header())
         except OSError:
             os.close(fd)
             raise
         return fd
+
+    def _header(self) -> bytes:
+        g = {"version": 1, **self.geometry}
+        tps = self.prefill_tokens_per_s
+        if tps is not None:
+            g["prefill_tokens_per_s"], g["prefill_steps"] = round(tps, 1), self._prefill[2]
+        return (json.dumps({GEOMETRY_KEY: g}) + "\n").encode()
+
+    # ---- the prefill speed, measured (plan's cost model) -----------------------------------
+    def step(self, new_tokens: int, all_tokens: int) -> None:
+        """A scheduler step begins; it is timed when it only prefills new requests."""
+        self._step = (time.perf_counter(), new_tokens) if 0 < new_tokens == all_tokens else None
+
+    def step_done(self) -> None:
+        """The step's output came back (its forward ran): a timed step adds to the prefill speed."""
+        s, self._step = self._step, None
+        if s is not None:
+            p = self._prefill
+            p[0], p[1], p[2] = p[0] + s[1], p[1] + time.perf_counter() - s[0], p[2] + 1
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """Tokens per second over the steps that only prefilled new requests (None before any)."""
+        tokens, secs, _ = self._prefill
+        return tokens / secs if secs > 0 and tokens >= MIN_PREFILL_TOKENS else None
 
     @staticmethod
     def _append(fd: int, line: bytes) -> None:
@@ -231,6 +259,8 @@ class TraceRecorder:
             return
         try:
             if self._fd >= 0:
+                if self.prefill_tokens_per_s is not None:   # the session's measured prefill speed
+                    self._append(self._fd, self._header())
                 os.close(self._fd)
         except OSError:
             pass

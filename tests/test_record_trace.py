@@ -74,6 +74,25 @@ def test_a_restart_continues_the_clock(tmp_path, monkeypatch):
     assert p.read_text().count('"kvtier_trace"') == 2          # one header per session
 
 
+def test_the_prefill_speed_is_measured_over_prefill_only_steps(tmp_path, monkeypatch):
+    """Steps that only prefill new requests are timed; a step with decodes in it is not; the
+    speed goes into a header line at close, which the reader takes over the first one."""
+    clock = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    p = tmp_path / "t.jsonl"
+    r = TraceRecorder(str(p), block_tokens=32)
+    for new, total, secs in ((200, 200, 0.5), (0, 4, 9.0), (100, 103, 9.0), (300, 300, 0.5)):
+        r.step(new, total)
+        clock[0] += secs
+        r.step_done()
+    assert r.prefill_tokens_per_s == 500.0
+    r.record(time.time(), 64, 1, _hashes("a", "b"))
+    r.close()
+    t = load_trace(str(p))
+    assert t.geometry["prefill_tokens_per_s"] == 500.0 and t.geometry["prefill_steps"] == 2
+    assert p.read_text().count('"kvtier_trace"') == 2 and len(t) == 1
+
+
 def test_a_missing_directory_is_made_private(tmp_path):
     p = tmp_path / "var" / "lib" / "kvtier" / "trace.jsonl"
     r = TraceRecorder(str(p), block_tokens=32)
@@ -280,6 +299,9 @@ def test_recorded_trace_replays_to_the_servers_hits(tmp_path, capsys):
     assert "the trace's geometry" in rep["geometry_note"]
     sug = rep["suggestion"]
     assert f"block_bytes: {bb // 1024}KiB" in sug["yaml"] and "block_tokens: 32" in sug["yaml"]
+    assert reqs.geometry["prefill_tokens_per_s"] > 0                  # measured by the server
+    assert rep["cost_model"]["prefill_tokens_per_s"] == reqs.geometry["prefill_tokens_per_s"]
+    assert rep["cost_model"]["prefill_source"].startswith("measured by the server")
     assert sug["capacity_bytes"]["cpu"] >= sug["capacity_blocks"] * bb
     print(f"served geometry: {U.BLOCK} tokens x {bb} B; plan --target-hit 20%: {sug['summary']}", file=sys.stderr)
 

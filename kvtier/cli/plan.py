@@ -118,16 +118,16 @@ def run(args: argparse.Namespace) -> int:
         reqs = list(reqs)
     bt = reader.block_tokens
     cfg, note = apply_geometry(base, bt, reader.geometry)
-    measured = (reader.geometry or {}).get("prefill_tokens_per_s")
+    local, shared = _tiers(cfg)
+    fleet = args.instances > 1
+    sz = measure(reqs, bt, args.sample, args.instances, args.routing or "random",
+                 max((c for _, c in local), default=0))
+    measured = (reader.geometry or {}).get("prefill_tokens_per_s")   # the latest header's: read to the end now
     if args.prefill_tokens_per_s is None:
         args.prefill_tokens_per_s = float(measured or DEFAULT_PREFILL_TPS)
         args.prefill_source = "measured by the server (the trace's header)" if measured else "assumed (default)"
     else:
         args.prefill_source = "--prefill-tokens-per-s"
-    local, shared = _tiers(cfg)
-    fleet = args.instances > 1
-    sz = measure(reqs, bt, args.sample, args.instances, args.routing or "random",
-                 max((c for _, c in local), default=0))
     rep = report(sz, cfg, cfg, args, local, shared)
     rep["trace"] = str(trace)
     rep["geometry"] = reader.geometry

@@ -117,7 +117,8 @@ def _geometry(obj: dict, where: str) -> dict:
     g = obj.get(GEOMETRY_KEY)
     if not isinstance(g, dict):
         raise TraceError(f"{where}: field {GEOMETRY_KEY!r} must be an object, got {type(g).__name__}")
-    out = {k: g[k] for k in (*GEOMETRY_FIELDS, "session", "prefill_tokens_per_s", "version") if k in g}
+    out = {k: g[k] for k in (*GEOMETRY_FIELDS, "dtype", "session", "prefill_tokens_per_s", "prefill_steps", "version")
+           if k in g}
     _block_tokens(out, where)
     for k in ("block_bytes", "session"):
         v = out.get(k)
@@ -216,6 +217,9 @@ class TraceReader:
                             raise TraceError(f"{where}: a mixed trace: {k} {g.get(k)!r} here, {head[1].get(k)!r} "
                                              f"at line {head[0]} (recorded under another geometry); give plan or "
                                              f"replay one part")
+                    if "prefill_tokens_per_s" in g:   # the latest measure wins
+                        self.geometry = {**self.geometry, **{k: g[k] for k in ("prefill_tokens_per_s",
+                                                                                  "prefill_steps") if k in g}}
                 continue
             req = parse_request(obj, where)
             bt = _block_tokens(obj, where)
