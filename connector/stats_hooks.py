@@ -66,16 +66,21 @@ class StatsHooks:
         if not force and now - self._stats_at < 1.0:
             return
         self._stats_at = now
-        if getattr(self, "_heartbeat", None) is None and not final:
+        if getattr(self, "_heartbeat", None) is None and not final:   # first called at start, one thread
+            self._state_lock = threading.Lock()
             self._heartbeat = threading.Thread(target=self._beat, name="kvtier-state", daemon=True)
             self._heartbeat.start()
-        try:
-            totals = dict(self.sched.totals)
-        except RuntimeError:   # changed size while copied (the scheduler thread): the next beat
-            return
-        for t in self._nvme_tiers():
-            write_stats(t.dir, totals)
-        write_server_state(self._server_state(totals, final))
+        with getattr(self, "_state_lock", None) or threading.Lock():
+            if getattr(self, "_stopped", False):   # the final state stays the last written
+                return
+            self._stopped = final
+            try:
+                totals = dict(self.sched.totals)
+            except RuntimeError:   # changed size while copied (the scheduler thread): the next beat
+                return
+            for t in self._nvme_tiers():
+                write_stats(t.dir, totals)
+            write_server_state(self._server_state(totals, final))
 
     def _beat(self) -> None:
         while not self.closed:
