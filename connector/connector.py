@@ -160,12 +160,10 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                             "hashes per process, so no other instance will ever hit this one's shared-tier "
                             "blocks; use sha256 or set the same PYTHONHASHSEED on every instance", algo)
         if self.sched is not None and cfg.serving.record_trace and self.enabled:
-            from .recorder import TraceRecorder
-            fp, kv = self.fingerprint, self.fingerprint.get("kv_cache_dtype")
-            geo = {"block_bytes": self.block_bytes_estimate, "model": fp.get("model"), "dtype": fp.get("dtype"),
-                   "kv_dtype": fp.get("dtype") if kv in (None, "auto") else kv}   # as the server stores blocks
+            from .recorder import TraceRecorder, served_geometry
             self.sched.recorder = TraceRecorder(cfg.serving.record_trace, self.block_tokens,
-                                                cfg.serving.record_max_bytes, count=self.sched._count, geometry=geo)
+                                                cfg.serving.record_max_bytes, count=self.sched._count,
+                                                geometry=served_geometry(self.fingerprint, self.block_bytes_estimate))
         if self.sched is not None:
             for t in self._nvme_tiers():
                 if clear_reports(t.dir):
@@ -415,8 +413,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
             return KVTierMetadata()
         so = scheduler_output
         if self.sched.recorder is not None:   # the prefill speed the trace states (plan's cost model)
-            self.sched.recorder.step(sum(so.num_scheduled_tokens.get(r.req_id, 0) for r in so.scheduled_new_reqs),
-                                     int(so.total_num_scheduled_tokens))
+            self.sched.recorder.scheduled(so)
         bstate = getattr(so, "kv_connector_block_state", None)
         if self.hybrid:
             return self._build_meta_groups(so, bstate)

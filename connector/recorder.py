@@ -88,6 +88,13 @@ def _last_timestamp(path: str) -> float | None:
     return None
 
 
+def served_geometry(fingerprint: dict, block_bytes: int) -> dict:
+    """The header's geometry from the connector's fingerprint: how the server stores its blocks."""
+    kv = fingerprint.get("kv_cache_dtype")
+    return {"block_bytes": block_bytes, "model": fingerprint.get("model"), "dtype": fingerprint.get("dtype"),
+            "kv_dtype": fingerprint.get("dtype") if kv in (None, "auto") else kv}
+
+
 class TraceRecorder:
     """See the module. `geometry`: how the server stores its blocks (block_tokens, block_bytes,
     model, kv_dtype), written in a header line at each session and each new file. A path it cannot
@@ -149,6 +156,11 @@ class TraceRecorder:
     def step(self, new_tokens: int, all_tokens: int) -> None:
         """A scheduler step begins; it is timed when it only prefills new requests."""
         self._step = (time.perf_counter(), new_tokens) if 0 < new_tokens == all_tokens else None
+
+    def scheduled(self, so: Any) -> None:
+        """vLLM's SchedulerOutput of the step that begins: `step` with its new requests' tokens."""
+        nst = so.num_scheduled_tokens
+        self.step(sum(nst.get(r.req_id, 0) for r in so.scheduled_new_reqs), int(so.total_num_scheduled_tokens))
 
     def step_done(self) -> None:
         """The step's output came back (its forward ran): a timed step adds to the prefill speed."""
