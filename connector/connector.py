@@ -170,14 +170,16 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         if self.sched is not None and shared is not None:
             warn_per_process_hashes(vllm_config)
         if self.sched is not None and cfg.serving.record_trace and self.enabled:
-            from .recorder import TraceRecorder
+            from .recorder import TraceRecorder, served_geometry
             self.sched.recorder = TraceRecorder(cfg.serving.record_trace, self.block_tokens,
-                                                cfg.serving.record_max_bytes, count=self.sched._count)
+                                                cfg.serving.record_max_bytes, count=self.sched._count,
+                                                geometry=served_geometry(self.fingerprint, self.block_bytes_estimate))
         if self.sched is not None:
             for t in self._nvme_tiers():
                 if clear_reports(t.dir):
                     log.warning("kvtier: %s: dropped a shutdown report an earlier run left unread", t.dir)
             log.info("%s", scheduler_line(self))
+            self._publish_stats(force=True)   # the state for `kvtier inspect --server`, then a heartbeat
 
     @staticmethod
     def _fit_scheduler(cfg: Any) -> Any:
@@ -221,10 +223,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM 0.33's sleep mode: no. Sleep releases the KV cache and wake-up maps it again, while
-        kvtier's workers hold views into those tensors (connector/kv_layout.py) and may have copies
-        in flight; following the remap is not verified on a GPU, so vLLM refuses
-        `enable_sleep_mode` with kvtier mounted (one line at start) rather than risk stale KV."""
+        """vLLM 0.33's sleep mode: no. Wake-up remaps the KV cache the workers hold views into
+        (connector/kv_layout.py); vLLM refuses `enable_sleep_mode` with kvtier mounted, not stale KV."""
         return False
 
     @classmethod
@@ -276,10 +276,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
 
     @hook(recover="_transfers_failed")
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # Local loads finish before the forward and GPU->CPU copies within the step (NVMe writes
-        # run behind from the CPU copy): nothing is delayed but asynchronous loads, reported as
-        # received once their blocks are in the KV. A hybrid model's failed load fails its request
-        # (vLLM takes no block-level errors with several groups): also in finished_recving.
+        # Only asynchronous loads are delayed: received once their blocks are in the KV. A hybrid
+        # model's failed load fails its request (no block-level errors with several groups).
         out = KVConnectorTransferResults()
         if self.worker is not None:
             out.finished_recving = self.worker.poll_async()
@@ -341,7 +339,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
                     log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
             if self.sched.lazy is not None:
                 self.sched.lazy.report_shutdown()
-            self._publish_stats(force=True)
+            self._publish_stats(force=True, final=True)
             if self.sched.recorder is not None:
                 self.sched.recorder.close()
             t0 = time.monotonic()
@@ -416,6 +414,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
             return KVTierMetadata()
         self.persistent.poll(self.sched)
         so = scheduler_output
+        if self.sched.recorder is not None:   # the prefill speed the trace states (plan's cost model)
+            self.sched.recorder.scheduled(so)
         bstate = getattr(so, "kv_connector_block_state", None)
         if self.hybrid:
             return self._build_meta_groups(so, bstate)
@@ -463,6 +463,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self.sched is None:
             return
+        if self.sched.recorder is not None:
+            self.sched.recorder.step_done()
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, KVTierWorkerMeta):
             self.sched.on_worker_meta(wm)

@@ -7,10 +7,11 @@ its totals into each NVMe directory for `kvtier inspect --watch`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core.serving_stats import write_stats
+from kvtier.core.serving_stats import HEARTBEAT_S, write_server_state, write_stats
 from kvtier.tiers.handles import Medium
 
 from .config import load_settings
@@ -57,15 +58,55 @@ class StatsHooks:
                 s.data.setdefault(k, v)  # a controller that reports its own gauges wins
         return s
 
-    def _publish_stats(self, force: bool = False) -> None:
-        """The scheduler's totals into each NVMe directory, at most once a second (and at
-        shutdown), for `kvtier inspect --watch`."""
+    def _publish_stats(self, force: bool = False, final: bool = False) -> None:
+        """The scheduler's totals into each NVMe directory and its state (directories, geometry,
+        counters) into the run directory (`kvtier inspect --server`): at most once a second from
+        the steps, every HEARTBEAT_S from a thread while idle, and at shutdown (`final`)."""
         now = time.monotonic()
         if not force and now - self._stats_at < 1.0:
             return
         self._stats_at = now
-        for t in self._nvme_tiers():
-            write_stats(t.dir, dict(self.sched.totals))
+        if getattr(self, "_heartbeat", None) is None and not final:   # first called at start, one thread
+            self._state_lock = threading.Lock()
+            self._heartbeat = threading.Thread(target=self._beat, name="kvtier-state", daemon=True)
+            self._heartbeat.start()
+        with getattr(self, "_state_lock", None) or threading.Lock():
+            if getattr(self, "_stopped", False):   # the final state stays the last written
+                return
+            self._stopped = final
+            try:
+                totals = dict(self.sched.totals)
+            except RuntimeError:   # changed size while copied (the scheduler thread): the next beat
+                return
+            for t in self._nvme_tiers():
+                write_stats(t.dir, totals)
+            write_server_state(self._server_state(totals, final))
+
+    def _beat(self) -> None:
+        while not self.closed:
+            time.sleep(HEARTBEAT_S)
+            if not self.closed and time.monotonic() - self._stats_at >= HEARTBEAT_S:
+                try:
+                    self._publish_stats(force=True)
+                except Exception as e:  # never out of a daemon thread; the next beat tries again
+                    log.debug("kvtier: state heartbeat: %s", e)
+
+    def _server_state(self, totals: dict, final: bool) -> dict:
+        cfg = self.config
+        kinds = {t.name: t.kind for t in cfg.storage_tiers()}
+        fp = getattr(self, "fingerprint", {}) or {}
+        rec = self.sched.recorder
+        return {"stopped": time.time() if final else None, "config": cfg.source,
+                "geometry": {"block_tokens": self.block_tokens, "block_bytes": cfg.block_bytes,
+                             "model": fp.get("model"), "dtype": fp.get("dtype"),
+                             "kv_dtype": fp.get("dtype") if fp.get("kv_cache_dtype") in (None, "auto")
+                             else fp.get("kv_cache_dtype"),
+                             "layout": fp.get("layout")},
+                "tiers": [{"name": t.name, "kind": kinds.get(t.name, str(t.medium)),
+                           "dir": getattr(t, "dir", None) if t.medium is Medium.FILE else None,
+                           "capacity_blocks": int(t.capacity_blocks or 0), "resident_blocks": int(t.num_used or 0)}
+                          for t in self.sched.tiers],
+                "record_trace": rec.path if rec is not None and rec.active else None, "totals": totals}
 
     def _nvme_tiers(self) -> list:
         return [t for t in self.sched.tiers if t.medium is Medium.FILE] if self.sched is not None else []

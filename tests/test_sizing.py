@@ -243,7 +243,7 @@ def test_trace_block_tokens_is_read_and_used(tmp_path, capsys):
     out = capsys.readouterr()
     r = json.loads(out.out.strip().splitlines()[-1])
     assert r["block_tokens"] == 64 and r["hit_blocks"] == s["hit_blocks"] and r["hit_tokens"] == s["hit_tokens"]
-    assert "replaying in 64-token blocks" in out.err
+    assert "sizing in 64-token blocks" in out.err
     # every line of a trace has the same block size: a mismatch is one line naming both lines
     lines = p.read_text().splitlines()
     lines[5] = lines[5].replace('"block_tokens": 64', '"block_tokens": 16')

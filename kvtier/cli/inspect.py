@@ -17,7 +17,8 @@ from kvtier.core.units import format_size
 def cmd_inspect(args: argparse.Namespace) -> int:
     """What each tier holds; the NVMe tier read-only (no lock, nothing allocated), so it works
     on a live server's directory. `--watch S` refreshes every S seconds until Ctrl-C."""
-    cfg = load_fitted(args.config, allocate=False)
+    server = getattr(args, "server", None)
+    cfg = load_fitted(args.config, allocate=False) if server is None else None
     watch = getattr(args, "watch", None)
     if watch is not None and not 0.1 <= watch <= 3600:
         raise ValueError(f"--watch must be between 0.1 and 3600 seconds, got {watch}")
@@ -26,8 +27,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise ValueError(f"--count must be >= 1, got {count}")
     n = 0
     while True:
-        st = inspect_stats(cfg)
-        print_result(args, st, _inspect_text)
+        if server is not None:
+            print_result(args, inspect_servers(server or None), _servers_text)
+        else:
+            print_result(args, inspect_stats(cfg), _inspect_text)
         n += 1
         if watch is None or (count is not None and n >= count):
             return 0
@@ -72,6 +75,42 @@ def inspect_stats(cfg: StackConfig) -> dict:
             "policies": {"eviction": cfg.policy.eviction, "admission": cfg.policy.admission,
                          "promotion": cfg.policy.promotion, "offload": cfg.policy.offload},
             "time": time.time()}
+
+
+def inspect_servers(pid: int | None = None) -> dict:
+    """What the vLLM servers on this host say about themselves (kvtier.core.serving_stats:
+    each serving scheduler rewrites its state every second): found without their config."""
+    from kvtier.core.serving_stats import hit_ratios, read_servers, run_dir
+    servers = read_servers(pid)
+    if pid is not None and not servers:
+        raise ConfigError(f"inspect --server {pid}: no state from that pid in {run_dir()} (the server's "
+                          f"KVTIER_RUN_DIR / XDG_RUNTIME_DIR must match this shell's)")
+    for s in servers:
+        s["hits"] = hit_ratios(s)
+    return {"run_dir": run_dir(), "servers": servers, "time": time.time()}
+
+
+def _servers_text(d: dict) -> str:
+    if not d["servers"]:
+        return f"no kvtier server has run here (no state in {d['run_dir']})"
+    lines = []
+    for s in d["servers"]:
+        seen = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(s.get("time", 0))))
+        how = f"serving (state {s['age_s']} s old)" if s["status"] == "serving" else \
+            f"{s['status']} (last seen {seen}, {s['age_s']:.0f} s ago)"
+        lines.append(f"server pid {s['pid']}: {how}")
+        g = s.get("geometry") or {}
+        lines.append(f"  geometry (as served): {g.get('block_tokens')}-token blocks of "
+                     f"{format_size(int(g.get('block_bytes') or 0))}, model {g.get('model')}, KV {g.get('kv_dtype')}")
+        lines.append(f"  config: {s.get('config')}" + (f"; recording to {s['record_trace']}" if s.get("record_trace") else ""))
+        for t in s.get("tiers", []):
+            lines.append(f"  {t['name']:<8} {t['kind']:<5} {t['resident_blocks']:>9} / {t['capacity_blocks']:<9} blocks"
+                         + (f"  {t['dir']}" if t.get("dir") else ""))
+        h = s["hits"]
+        by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in h["hit_ratio_by_tier"].items())
+        lines.append(f"  block hit ratio {100 * h['hit_ratio']:.1f}%" + (f" ({by})" if by else "")
+                     + f" of {h['blocks_looked_up']} blocks looked up, {h['lookups']} lookups")
+    return "\n".join(lines)
 
 
 def inspect_shared(cfg: StackConfig, t: Any) -> dict:
@@ -139,7 +178,10 @@ def _inspect_text(d: dict) -> str:
                      f"  eviction={t['eviction']}  engine={t.get('engine', '-')}")
         sv = t.get("serving")
         if sv:
-            head = f"           serving: pid {sv['pid']}, counters written {sv['age_s']} s ago: "
+            from kvtier.core.serving_stats import pid_alive
+            head = f"           serving: pid {sv['pid']}, counters written {sv['age_s']} s ago: " \
+                if isinstance(sv["pid"], int) and pid_alive(sv["pid"]) else \
+                f"           served by pid {sv['pid']}: not running (last seen {sv['age_s']:.0f} s ago): "
             if not sv["blocks_looked_up"]:
                 lines.append(head + f"no block looked up yet ({sv['lookups']} lookups)")
             else:

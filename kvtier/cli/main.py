@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                    help="refresh every SECONDS until Ctrl-C (a live server's directory too)")
     p.add_argument("--count", type=int, default=None, help="with --watch: stop after COUNT refreshes")
+    p.add_argument("--server", nargs="?", type=int, const=0, default=None, metavar="PID",
+                   help="the running vLLM servers (or the one of PID) as they report themselves: directories, "
+                        "geometry, counters; no --config needed")
 
     p = sub.add_parser("fsck", help="check the NVMe tier against its block headers; --rebuild the index")
     _common(p)

@@ -27,8 +27,8 @@ import numpy as np
 from kvtier.core.config import ConfigError, StackConfig, load_config
 from kvtier.cli.replay import load_gbps
 from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS
-from kvtier.offline.sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, capacity_grid, measure
-from kvtier.offline.trace import TraceReader, default_trace, load_trace, rescale_stack
+from kvtier.offline.sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, belady_points, capacity_grid, measure
+from kvtier.offline.trace import TraceReader, apply_geometry, default_trace
 from kvtier.core.units import format_size, parse_size
 
 FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)   # table rows: shares of the unique blocks
@@ -52,8 +52,11 @@ def add_parser(sub) -> None:
     p.add_argument("--png", default=None, metavar="PATH", help="plot the curves with the configured capacities marked")
     p.add_argument("--no-belady", action="store_true",
                    help="skip Belady (it holds the trace in memory; the curve alone streams it)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=DEFAULT_PREFILL_TPS,
-                   help=f"cost model: prefill speed of the served model (default {DEFAULT_PREFILL_TPS:.0f})")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                   help=f"cost model: prefill speed of the served model (default: the one the recorded trace "
+                        f"states, else {DEFAULT_PREFILL_TPS:.0f}, assumed)")
+    p.add_argument("--trust-block-tokens", action="store_true",
+                   help="take the trace's block size as given even when its input lengths contradict it")
     p.add_argument("--load-gbps", default=None,
                    help="cost model: per-tier load bandwidth, e.g. 'cpu=20,nvme=5' (default by tier kind)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -92,7 +95,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.png is not None and not Path(args.png).resolve().parent.is_dir():
         raise ConfigError(f"--png {args.png}: {Path(args.png).resolve().parent}: no such directory [ENOENT]")
     tps = args.prefill_tokens_per_s
-    if not (tps > 0 and math.isfinite(tps)):
+    if tps is not None and not (tps > 0 and math.isfinite(tps)):
         raise ConfigError(f"--prefill-tokens-per-s must be a finite number > 0, got {tps}")
     load_gbps(args)
 
@@ -105,29 +108,37 @@ def run(args: argparse.Namespace) -> int:
     if not trace.is_file():
         raise ConfigError(f"--trace: {trace}: no such file (set KVTIER_TRACE or pass --trace)")
     base = load_config(args.config, check_env=False)
-    if args.no_belady:   # stream: memory follows the unique blocks, not the trace
-        reader = TraceReader(trace, args.limit)
-        it = iter(reader)
-        first = next(it, None)
-        reqs: Any = itertools.chain([first], it) if first is not None else []
-        bt = reader.block_tokens
-    else:
-        reqs = first = load_trace(trace, args.limit)
-        bt = reqs.block_tokens
-    if not first:
+    reader = TraceReader(trace, args.limit, args.trust_block_tokens)
+    it = iter(reader)
+    first = next(it, None)
+    if first is None:
         raise ConfigError(f"--trace: {trace}: no requests in the trace (empty, or only blank lines)")
-    cfg = rescale_stack(base, bt)
+    reqs: Any = itertools.chain([first], it)
+    if not args.no_belady:   # Belady holds the trace; the curve alone streams it (memory: the unique blocks)
+        reqs = list(reqs)
+    bt = reader.block_tokens
+    cfg, note = apply_geometry(base, bt, reader.geometry)
     local, shared = _tiers(cfg)
     fleet = args.instances > 1
     sz = measure(reqs, bt, args.sample, args.instances, args.routing or "random",
                  max((c for _, c in local), default=0))
-    rep = report(sz, cfg, base, args, local, shared)
+    measured = (reader.geometry or {}).get("prefill_tokens_per_s")   # the latest header's: read to the end now
+    if args.prefill_tokens_per_s is None:
+        args.prefill_tokens_per_s = float(measured or DEFAULT_PREFILL_TPS)
+        args.prefill_source = "measured by the server (the trace's header)" if measured else "assumed (default)"
+    else:
+        args.prefill_source = "--prefill-tokens-per-s"
+    rep = report(sz, cfg, cfg, args, local, shared)
     rep["trace"] = str(trace)
+    rep["geometry"] = reader.geometry
+    rep["geometry_note"] = note
+    rep["warnings"][:0] = reader.warnings
     if not args.no_belady and not fleet:  # a fleet has no one cache to bound
-        rep["belady"] = _belady(reqs, sz, [c for _, c in _effective(local, shared, sz)], bt)
+        rep["belady"], rep["belady_method"] = _belady(reqs, sz, [c for _, c in _effective(local, shared, sz)], bt)
     if args.png:
         from kvtier.offline.sizing_plot import plot
-        rep["png"] = plot(rep, sz, args.png)
+        rep["png_layout"] = plot(rep, sz, args.png)
+        rep["png"] = rep["png_layout"]["path"]
     if args.json:
         import json
         print(json.dumps(rep))
@@ -198,6 +209,7 @@ def report(sz: Sizing, cfg: StackConfig, base: StackConfig, args, local, shared)
                   "demotion": cfg.policy.demotion,
                   "gpu": "vLLM's block pool (sized by vLLM): not modelled, as in replay"},
         "cost_model": {"prefill_tokens_per_s": args.prefill_tokens_per_s,
+                       "prefill_source": getattr(args, "prefill_source", "--prefill-tokens-per-s"),
                        "load_gbps": {t.name: _gbps(args, t) for t, _ in local + ([shared] if shared else [])}},
         "warnings": []}
     if sz.sample_rate < 1 and sz.sample_blocks < MIN_SAMPLE_BLOCKS:
@@ -288,14 +300,15 @@ def _fleet(sz: Sizing, local, shared, args, bb: int) -> dict:
                      "shared tier: an lru stack over the blocks the instances miss locally, in arrival order"}
 
 
-def _belady(reqs, sz: Sizing, configured: list[int], bt: int) -> list[dict]:
-    """Belady's MIN (ties deepest-first, replay's rules) at the configured reach and 1/5/10%."""
-    from kvtier.offline.belady import belady
+def _belady(reqs, sz: Sizing, configured: list[int], bt: int) -> tuple[list[dict], dict]:
+    """Belady's MIN (ties deepest-first, replay's rules) at the configured reach and 1/5/10%: exact,
+    or on a sample of the blocks of a large trace (`belady_points`, its error stated)."""
     u = sz.unique_blocks
     caps = sorted({max(1, int(f * u)) for f in BELADY_FRACTIONS} | {c for c in configured if c})
     lru = sz.hit_ratio(caps)
-    return [{"capacity_blocks": c, "hit_ratio": belady(reqs, c, bt, vllm=True)["hit_ratio"],
-             "lru_hit_ratio": float(r)} for c, r in zip(caps, lru)]
+    got = belady_points(reqs, caps, bt, sz.refs)
+    method = {k: got[k] for k in ("sample_rate", "error", "seconds")}
+    return [{**p, "lru_hit_ratio": float(r)} for p, r in zip(got["points"], lru)], method
 
 
 def _size_str(n: int) -> str:
@@ -411,6 +424,8 @@ def text(rep: dict) -> str:
         same = "equals `kvtier replay` with one lru tier at every capacity" if m["exact_vs_replay"] else \
             "a close model of replay (see the warning)"
         lines.append(f"  method: lru stack distances, exact ({same}); {m['seconds']:.2f} s")
+    if rep.get("geometry_note"):
+        lines.append(f"  geometry: {rep['geometry_note']}")
     for w in rep["warnings"]:
         lines.append(f"  warning: {w}")
     if "stack" in rep:
@@ -451,6 +466,10 @@ def text(rep: dict) -> str:
     for b in rest:
         lines.append(f"    Belady (MIN) at {b['capacity_blocks']} blocks: {_pct(b['hit_ratio'])} "
                      f"(lru {_pct(b['lru_hit_ratio'])})")
+    bm = rep.get("belady_method")
+    if bm and bm["sample_rate"] < 1:
+        lines.append(f"    Belady on a sample of the blocks at rate {bm['sample_rate']:.3g}: error +/-{_pct(bm['error'])} "
+                     f"of hit ratio ({bm['seconds']:.1f} s)")
     if "suggestion" in rep:
         s = rep["suggestion"]
         lines.append(f"  suggestion ({s['goal']}): {s['summary']}")

@@ -15,7 +15,7 @@ from kvtier.core.config import ConfigError, StackConfig, load_config, parse_conf
 from kvtier.core.fit import check_environment, fit_to_machine
 from kvtier.core.stack import TierStack
 from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS, replay
-from kvtier.offline.trace import BLOCK_TOKENS, default_trace, rescale_stack
+from kvtier.offline.trace import BLOCK_TOKENS, apply_geometry, default_trace
 from kvtier.core.units import format_size
 
 
@@ -42,6 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compare", action="store_true",
                    help="metadata-only: the default eviction next to vllm_lru, lru, arc, s3fifo and Belady "
                         "(block and token hit ratios, at the given capacity or 1/5/10%%)")
+    p.add_argument("--trust-block-tokens", action="store_true",
+                   help="take the trace's block size as given even when its input lengths contradict it")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", "-q", action="store_true")
 
@@ -55,14 +57,16 @@ def run(args: argparse.Namespace) -> int:
     if not trace.is_file():
         raise ConfigError(f"--trace: {trace}: no such file (set KVTIER_TRACE or pass --trace)")
     _check_args(args)
-    reqs = load_trace(trace, limit=args.limit)
+    reqs = load_trace(trace, limit=args.limit, trust_block_tokens=getattr(args, "trust_block_tokens", False))
     if not reqs:
         raise ConfigError(f"--trace: {trace}: no requests in the trace (empty, or only blank lines)")
+    for w in reqs.warnings:
+        print(f"replay: warning: {w}", file=sys.stderr)
     if args.compare:
         from kvtier.offline.compare import run_compare
         return run_compare(args, reqs, trace)
     bt = reqs.block_tokens
-    cfg = _stack_config(args, unique_blocks(reqs), bt)
+    cfg = _stack_config(args, unique_blocks(reqs), bt, reqs.geometry)
     if not args.no_data:  # the tiers are allocated: they must fit this machine's memory and disk
         check_environment(cfg)
     scratch = _Scratch(cfg, use=not args.no_data and not args.warm)
@@ -201,14 +205,11 @@ def _remove_stale(path: str) -> None:
             shutil.rmtree(os.path.join(path, n), ignore_errors=True)
 
 
-def _stack_config(args: argparse.Namespace, unique: int, block_tokens: int = BLOCK_TOKENS) -> StackConfig:
-    base = load_config(args.config, check_env=False)
-    if base.block_tokens != block_tokens:  # the trace's blocks are the unit (same bytes per token)
-        was = base.block_tokens
-        base = rescale_stack(base, block_tokens)
-        print(f"replay: the trace's blocks are {block_tokens} tokens, the config's {was}: replaying in "
-              f"{block_tokens}-token blocks of {format_size(base.block_bytes)} (the config's bytes per token)",
-              file=sys.stderr)
+def _stack_config(args: argparse.Namespace, unique: int, block_tokens: int = BLOCK_TOKENS,
+                  geometry: dict | None = None) -> StackConfig:
+    base, note = apply_geometry(load_config(args.config, check_env=False), block_tokens, geometry)
+    if note:   # the trace's blocks are the unit: its recorded geometry, else the config's bytes per token
+        print(f"replay: {note}", file=sys.stderr)
     data = base.model_dump(exclude={"source"})
     if args.capacity_fraction is not None or args.capacity_blocks is not None:   # checked by _check_args
         n = args.capacity_blocks if args.capacity_blocks is not None else max(1, int(args.capacity_fraction * unique))

@@ -71,3 +71,107 @@ def hit_ratios(stats: dict) -> dict:
            "hit_ratio": sum(hits.values()) / asked if asked else 0.0}
     out["hit_ratio_by_tier"] = {k: v / asked if asked else 0.0 for k, v in sorted(hits.items())}
     return out
+
+
+# ---- the server's own state, found without its config (`kvtier inspect --server`) ---------------
+STATE_PREFIX = "server-"
+HEARTBEAT_S = 1.0      # a serving scheduler rewrites its state this often, idle or not
+STALE_S = 10.0         # a state older than this, from a live pid, is a server not answering
+KEEP_S = 86400.0       # the state of a server gone for longer is removed (by the next server to start)
+
+
+def run_dir() -> str:
+    """Where serving schedulers leave their state: $KVTIER_RUN_DIR, else $XDG_RUNTIME_DIR/kvtier,
+    else /tmp/kvtier-UID (0700, this user's)."""
+    d = os.environ.get("KVTIER_RUN_DIR")
+    if d:
+        return os.path.abspath(os.path.expanduser(d))
+    x = os.environ.get("XDG_RUNTIME_DIR")
+    return os.path.join(x, "kvtier") if x else f"/tmp/kvtier-{os.getuid()}"
+
+
+def _own_dir(d: str) -> bool:
+    """`d` exists (made 0700 when missing), is a directory, not a link, and is this user's."""
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    st = os.lstat(d)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def write_server_state(state: dict) -> str | None:
+    """This server's state (see `kvtier inspect --server`) as run_dir()/server-PID.json; best
+    effort: a directory it cannot use is logged once."""
+    d = run_dir()
+    try:
+        if not _own_dir(d):
+            raise OSError(f"{d}: not a directory of this user's")
+        if not getattr(write_server_state, "_pruned", False):
+            write_server_state._pruned = True  # type: ignore[attr-defined]
+            _prune(d)
+        return write_private(os.path.join(d, f"{STATE_PREFIX}{os.getpid()}.json"),
+                             {**state, "pid": os.getpid(), "time": time.time()}, fsync=False)
+    except OSError as e:
+        if not getattr(write_server_state, "_warned", False):
+            write_server_state._warned = True  # type: ignore[attr-defined]
+            log.warning("kvtier: cannot leave the server's state in %s: %s (kvtier inspect --server will not "
+                        "find it; set KVTIER_RUN_DIR)", d, e)
+        return None
+
+
+def _prune(d: str) -> None:
+    """States of servers gone for more than KEEP_S: removed (once per process)."""
+    for n in os.listdir(d):
+        pid = n[len(STATE_PREFIX):-len(".json")] if n.startswith(STATE_PREFIX) and n.endswith(".json") else ""
+        try:
+            if pid.isdigit() and not pid_alive(int(pid)) and time.time() - os.lstat(os.path.join(d, n)).st_mtime > KEEP_S:
+                os.unlink(os.path.join(d, n))
+        except OSError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_servers(pid: int | None = None) -> list[dict]:
+    """The states servers left in run_dir() (newest first), each with `status`: "serving", "not
+    answering" (a live pid, no state for STALE_S) or "not running" (exited or shut down), and
+    `age_s` (seconds since it last wrote)."""
+    d = run_dir()
+    try:
+        names = sorted(n for n in os.listdir(d) if n.startswith(STATE_PREFIX) and n.endswith(".json"))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        if pid is not None and n != f"{STATE_PREFIX}{pid}.json":
+            continue
+        try:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                s = json.loads(f.read(1 << 22))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(s, dict) or not isinstance(s.get("pid"), int):
+            continue
+        age = max(0.0, time.time() - float(s.get("time", 0)))
+        if s.get("stopped") or not pid_alive(s["pid"]):
+            s["status"] = "not running"
+        else:
+            s["status"] = "serving" if age <= STALE_S else "not answering"
+        s["age_s"] = round(age, 1)
+        s["file"] = os.path.join(d, n)
+        out.append(s)
+    return sorted(out, key=lambda s: -float(s.get("time", 0)))

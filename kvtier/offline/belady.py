@@ -41,12 +41,13 @@ def next_uses(reqs: Sequence[Request]) -> list[list[int]]:
 
 
 def belady(reqs: Sequence[Request], capacity_blocks: int, block_tokens: int = BLOCK_TOKENS,
-           vllm: bool = False) -> dict:
+           vllm: bool = False, nu: list[list[int]] | None = None) -> dict:
     """Block and token hit ratio of offline MIN (ties deepest-first) with `capacity_blocks` under
-    the prefix rule (`vllm=True`: full blocks only, at least one token left to compute)."""
+    the prefix rule (`vllm=True`: full blocks only, at least one token left to compute). `nu`:
+    `next_uses(reqs)`, when several capacities share it."""
     if capacity_blocks <= 0:
         raise ValueError("capacity_blocks must be > 0")
-    nu = next_uses(reqs)
+    nu = nu if nu is not None else next_uses(reqs)
     cur: dict[int, int] = {}   # resident block -> its current priority (next_use << 16 | depth)
     heap: list[tuple[int, int]] = []  # (-priority, block), lazily invalidated
     push, pop = heapq.heappush, heapq.heappop

@@ -150,6 +150,7 @@ class Curve:
     adjust: bool = True   # SHARDS-adj (the local curve, where the hot blocks hit)
 
     def add(self, runmax: Iterable[int]) -> None:
+        self._cum = None
         h = self.hist
         for m in runmax:
             if m >= len(h):
@@ -160,7 +161,9 @@ class Curve:
         """Share of the references that hit at capacities `caps` (blocks). A sample that drew more
         (fewer) references than expected (a hot block in or out) has the difference taken from
         (added to) its shortest distances (SHARDS-adj), where a prefix trace's hot blocks are."""
-        cum = np.cumsum(np.asarray(self.hist, dtype=np.int64))
+        cum = getattr(self, "_cum", None)
+        if cum is None:   # the curve is read many times once the pass is over
+            cum = self._cum = np.cumsum(np.asarray(self.hist, dtype=np.int64))
         # a block d deep has 1 + Binomial(d - 1, scale) sampled blocks at or above it: d ~ 1 + (d_s - 1) / scale
         c = np.asarray(caps, dtype=np.float64)
         idx = np.where(c >= 1, np.floor(1 + (c - 1) * self.scale + 1e-9), 0).astype(np.int64)
@@ -382,3 +385,64 @@ def measure(reqs: Iterable[Request], block_tokens: int = BLOCK_TOKENS, sample: f
                   routing=routing if instances > 1 else None, local_capacity=local_capacity,
                   not_prefix=not_prefix, capped_rerefs=capped_n, seconds=time.perf_counter() - t0,
                   per_instance_requests=per_inst)
+
+
+BELADY_EXACT_REFS = 1_000_000   # Belady on more block references than this runs on a sample
+BELADY_SAMPLE_REFS = 60_000     # about this many references in the sample
+BELADY_GROUPS = 4               # disjoint sub-samples for its error
+
+
+def belady_points(reqs: Sequence[Request], caps: Sequence[int], block_tokens: int,
+                  refs: int | None = None) -> dict:
+    """Belady's MIN hit ratio (replay's rules: full blocks, one token left) at capacities `caps`.
+
+    Exact up to BELADY_EXACT_REFS references; above, on a spatial sample of the blocks (MIN is a
+    stack algorithm, so SHARDS applies: the blocks whose hash falls under rate R, a cache of R x C
+    blocks, the prefix rule over the sampled blocks of each request, as `measure` samples) of about
+    BELADY_SAMPLE_REFS references. The stated error is three standard errors from BELADY_GROUPS
+    disjoint sub-samples. Returns {"points": [{capacity_blocks, hit_ratio}], "sample_rate", "error"}."""
+    from kvtier.offline.belady import belady, next_uses
+    refs = refs if refs is not None else sum(len(r.hash_ids) for r in reqs)
+    if refs <= BELADY_EXACT_REFS:
+        nu = next_uses(reqs)
+        return {"points": [{"capacity_blocks": c, "hit_ratio": belady(reqs, c, block_tokens, vllm=True, nu=nu)[
+            "hit_ratio"]} for c in caps], "sample_rate": 1.0, "error": 0.0, "seconds": 0.0}
+    t0 = time.perf_counter()
+    rate = BELADY_SAMPLE_REFS / refs
+    thr = int(rate * (1 << 64))
+    bt = block_tokens
+    parts: list[list[Request]] = [[] for _ in range(BELADY_GROUPS + 1)]   # the sample, then its groups
+    counted = [0] * (BELADY_GROUPS + 1)
+    for r in reqs:
+        h = r.hash_ids
+        if not h:
+            continue
+        inp = r.input_length
+        full = min(len(h), inp // bt)
+        query = min(full, (inp - 1) // bt) if full else 0
+        sel = [(j, b, x * BELADY_GROUPS // thr) for j, b in enumerate(h) if (x := (b * _GOLD) & _M64) < thr]
+        if not sel:
+            continue
+        for k, part in enumerate(parts):
+            s = sel if k == 0 else [e for e in sel if e[2] == k - 1]
+            if not s:
+                continue
+            counted[k] += len(s)
+            ids = tuple(b for j, b, _ in s if j < full)
+            q = sum(j < query for j, _, _ in s)
+            if ids:   # one-token blocks: hits up to q of the len(ids) full sampled blocks
+                part.append(Request(r.timestamp, q + 1, 0, ids))
+
+    nus = [next_uses(p) for p in parts]   # shared by the capacities
+
+    def ratio(k: int, c: int, scale: float) -> float:
+        if not counted[k]:
+            return 0.0
+        return belady(parts[k], max(1, round(c * scale)), 1, vllm=True, nu=nus[k])["hit_blocks"] / counted[k]
+    pts, errs = [], []
+    for c in caps:
+        hr = ratio(0, c, rate)
+        g = [ratio(k, c, rate / BELADY_GROUPS) for k in range(1, BELADY_GROUPS + 1)]
+        errs.append(3 * float(np.std(g, ddof=1)) / math.sqrt(BELADY_GROUPS))
+        pts.append({"capacity_blocks": c, "hit_ratio": hr})
+    return {"points": pts, "sample_rate": rate, "error": max(errs, default=0.0), "seconds": time.perf_counter() - t0}

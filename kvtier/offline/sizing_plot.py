@@ -8,10 +8,14 @@ from kvtier.offline.sizing import Sizing, capacity_grid
 from kvtier.core.units import format_size
 
 
-def plot(rep: dict, sz: Sizing, path: str) -> str:
+def plot(rep: dict, sz: Sizing, path: str) -> dict:
     """Left: block and token hit ratio of one lru tier by its capacity (a band: the sampling
     error), Belady's MIN at a few points, the configured tiers' reach as vertical lines (fleet:
-    per instance). Right: TTFT saved per request by capacity; fleet: what the shared tier adds."""
+    per instance), each labelled on its own row. The x axis reaches every configured tier (past
+    the unique blocks the curve is flat). Right: TTFT saved per request by capacity, at the
+    prefill speed the trace states (measured by the server) or an assumed one, said in the title;
+    fleet: what the shared tier adds. Returns {path, x_range_bytes, labels: [(name, x0, y0, x1, y1)]}
+    with the labels' drawn extents (pixels)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -20,7 +24,14 @@ def plot(rep: dict, sz: Sizing, path: str) -> str:
     except ImportError:
         raise RuntimeError("--png needs matplotlib (pip install 'kvtier[plot]')") from None
     bb, bt = rep["block_bytes"], rep["block_tokens"]
-    caps = capacity_grid(max(1, sz.unique_blocks), 160)
+    marks = []
+    if "stack" in rep:
+        marks = [(t["name"], t["reach_blocks"]) for t in rep["stack"]["tiers"]]
+    elif "fleet" in rep:
+        marks = [("local, per instance", rep["fleet"]["local_capacity_blocks"])]
+    marks = [(n, c) for n, c in marks if c]
+    top = max([sz.unique_blocks] + [int(c * 1.5) for _, c in marks])
+    caps = capacity_grid(max(1, top), 160)
     caps = caps[caps >= sz.resolution()]
     hr = sz.hit_ratio(caps)
     tok = hr * sz.refs * bt / max(1, sz.input_tokens)
@@ -44,17 +55,21 @@ def plot(rep: dict, sz: Sizing, path: str) -> str:
                         label=f"sampling error (rate {sz.sample_rate:g})")
     bel = rep.get("belady", [])
     if bel:
-        ax.plot([b["capacity_blocks"] * bb for b in bel], [100 * b["hit_ratio"] for b in bel], "kx", markersize=8,
-                label="Belady (MIN, deepest-first)")
-    marks = []
-    if "stack" in rep:
-        marks = [(t["name"], t["reach_blocks"]) for t in rep["stack"]["tiers"]]
-    elif "fleet" in rep:
-        marks = [("local, per instance", rep["fleet"]["local_capacity_blocks"])]
-    for i, (name, c) in enumerate(marks):
-        ax.axvline(c * bb, color=f"C{i + 1}", linestyle="--", linewidth=1)
-        ax.text(c * bb, 100 * float(sz.hit_ratio([c])[0]), f" {name} {format_size(c * bb)}", color=f"C{i + 1}",
-                fontsize=8, va="bottom")
+        bm = rep.get("belady_method") or {}
+        err = 100 * bm.get("error", 0.0)
+        ax.errorbar([b["capacity_blocks"] * bb for b in bel], [100 * b["hit_ratio"] for b in bel],
+                    yerr=err if err else None, fmt="kx", markersize=8, capsize=3,
+                    label="Belady (MIN, deepest-first)" + (f", sampled +/-{err:.1f}%" if err else ""))
+    texts = []
+    lo_x, hi_x = float(x[0]), float(x[-1])
+    for i, (name, c) in enumerate(sorted(marks, key=lambda m: m[1])):   # one row per tier: never on each other
+        xc = c * bb
+        ax.axvline(xc, color=f"C{i + 1}", linestyle="--", linewidth=1)
+        right = np.log(xc / lo_x) > 0.6 * np.log(hi_x / lo_x) if hi_x > lo_x else False
+        texts.append((name, ax.text(xc, 0.04 + 0.075 * i, f" {name} {format_size(xc)} ", color=f"C{i + 1}",
+                                    fontsize=8, va="bottom", ha="right" if right else "left",
+                                    transform=ax.get_xaxis_transform(),
+                                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})))
     s = rep.get("suggestion")
     if s and "fleet" not in rep:
         ax.plot([s["capacity_blocks"] * bb], [100 * s["hit_ratio"]], "o", color="C3", label=f"suggested: {s['goal']}")
@@ -80,15 +95,22 @@ def plot(rep: dict, sz: Sizing, path: str) -> str:
     else:
         cm = rep["cost_model"]
         bw = next(iter(cm["load_gbps"].values()), 20.0)
+        src = cm.get("prefill_source", "")
+        how = "measured by the server" if src.startswith("measured") else \
+            "given" if src.startswith("--") else "assumed: pass --prefill-tokens-per-s"
         ttft = 1000 * hr * sz.refs * (bt / cm["prefill_tokens_per_s"] - bb / (bw * 1e9)) / max(1, sz.requests)
         ax2.plot(x, ttft, color="C2", linewidth=2)
-        for i, (name, c) in enumerate(marks):
+        for i, (name, c) in enumerate(sorted(marks, key=lambda m: m[1])):
             ax2.axvline(c * bb, color=f"C{i + 1}", linestyle="--", linewidth=1)
         ax2.set_xlabel("capacity of one lru tier")
         ax2.set_ylabel("TTFT saved per request (ms, model)")
-        ax2.set_title(f"prefill {cm['prefill_tokens_per_s']:.0f} tokens/s, loads at {bw:g} GB/s")
+        ax2.set_title(f"prefill {cm['prefill_tokens_per_s']:.0f} tokens/s ({how}), loads at {bw:g} GB/s",
+                      fontsize=10)
         bytes_axis(ax2, float(x[0]), float(x[-1]))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    r = fig.canvas.get_renderer()
+    labels = [(n, *t.get_window_extent(r).extents.tolist()) for n, t in texts]
+    lim = [float(v) for v in ax.get_xlim()]
     plt.close(fig)
-    return path
+    return {"path": path, "x_range_bytes": lim, "labels": labels}

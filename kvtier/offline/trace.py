@@ -5,7 +5,11 @@ Each line: ``timestamp`` (ms from start, number), ``input_length`` and ``output_
 ``block_tokens``-token blocks; a block id stands for its whole prefix). An optional
 ``block_tokens`` key (a positive int) gives the block size; absent, it is 512 (the Mooncake
 default). Every line of one trace has the same block size: all lines give the same value, or
-none gives it.
+none gives it. A trace kvtier recorded (connector/recorder.py) starts each session with a header
+line ``{"kvtier_trace": {"block_tokens", "block_bytes", "model", "kv_dtype", "session", ...}}``:
+the geometry the server stored its blocks in, which `plan` and `replay` use over the config's.
+A trace whose lengths contradict its block size, or that mixes geometries, is refused (one
+line naming the path, the line and the field).
 """
 
 from __future__ import annotations
@@ -90,6 +94,8 @@ class Trace(list):
     def __init__(self, reqs: Iterable[Request] = (), block_tokens: int = BLOCK_TOKENS) -> None:
         super().__init__(reqs)
         self.block_tokens = block_tokens
+        self.geometry: dict | None = None   # the recorder's header (block tokens and bytes, model, KV dtype)
+        self.warnings: list[str] = []
 
 
 def _block_tokens(obj: dict, where: str) -> int | None:
@@ -101,55 +107,179 @@ def _block_tokens(obj: dict, where: str) -> int | None:
     return v
 
 
+GEOMETRY_KEY = "kvtier_trace"   # a header line (the recorder's): the geometry the server stored the blocks in
+GEOMETRY_FIELDS = ("block_tokens", "block_bytes", "model", "kv_dtype")
+CHECK_REQUESTS = 2000          # requests of >= 2 blocks the length check looks at (the first ones)
+FAR = 2.0                      # input_length off len(hash_ids) x block_tokens by this factor contradicts it
+
+
+def _geometry(obj: dict, where: str) -> dict:
+    g = obj.get(GEOMETRY_KEY)
+    if not isinstance(g, dict):
+        raise TraceError(f"{where}: field {GEOMETRY_KEY!r} must be an object, got {type(g).__name__}")
+    out = {k: g[k] for k in (*GEOMETRY_FIELDS, "dtype", "session", "prefill_tokens_per_s", "prefill_steps", "version")
+           if k in g}
+    _block_tokens(out, where)
+    for k in ("block_bytes", "session"):
+        v = out.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise TraceError(f"{where}: field {GEOMETRY_KEY}.{k} must be a positive integer, got {v!r}")
+    v = out.get("prefill_tokens_per_s")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e12):
+        raise TraceError(f"{where}: field {GEOMETRY_KEY}.prefill_tokens_per_s must be a number > 0, got {v!r}")
+    return out
+
+
+def implied_block_tokens(ratios: list[float]) -> tuple[int, float]:
+    """(the power of two nearest the median, the median) of input_length / len(hash_ids)."""
+    med = sorted(ratios)[len(ratios) // 2]
+    return 1 << max(0, round(math.log2(max(med, 1.0)))), med
+
+
 class TraceReader:
     """Stream a Mooncake JSONL trace (plain or .gz) request by request, in file order; blank lines
-    are skipped; errors name line and field. `block_tokens` is the trace's block size once the
-    first request is read (BLOCK_TOKENS when the trace gives none); a line whose block size
-    differs from the first line's is an error naming both lines."""
+    are skipped; errors name path, line and field. `block_tokens` is the trace's block size once
+    the first request is read (BLOCK_TOKENS when the trace gives none); a line whose block size
+    differs from the first line's is an error naming both lines. `geometry`: the recorder's header
+    (block tokens and bytes, model, KV dtype as the server stored them), None without one; a
+    second header with another geometry is an error (a mixed trace). A last line cut short (no
+    newline: the writer stopped mid-line) that does not parse is skipped with a warning.
 
-    def __init__(self, path: str | os.PathLike, limit: int | None = None) -> None:
+    Lengths: when most of the first CHECK_REQUESTS requests of >= 2 blocks have an input_length
+    more than FAR x off len(hash_ids) x block_tokens, the block size is wrong for these ids: an
+    error naming the field and the block size the lengths imply, unless `trust_block_tokens`.
+    `warnings` (filled as the trace is read): what was skipped, requests that repeat a block id."""
+
+    def __init__(self, path: str | os.PathLike, limit: int | None = None, trust_block_tokens: bool = False) -> None:
         self.path = path
         self.limit = limit
+        self.trust = trust_block_tokens
         self.block_tokens = BLOCK_TOKENS
+        self.declared = False            # the trace states its block size (a field or a header)
+        self.geometry: dict | None = None
+        self.warnings: list[str] = []
+        self.repeated = 0                # requests that repeat a block id inside the request
+
+    def _lines(self, path: str) -> Iterator[tuple[int, bytes, bool]]:
+        """(line number, raw line, whether it ended with a newline)."""
+        try:
+            f = gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+        except OSError as e:
+            raise TraceError(f"{path}: cannot open: {e.strerror or e} [{_errno(e)}]") from None
+        with f:
+            lineno = 0
+            try:
+                for raw in f:
+                    lineno += 1
+                    yield lineno, raw, raw.endswith(b"\n")
+            except (OSError, EOFError, gzip.BadGzipFile) as e:   # a damaged .gz, an I/O error
+                raise TraceError(f"{path}:{lineno + 1}: cannot read: {e}") from None
 
     def __iter__(self) -> Iterator[Request]:
         path = os.fspath(self.path)
-        opener = gzip.open if path.endswith(".gz") else open
         first: tuple[int, int | None] | None = None   # (line, declared block_tokens) of the first request
+        head: tuple[int, dict] | None = None          # (line, geometry) of the first header
+        ratios: list[float] = []
+        far = 0
+        checked = self.trust
+        first_repeat = 0
         n = 0
         if self.limit is not None and self.limit <= 0:
             return
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-                req = parse_request(obj, where)
-                bt = _block_tokens(obj, where)
-                if first is None:
-                    first = (lineno, bt)
-                    self.block_tokens = bt or BLOCK_TOKENS
-                elif bt != first[1]:
-                    def say(v: int | None) -> str:
-                        return f"block_tokens {v}" if v is not None else f"no block_tokens ({BLOCK_TOKENS})"
-                    raise TraceError(f"{where}: {say(bt)}, but line {first[0]} has {say(first[1])}: every line of "
-                                     f"a trace has the same block size")
-                yield req
-                n += 1
-                if self.limit is not None and n >= self.limit:
-                    return
+        for lineno, raw, whole in self._lines(path):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                if not whole:
+                    self.warnings.append(f"{where}: skipped a torn last line (no newline at its end)")
+                    break
+                raise TraceError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                 f"a trace is JSON lines") from None
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                if not whole:
+                    self.warnings.append(f"{where}: skipped a torn last line (no newline at its end; the writer "
+                                         f"stopped mid-line)")
+                    break
+                raise TraceError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if isinstance(obj, dict) and GEOMETRY_KEY in obj:
+                g = _geometry(obj, where)
+                if head is None:
+                    head = (lineno, g)
+                    self.geometry = g
+                else:
+                    for k in GEOMETRY_FIELDS:
+                        if g.get(k) != head[1].get(k):
+                            raise TraceError(f"{where}: a mixed trace: {k} {g.get(k)!r} here, {head[1].get(k)!r} "
+                                             f"at line {head[0]} (recorded under another geometry); give plan or "
+                                             f"replay one part")
+                    if "prefill_tokens_per_s" in g:   # the latest measure wins
+                        self.geometry = {**self.geometry, **{k: g[k] for k in ("prefill_tokens_per_s",
+                                                                                  "prefill_steps") if k in g}}
+                continue
+            req = parse_request(obj, where)
+            bt = _block_tokens(obj, where)
+            if bt is None and head is not None:
+                bt = head[1].get("block_tokens")
+            if first is None:
+                first = (lineno, bt)
+                self.block_tokens = bt or BLOCK_TOKENS
+                self.declared = bt is not None
+            elif bt != first[1]:
+                def say(v: int | None) -> str:
+                    return f"block_tokens {v}" if v is not None else f"no block_tokens ({BLOCK_TOKENS})"
+                raise TraceError(f"{where}: {say(bt)}, but line {first[0]} has {say(first[1])}: every line of "
+                                 f"a trace has the same block size")
+            h = req.hash_ids
+            if len(h) > 1 and len(set(h)) != len(h):
+                self.repeated += 1
+                first_repeat = first_repeat or lineno
+            if not checked and len(h) >= 2:
+                r = req.input_length / (len(h) * self.block_tokens)
+                far += not (1 / FAR <= r <= FAR)
+                ratios.append(req.input_length / len(h))
+                if len(ratios) >= CHECK_REQUESTS:
+                    checked = True
+                    self._check(far, ratios, path)
+            yield req
+            n += 1
+            if self.limit is not None and n >= self.limit:
+                break
+        if not checked and ratios:
+            self._check(far, ratios, path)
+        if self.repeated:
+            self.warnings.append(f"{self.repeated} requests repeat a block id inside the request (the first at line "
+                                 f"{first_repeat}): ids not chained, so a hit there is not a prefix and replay's and "
+                                 f"plan's figures are a model")
+
+    def _check(self, far: int, ratios: list[float], path: str) -> None:
+        if 2 * far <= len(ratios):
+            return
+        bt, med = implied_block_tokens(ratios)
+        field = "block_tokens" if self.declared else f"block_tokens (absent: {BLOCK_TOKENS})"
+        raise TraceError(f"{path}: field {field}: {far} of {len(ratios)} requests have an input_length more than "
+                         f"{FAR:g}x off len(hash_ids) x {self.block_tokens}; their lengths imply blocks of about "
+                         f"{bt} tokens (median {med:.1f} tokens per id): set block_tokens: {bt} on each line, or "
+                         f"pass --trust-block-tokens")
 
 
-def load_trace(path: str | os.PathLike, limit: int | None = None) -> Trace:
-    """Read a Mooncake JSONL trace (plain or .gz) into a `Trace`: its requests and block size."""
-    reader = TraceReader(path, limit)
+def _errno(e: OSError) -> str:
+    import errno
+    return errno.errorcode.get(e.errno or 0, "EIO")
+
+
+def load_trace(path: str | os.PathLike, limit: int | None = None, trust_block_tokens: bool = False) -> Trace:
+    """Read a Mooncake JSONL trace (plain or .gz) into a `Trace`: its requests, block size,
+    geometry (the recorder's header) and the reader's warnings."""
+    reader = TraceReader(path, limit, trust_block_tokens)
     reqs = list(reader)
-    return Trace(reqs, reader.block_tokens)
+    t = Trace(reqs, reader.block_tokens)
+    t.geometry, t.warnings = reader.geometry, reader.warnings
+    return t
 
 
 def unique_blocks(reqs: Iterable[Request]) -> int:
@@ -193,6 +323,31 @@ def rescale_stack(cfg, block_tokens: int):
             t["capacity_blocks"] = max(1, t["capacity_blocks"] * cfg.block_tokens // block_tokens)
     data["block_tokens"] = block_tokens
     return parse_config(data, source=f"{cfg.source} (in {block_tokens}-token blocks)", check_env=False)
+
+
+def apply_geometry(cfg, block_tokens: int, geometry: dict | None = None):
+    """(`cfg` in the trace's blocks, a line saying so or None). A recorded geometry (the header)
+    wins: its block bytes and tokens, capacities in bytes counted in those blocks (as the served
+    connector counts them); without one, `rescale_stack` to the trace's block tokens."""
+    from kvtier.core.config import parse_config
+    from kvtier.core.units import format_size
+    bb = (geometry or {}).get("block_bytes")
+    if not bb:
+        out = rescale_stack(cfg, block_tokens)
+        if out is cfg:
+            return cfg, None
+        return out, (f"the trace's blocks are {block_tokens} tokens, the config's {cfg.block_tokens}: sizing in "
+                     f"{block_tokens}-token blocks of {format_size(out.block_bytes)} (the config's bytes per token)")
+    if (cfg.block_bytes, cfg.block_tokens) == (bb, block_tokens):
+        return cfg, None
+    data = cfg.model_dump(exclude={"source"})
+    data["block_bytes"], data["block_tokens"] = bb, block_tokens
+    served = ", ".join(f"{k} {geometry[k]}" for k in ("model", "kv_dtype") if geometry.get(k))
+    out = parse_config(data, source=f"{cfg.source} (in the trace's {block_tokens}-token blocks of {format_size(bb)})",
+                       check_env=False)
+    return out, (f"using the trace's geometry, as the server stored it ({block_tokens}-token blocks of "
+                 f"{format_size(bb)}{', ' + served if served else ''}) over the config's ({cfg.block_tokens}-token "
+                 f"blocks of {format_size(cfg.block_bytes)})")
 
 
 def make_keys(reqs: Sequence[Request]) -> list[list[bytes]]:
