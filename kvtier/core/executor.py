@@ -204,8 +204,9 @@ class Executor(Counting):
             r = h.wait()
             oks.extend(r.ok)
             errors.extend(r.errors)
-            if shared:  # absent (the server evicted it) or failed verification: a miss, reported
+            if shared:  # absent (the server evicted it) or failed verification (`bad`): a miss, reported
                 self.result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
+                self.result.bad.extend(op.keys[lo + i] for i, b in enumerate(r.bad) if b)
             corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
             if not good or direct is not None:
