@@ -467,7 +467,7 @@ def test_case11_disk_full_at_the_manifest_keeps_the_spill_verifiable(tmp_path, m
         err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("kvtier: error:")]
         assert len(err) == 1 and f"{fs.path}/nv/spill-manifest.json: [ENOSPC]" in err[0], err
         assert "40 blocks of seed 6 are committed on NVMe" in err[0]
-        assert sorted(os.listdir(f"{fs.path}/nv")) == ["data.0", "fingerprint.json", "index", "secret",
+        assert sorted(os.listdir(f"{fs.path}/nv")) == ["data.0", "fingerprint.json", "index", "kvtier-dir", "secret",
                                                        "spill-manifest.json"]   # no .tmp left
         monkeypatch.undo()
         r = verify(c)                                          # the disk is still full: reading needs no space

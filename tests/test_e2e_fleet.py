@@ -360,3 +360,36 @@ def test_failed_shared_load_stores_nothing_computed_over_it(models, baseline, in
     assert toks == [baseline["PART"][1]]
     a.quit()
     b.quit()
+
+
+@pytest.mark.timeout(900)
+def test_corrupt_values_are_read_once(models, baseline, instances, redis_factory, tmp_path):
+    """Every value A wrote is truncated by one byte on the server. B's requests hit them all: each
+    bad value is read once (its load fails, vLLM recomputes), deleted and remembered, so the
+    rescheduled request's lookup misses it: generate() returns (was: an endless loop of failed
+    loads) with the no-connector tokens, and B's recomputed blocks replace the bad values."""
+    server = redis_factory(maxmemory="64mb")
+    a = instances("A", models[0], _kv(tmp_path, "a", server.url))
+    b = instances("B", models[0], _kv(tmp_path, "b", server.url))
+    a.ready()
+    b.ready()
+    a.generate(SHARE)
+    a.ask({"op": "drain"})
+    cl = server.client()
+    names = list(cl.scan_iter(match="kvt:*", count=1000))
+    size = len(cl.get(names[0]))
+    for n in names:
+        cl.set(n, cl.get(n)[:-1])
+    r = b.ask({"op": "generate", "prompts": SHARE, "max_tokens": MT}, timeout_s=300)  # old code: loops
+    sched, worker = r["stats"]["sched"], r["stats"]["worker"]
+    assert r["tokens"] == baseline["SHARE"]
+    want = sum(_asked(p) for p in SHARE)
+    assert sched["hit_blocks.shared"] == want, sched          # each planned once, none again
+    assert worker["corrupt_blocks.shared"] == sched["bad_blocks.shared"] == want, worker   # each read once
+    assert sched["load_failed_requests"] == len(SHARE)        # each request rescheduled once
+    st = b.ask({"op": "drain"})["stats"]
+    assert st["shared"]["bad_marked_blocks"] == 0            # B wrote them again: the marks cleared
+    assert sorted(len(cl.get(n) or b"") for n in names) == [size] * len(names)  # good values again
+    cl.close()
+    a.quit()
+    b.quit()

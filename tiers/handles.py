@@ -19,11 +19,13 @@ class Medium(enum.Enum):
 
 @dataclass
 class IOResult:
-    """Per-block outcome of one batch: ok[i] is False for a block that failed or did not verify."""
+    """Per-block outcome of one batch: ok[i] is False for a block that failed or did not verify;
+    bad[i] (when not empty) True for a block that was there but failed verification."""
 
     ok: list[bool]
     nbytes: int = 0
     errors: list[str] = field(default_factory=list)
+    bad: list[bool] = field(default_factory=list)
 
     @property
     def all_ok(self) -> bool:
@@ -70,5 +72,8 @@ class FutureHandle(IOHandle):
                 merged.ok.extend(r.ok)
                 merged.nbytes += r.nbytes
                 merged.errors.extend(r.errors)
+                merged.bad.extend(r.bad or [False] * len(r.ok))
+            if not any(merged.bad):
+                merged.bad = []
             self._result = self._finish(merged) if self._finish else merged
         return self._result

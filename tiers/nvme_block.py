@@ -81,11 +81,14 @@ def make_private_dirs(path: str) -> None:
 
 def open_dir(path: str, create: bool, what: str = "nvme tier directory") -> int:
     """A directory fd for `path` (created 0700 when `create`); a symlink or another owner is refused.
-    An existing directory open to group or others is narrowed to 0700."""
+    A directory it creates is narrowed to 0700 (an existing one is left as it is: see
+    `nvme_dir.claim_dir`, which writes only in kvtier's own)."""
+    made = False
     if create:
         try:
             make_private_dirs(os.path.dirname(path) or ".")
             os.mkdir(path, 0o700)
+            made = True
         except FileExistsError:
             pass
         except OSError as e:
@@ -102,7 +105,7 @@ def open_dir(path: str, create: bool, what: str = "nvme tier directory") -> int:
     st = os.fstat(fd)
     try:
         check_owned(st, path, what, want_dir=True)
-        if create and st.st_mode & 0o077:
+        if made and st.st_mode & 0o077:
             os.fchmod(fd, 0o700)
     except BaseException:
         os.close(fd)
@@ -160,7 +163,11 @@ def record_fingerprint(dir_fd: int, dir_path: str, fp: dict) -> None:
     if recorded_fingerprint(dir_fd, dir_path) is not None:
         return
     tmp = FINGERPRINT_FILE + ".tmp"
-    fd = open_file(dir_fd, dir_path, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "fingerprint file")
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)  # a temp file of ours left by a crash (the directory is kvtier's)
+    except FileNotFoundError:
+        pass
+    fd = open_file(dir_fd, dir_path, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "fingerprint file")
     try:
         os.write(fd, json.dumps(fp, sort_keys=True).encode())
         os.fsync(fd)

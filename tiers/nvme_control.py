@@ -28,8 +28,8 @@ from .base import PENDING_SLOT, RESIDENT, SlotTier
 from .handles import Medium
 from .io_hooks import crash_point
 from .nvme_block import SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint, slot_stride
-from .nvme_dir import (DATA_FILE, INDEX_DIR, FingerprintMismatch, exists_at, fingerprint_diff, fingerprint_hash,
-                       lock_dir, make_fingerprint)
+from .nvme_dir import (DATA_FILE, INDEX_DIR, FingerprintMismatch, claim_dir, exists_at, fingerprint_diff,
+                       fingerprint_hash, lock_dir, make_fingerprint)
 from .nvme_index import NvmeIndex
 from .nvme_recovery import layout_meta, recover_index, refuse_orphaned_blocks
 
@@ -98,7 +98,7 @@ class NvmeControl(SlotTier):
     # ---- open / recovery ---------------------------------------------------------------
     def _open_at(self, d: str) -> dict | None:
         """Open directory `d` (locked unless read-only) and its index; the stored fingerprint."""
-        self._dir_fd = open_dir(d, create=not self.read_only)
+        self._dir_fd = open_dir(d, create=False) if self.read_only else claim_dir(d)
         if not self.read_only:
             self._lock(d)
         idx = os.path.join(d, INDEX_DIR)

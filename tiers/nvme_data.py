@@ -20,7 +20,7 @@ from .handles import IOHandle, IOResult, Medium
 from .io_engine import MAX_IO_BYTES
 from .io_engines import select_engine
 from .nvme_block import BlockCodec, load_secret, open_dir, slot_stride
-from .nvme_dir import data_file, oserror
+from .nvme_dir import ForeignDirectory, data_file, dir_owner, oserror
 
 log = logging.getLogger("kvtier.nvme")
 
@@ -70,6 +70,9 @@ class NvmeData:
         self.bytes_read = self.bytes_written = 0
         try:
             self.dir_fd = open_dir(directory, create=False)
+            if not read_only and dir_owner(self.dir_fd) != "kvtier":  # its control plane claims it first
+                raise ForeignDirectory(_errno.EEXIST, f"nvme tier {name!r}: {directory} is not a kvtier "
+                                       f"directory (no marker): refused, nothing in it changed", directory)
             secret, fp_hash = load_secret(self.dir_fd, directory, None, create=False)
             self.codec = BlockCodec(secret, fp_hash, rank)
             if not read_only:

@@ -3,6 +3,11 @@
 Layout under the tier's path (or ``path/ns-<fingerprint hash>`` in namespace mode): ``data.<rank>``
 (the slots), ``index/`` (LMDB), ``secret`` and ``fingerprint.json`` (see `nvme_block`). The writer
 holds a flock on the directory itself: one writer per directory, and deleting a file cannot defeat it.
+
+kvtier writes only in a directory it owns (`claim_dir`): one it creates (missing parents too, each
+0700), an empty one, or one holding its marker file ``kvtier-dir`` (or, written by an earlier
+version, a 40-byte ``secret`` beside an ``index/`` of LMDB files); any other directory (``/``, a home
+directory, anything with files of its own) is refused with one line naming it, nothing changed.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ import errno as _errno
 import fcntl
 import json
 import os
+import stat
 
 import xxhash
 
+from .nvme_block import FINGERPRINT_FILE, SECRET_FILE, UnsafePath, make_private_dirs, open_dir
 from .nvme_index import FORMAT_VERSION
 
 
@@ -24,6 +31,101 @@ def data_file(rank: int = 0) -> str:
 
 DATA_FILE = data_file(0)
 INDEX_DIR = "index"
+MARKER_FILE = "kvtier-dir"
+MARKER = b"kvtier tier directory 1\n"
+
+
+class ForeignDirectory(UnsafePath):
+    """An existing directory kvtier did not write: refused, nothing in it changed."""
+
+
+def _file_bytes(dir_fd: int, name: str, limit: int) -> bytes | None:
+    """The content of regular file `name` owned by this user (None: absent, not one, too big)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size > limit:
+            return None
+        return os.read(fd, limit + 1)
+    finally:
+        os.close(fd)
+
+
+def dir_owner(dir_fd: int) -> str | None:
+    """Whose the directory is: "kvtier" (its marker), "earlier" (an earlier kvtier version's: a
+    40-byte secret, an index/ with LMDB's data.mdb, fingerprint.json a JSON object if present),
+    "empty", or None (someone else's)."""
+    names = os.listdir(dir_fd)
+    if not names:
+        return "empty"
+    if MARKER_FILE in names:
+        return "kvtier" if _file_bytes(dir_fd, MARKER_FILE, 64) == MARKER else None
+    secret = _file_bytes(dir_fd, SECRET_FILE, 64)
+    try:
+        idx = os.stat(INDEX_DIR, dir_fd=dir_fd, follow_symlinks=False)
+        mdb = os.stat(os.path.join(INDEX_DIR, "data.mdb"), dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    if secret is None or len(secret) != 40 or not stat.S_ISDIR(idx.st_mode) or not stat.S_ISREG(mdb.st_mode):
+        return None
+    if FINGERPRINT_FILE in names:
+        try:
+            if not isinstance(json.loads(_file_bytes(dir_fd, FINGERPRINT_FILE, 1 << 16) or b""), dict):
+                return None
+        except ValueError:
+            return None
+    return "earlier"
+
+
+def _write_marker(dir_fd: int, path: str) -> None:
+    try:
+        fd = os.open(MARKER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=dir_fd)
+    except FileExistsError:  # another process claiming the same new directory: it must be the marker
+        if _file_bytes(dir_fd, MARKER_FILE, 64) != MARKER:
+            raise ForeignDirectory(_errno.EEXIST, f"{os.path.join(path, MARKER_FILE)} is not kvtier's "
+                                   f"marker; refused", path) from None
+        return
+    try:
+        os.write(fd, MARKER)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.fsync(dir_fd)
+
+
+def claim_dir(path: str, what: str = "nvme tier directory") -> int:
+    """A directory fd for `path` that kvtier may write in: created 0700 (missing parents too) when
+    absent; an existing one only when empty or already kvtier's (`dir_owner`), its marker then
+    written and its mode narrowed to 0700. Any other is `ForeignDirectory`, nothing in it changed."""
+    created = False
+    if not os.path.lexists(path):
+        try:
+            make_private_dirs(os.path.dirname(path) or ".")
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise oserror(e, f"cannot create {what}", path) from None
+    fd = open_dir(path, create=False, what=what)
+    try:
+        owner = "empty" if created else dir_owner(fd)
+        if owner is None:
+            raise ForeignDirectory(_errno.EEXIST, f"{what} {path} exists and is not a kvtier directory (no "
+                                   f"{MARKER_FILE} marker): refused, nothing in it changed; set a path kvtier "
+                                   f"creates (e.g. a new subdirectory) or one it wrote", path)
+        if owner != "kvtier":
+            _write_marker(fd, path)
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def exists_at(dir_fd: int, name: str) -> bool:

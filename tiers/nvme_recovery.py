@@ -23,10 +23,10 @@ import os
 import time
 from typing import NamedTuple
 
-from .nvme_block import (HEADER_BYTES, BlockCodec, NoSecret, load_secret, open_dir, recorded_fingerprint,
-                         slot_stride)
-from .nvme_dir import (INDEX_DIR, FingerprintMismatch, data_file, exists_at, fingerprint_diff, fingerprint_hash,
-                       lock_dir, make_fingerprint)
+from .nvme_block import (HEADER_BYTES, SECRET_FILE, BlockCodec, NoSecret, load_secret, open_dir,
+                         recorded_fingerprint, slot_stride)
+from .nvme_dir import (INDEX_DIR, FingerprintMismatch, ForeignDirectory, data_file, dir_owner, exists_at,
+                       fingerprint_diff, fingerprint_hash, lock_dir, make_fingerprint)
 from .nvme_index import FORMAT_VERSION, NvmeIndex, NvmeIndexError
 
 log = logging.getLogger("kvtier.nvme")
@@ -131,6 +131,9 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
     fph = int(fingerprint_hash(fp), 16)
     dfd = open_dir(path, create=False)
     try:
+        if rebuild and dir_owner(dfd) is None and not exists_at(dfd, SECRET_FILE) and not exists_at(dfd, INDEX_DIR):
+            raise ForeignDirectory(errno.EEXIST, f"fsck: {path} is not a kvtier directory (no marker, secret or "
+                                   f"index): refused, nothing in it changed", path)
         lock_dir(dfd, path, "fsck")
         config_differs: list[str] = []
         try:

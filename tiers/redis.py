@@ -7,7 +7,10 @@ eviction (`maxmemory` + `allkeys-lru`), and other instances write to it too. So:
   scheduler) answers None while the answer is on its way, so the scheduler never waits on the
   network (vLLM asks again next step);
 - a block found by a probe may be gone when it is read: a handled miss (`note_gone`);
-- `known(key)`: a bounded local memory of keys written or seen, so a block is not put twice.
+- `known(key)`: a bounded local memory of keys written or seen, so a block is not put twice;
+- `note_bad(keys)`: values that failed verification (deleted on the server by the reader when
+  unchanged) are remembered, in a bounded set, as misses: the next lookup stops before them,
+  so a bad value is read once, not again and again. Writing the block again clears the mark.
 The bytes move through `redis_data.RedisData` (offline: this object's `get` / `put`; in vLLM
 each worker opens its own). `SimRemoteTier` is the metadata-only model replay runs: an LRU of
 `capacity_blocks` (unbounded when 0), as a server with `allkeys-lru` behaves.
@@ -30,6 +33,7 @@ from .redis_data import RedisData
 log = logging.getLogger("kvtier.redis")
 
 KNOWN_MAX = 1 << 18      # keys remembered as on the server (about 30 MB)
+BAD_MAX = 1 << 16        # keys remembered as bad (their oldest marks go first)
 PROBES_MAX = 4096        # lookups in flight (a request that never asks again is dropped)
 
 
@@ -107,6 +111,13 @@ class _RemoteBase:
     def bind_counter(self, count: Callable[[str, float], None]) -> None:
         """The controller's counters (the simulated tier counts nothing of its own)."""
 
+    def note_gone(self, keys: Sequence[bytes]) -> None:
+        """Blocks a read found missing or bad: not known any more."""
+
+    def note_bad(self, keys: Sequence[bytes]) -> None:
+        """Blocks that failed verification: a miss for the lookups that follow."""
+        self.note_gone(keys)
+
     @property
     def num_resident(self) -> int:
         """Blocks known here to be on the server (the server may hold more, or fewer)."""
@@ -128,6 +139,7 @@ class RedisTier(_RemoteBase):
         self.with_data = data
         self.data_plane = self.conn if data else None
         self._known = _Known(KNOWN_MAX)
+        self._bad = _Known(BAD_MAX)
         self._probes: OrderedDict[tuple, tuple[Future, float, int]] = OrderedDict()
         self._prober = ThreadPoolExecutor(1, thread_name_prefix=f"kvtier-{name}-lookup")
         self._count = self.conn.count
@@ -145,18 +157,37 @@ class RedisTier(_RemoteBase):
         return key in self._known
 
     def note_written(self, keys: Sequence[bytes]) -> None:
+        """Written by this instance (a good value now): known, and no longer bad."""
         self._known.add(keys)
+        self._bad.discard(keys)
 
     def note_gone(self, keys: Sequence[bytes]) -> None:
         """Blocks a read found missing or bad: not known any more (a later store puts them again)."""
         self._known.discard(keys)
+
+    def note_bad(self, keys: Sequence[bytes]) -> None:
+        """Blocks whose value failed verification: lookups stop before them until one is written
+        again here (or its mark is pushed out of the bounded set)."""
+        self._known.discard(keys)
+        self._bad.add(keys)
+
+    def _clean(self, keys: Sequence[bytes]) -> Sequence[bytes]:
+        """`keys` up to the first one marked bad."""
+        if not len(self._bad):
+            return keys
+        for i, k in enumerate(keys):
+            if k in self._bad:
+                return keys[:i]
+        return keys
 
     def touch_keys(self, keys: Sequence[bytes]) -> None:
         self._known.touch(keys)
 
     def probe(self, keys: Sequence[bytes], wait: bool = True) -> int | None:
         """Length of the prefix of `keys` on the server (all ranks); None: asked, answer pending
-        (only with `wait=False`). Unreachable or too slow: the locally known part only, counted."""
+        (only with `wait=False`). Unreachable or too slow: the locally known part only, counted.
+        A block marked bad ends the prefix."""
+        keys = self._clean(keys)
         n = self._known.prefix(keys)
         if n == len(keys):
             return n
@@ -184,6 +215,7 @@ class RedisTier(_RemoteBase):
             self._count("lookup_failures")
             return 0
         m = next((i for i, f in enumerate(found) if not f), len(found))
+        m = len(self._clean(keys[:m]))  # marked bad while the answer was on its way
         self._known.add(keys[:m])
         return m
 
@@ -215,7 +247,8 @@ class RedisTier(_RemoteBase):
 
     def stats(self) -> dict:
         return {"name": self.name, "kind": self.kind, "server": self.settings.where, "namespace": self.ns.ns,
-                "known_blocks": len(self._known), "block_bytes": self.block_bytes,
+                "known_blocks": len(self._known), "bad_marked_blocks": len(self._bad),
+                "block_bytes": self.block_bytes,
                 "authenticated": self.ns.authenticated, "server_down": self.conn.breaker.down,
                 **{k: int(v) for k, v in self.conn.counters.items()}}
 

@@ -3,7 +3,9 @@
 A value is the block's keyed header (`nvme_block.BlockCodec`, sealed with the fleet's secret,
 naming key, fingerprint namespace, rank, length and payload hash) then the payload. A value that
 is absent (the server evicted it), truncated, foreign or corrupt is a miss for that block,
-counted, never bytes handed on. Transfers run on a small thread pool, each thread one pipeline
+counted, never bytes handed on; a bad one is deleted on the server if it still holds that very
+value (`drop_bad`: a script compares its SHA-1, so a good value written since stays) and is
+reported `bad` (the controller remembers it: the next lookup misses). Transfers run on a small thread pool, each thread one pipeline
 of at most `batch_bytes` of values per round trip; the caller polls or waits on the handle.
 Puts copy no payload: the header is sealed on its own and the client's `ZeroCopyPacker` sends
 it, then a view of the tensor (`redis_conn.Parts`). Gets read the replies off the socket
@@ -16,7 +18,9 @@ warning, a counter, retries with backoff.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
@@ -24,11 +28,14 @@ from typing import Callable, Sequence
 import torch
 
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult, Medium
-from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect
+from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text
 
 log = logging.getLogger("kvtier.redis")
 
 EXISTS_BATCH = 2048   # keys per pipelined EXISTS round trip
+# delete a key only while it holds the value whose SHA-1 is ARGV[1] (the bad value read)
+DROP_IF_SAME = ("local v = redis.call('GET', KEYS[1]) "
+                "if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -90,13 +97,21 @@ class _Reader:
                 raise ConnectionError("connection closed by the server")
             n += got
 
-    def skip(self, n: int) -> None:
+    def skip(self, n: int, digest=None) -> None:
+        """Read past `n` bytes (fed to `digest` when given)."""
         while n > 0:
             if self.lo == self.hi:
                 self._fill()
             k = min(n, self.hi - self.lo)
+            if digest is not None:
+                digest.update(memoryview(self.buf)[self.lo:self.lo + k])
             self.lo += k
             n -= k
+
+
+def _cause(why: str) -> str:
+    """A verification failure without its numbers and hashes: what makes two failures the same."""
+    return re.sub(r"[0-9a-f]{8,}|\d+", "#", why)
 
 
 class RedisData:
@@ -243,7 +258,8 @@ class RedisData:
         self.breaker.ok()
         ok: list[bool] = []
         errors: list[str] = []
-        nbytes = missing = bad = 0
+        dropped: list[tuple[bytes, str, str]] = []
+        nbytes = missing = 0
         codec, bb = self.ns.codec, self.block_bytes
         for k, v, dst in zip(keys, vals, dsts):
             if v is None:
@@ -254,14 +270,13 @@ class RedisData:
             why = ("truncated value" if len(v) != h + bb else
                    codec.verify(memoryview(v)[:h], k, memoryview(v)[h:]))
             if why is not None:
-                bad += 1
                 ok.append(False)
-                errors.append(f"{k.hex()[:16]}: {why}")
+                dropped.append((k, hashlib.sha1(v).hexdigest(), why))
                 continue
             _copy_out(dst, v, h, bb)
             nbytes += bb
             ok.append(True)
-        return self._tally(ok, errors, nbytes, missing, bad)
+        return self._tally(keys, ok, dropped, nbytes, missing)
 
     def _get_direct(self, keys: list[bytes], dsts: list[torch.Tensor], pool) -> IOResult | None:
         """`_get` reading each reply straight off the socket: a value's header into a small
@@ -275,8 +290,8 @@ class RedisData:
             scratch = self._scratch.t = torch.empty(bb, dtype=torch.uint8)
         scratch_mv = _bytes_of(scratch)
         ok: list[bool] = []
-        errors: list[str] = []
-        nbytes = missing = bad = 0
+        dropped: list[tuple[bytes, str, str]] = []
+        nbytes = missing = 0
         conn = None
         try:
             conn = pool.get_connection()
@@ -301,10 +316,11 @@ class RedisData:
                     continue
                 h = codec.header_size(k)
                 if n != h + bb:
-                    rd.skip(n + 2)
-                    bad += 1
+                    digest = hashlib.sha1()
+                    rd.skip(n, digest)
+                    rd.skip(2)
                     ok.append(False)
-                    errors.append(f"{k.hex()[:16]}: truncated value")
+                    dropped.append((k, digest.hexdigest(), "truncated value" if n < h + bb else "value too long"))
                     continue
                 hdr = bytearray(h)
                 rd.into(memoryview(hdr))
@@ -312,9 +328,10 @@ class RedisData:
                 rd.skip(2)
                 why = codec.verify(memoryview(hdr), k, scratch_mv)
                 if why is not None:
-                    bad += 1
                     ok.append(False)
-                    errors.append(f"{k.hex()[:16]}: {why}")
+                    digest = hashlib.sha1(hdr)
+                    digest.update(scratch_mv)
+                    dropped.append((k, digest.hexdigest(), why))
                     continue
                 ctypes.memmove(dst.data_ptr(), scratch.data_ptr(), bb)  # verified: into the block
                 nbytes += bb
@@ -331,17 +348,48 @@ class RedisData:
             if conn is not None:
                 pool.release(conn)
         self.breaker.ok()
-        return self._tally(ok, errors, nbytes, missing, bad)
+        return self._tally(keys, ok, dropped, nbytes, missing)
 
-    def _tally(self, ok: list[bool], errors: list[str], nbytes: int, missing: int, bad: int) -> IOResult:
+    def _tally(self, keys: list[bytes], ok: list[bool], dropped: list[tuple[bytes, str, str]], nbytes: int,
+               missing: int) -> IOResult:
+        """The batch's result; bad values (key, SHA-1, why) counted, logged once per cause, deleted."""
         if missing:
             self.count("missing_blocks", missing)
-        if bad:
-            self.count("corrupt_blocks", bad)
-            log.error("kvtier: shared tier %s: %d blocks failed verification (not served): %s",
-                      self.s.where, bad, errors[:2])
+        errors = [f"{k.hex()[:16]}: {why}" for k, _, why in dropped]
+        bad: list[bool] = []
+        if dropped:
+            self.count("corrupt_blocks", len(dropped))
+            for _, _, why in dropped:
+                self._warn_once("bad:" + _cause(why), "kvtier: shared tier %s: a value failed verification (%s): "
+                                "not served, deleted on the server unless rewritten since, and a miss for "
+                                "later lookups (counted in corrupt_blocks; more of this cause not logged)",
+                                self.s.where, why)
+            self.drop_bad([(k, d) for k, d, _ in dropped])
+            names = {k for k, _, _ in dropped}
+            bad = [k in names and not o for k, o in zip(keys, ok)]
         self.count("bytes_read", nbytes)
-        return IOResult(ok=ok, nbytes=nbytes, errors=errors)
+        return IOResult(ok=ok, nbytes=nbytes, errors=errors, bad=bad)
+
+    def drop_bad(self, items: Sequence[tuple[bytes, str]]) -> int:
+        """Delete each (key, SHA-1 of the bad value read) on the server if it still holds that very
+        value (a good value written since stays). Counted: `bad_deleted_blocks`, `bad_rewritten_blocks`
+        (changed since: left), `bad_delete_failed_blocks`. Returns how many were deleted."""
+        deleted = failed = 0
+        for k, digest in items:
+            try:
+                deleted += int(self.client.eval(DROP_IF_SAME, 1, self.ns.name(k), digest))
+            except Exception as e:  # noqa: BLE001 - e.g. scripting refused by ACL: still a miss here
+                failed += 1
+                self._warn_once("drop:" + type(e).__name__, "kvtier: shared tier %s: could not delete a bad "
+                                "value (%s: %s); it stays a miss here (counted in bad_delete_failed_blocks)",
+                                self.s.where, type(e).__name__, error_text(e))
+        if deleted:
+            self.count("bad_deleted_blocks", deleted)
+        if len(items) - deleted - failed:
+            self.count("bad_rewritten_blocks", len(items) - deleted - failed)
+        if failed:
+            self.count("bad_delete_failed_blocks", failed)
+        return deleted
 
     def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor]) -> IOHandle:
         """Seal and write blocks (SET, pipelined); ok[i] False: not written (counted, logged once)."""
@@ -393,7 +441,6 @@ class RedisData:
         try:
             self.client.ping()
         except Exception as e:
-            from .redis_conn import error_text
             return f"{type(e).__name__}: {error_text(e)}"
         return None
 

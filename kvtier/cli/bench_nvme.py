@@ -68,9 +68,12 @@ def run_nvme_bench(directory: str | None, block_bytes: int, num_blocks: int, thr
 
     `batch_blocks`: blocks per write()+commit() call (default: all of them in one batch).
     """
-    own = directory is None
-    directory = directory or tempfile.mkdtemp(prefix="kvtier-bench-")
-    os.makedirs(directory, exist_ok=True)
+    # a scratch directory of its own (inside `directory` when given): nothing else there is touched
+    parent = directory
+    if parent is not None:
+        from kvtier.tiers.nvme_block import make_private_dirs
+        make_private_dirs(parent)
+    directory = tempfile.mkdtemp(prefix="kvtier-bench-", dir=parent)
     total = num_blocks * round_up(block_bytes)
     batch = batch_blocks or num_blocks
     # source / destination buffers: page-aligned, pre-touched, one contiguous region each
@@ -125,8 +128,7 @@ def run_nvme_bench(directory: str | None, block_bytes: int, num_blocks: int, thr
                 tier.close()
                 shutil.rmtree(tdir, ignore_errors=True)
     finally:
-        if own:
-            shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(directory, ignore_errors=True)
     med = statistics.median
     out = {"block_bytes": block_bytes, "num_blocks": num_blocks, "total_bytes": total, "threads": threads,
            "batch_blocks": batch, "repeats": repeats, "engine": engine,

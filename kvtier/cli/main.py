@@ -138,10 +138,11 @@ def _on_sigterm(signum, frame):  # pragma: no cover - exercised by subprocess te
 
 
 def _exit_code(e: BaseException) -> int:
-    """2: bad input (config, arguments, a directory of another fingerprint or capacity); 1: runtime."""
-    from kvtier.tiers.nvme_dir import FingerprintMismatch
+    """2: bad input (config, arguments, a directory of another fingerprint or capacity, or not
+    kvtier's); 1: runtime."""
+    from kvtier.tiers.nvme_dir import FingerprintMismatch, ForeignDirectory
     from kvtier.tiers.nvme_recovery import CapacityShrink
-    if isinstance(e, (ConfigError, CapacityShrink, FingerprintMismatch)):
+    if isinstance(e, (ConfigError, CapacityShrink, FingerprintMismatch, ForeignDirectory)):
         return 2
     if isinstance(e, OSError):
         return 1

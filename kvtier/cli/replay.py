@@ -140,12 +140,12 @@ class _Scratch:
         tiers = []
         for t in cfg.tiers:
             if t.kind == "nvme" and use:
-                from kvtier.tiers.nvme_block import make_private_dirs
+                from kvtier.tiers.nvme_dir import claim_dir
                 created, p = [], os.path.abspath(t.path)
                 while not os.path.lexists(p):
                     created.append(p)
                     p = os.path.dirname(p)
-                make_private_dirs(t.path)
+                os.close(claim_dir(t.path))  # kvtier's own (or new): never scratch in someone else's
                 _remove_stale(t.path)
                 d = os.path.join(t.path, f"{self.PREFIX}{os.getpid()}")
                 shutil.rmtree(d, ignore_errors=True)
@@ -157,11 +157,14 @@ class _Scratch:
         self.cfg = cfg.model_copy(update={"tiers": tiers})
 
     def close(self) -> dict:
+        from kvtier.tiers.nvme_dir import MARKER_FILE
         for name, d, created in self.made:
             self.report[name] = {"path": d, "bytes_on_disk": _du(d), "removed": True}
             shutil.rmtree(d, ignore_errors=True)
-            for p in created:   # deepest first; only while empty
+            for i, p in enumerate(created):   # deepest first; only while empty (but for our marker)
                 try:
+                    if i == 0 and os.listdir(p) == [MARKER_FILE]:
+                        os.unlink(os.path.join(p, MARKER_FILE))
                     os.rmdir(p)
                 except OSError:
                     break

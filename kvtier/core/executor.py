@@ -233,8 +233,9 @@ class Executor(Failures, Counting):
             read_oks.extend(r.ok)
             ok = list(r.ok)
             errors.extend(r.errors)
-            if shared:  # absent (the server evicted it) or failed verification: a miss, reported
+            if shared:  # absent (the server evicted it) or failed verification (`bad`): a miss, reported
                 self.result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
+                self.result.bad.extend(op.keys[lo + i] for i, b in enumerate(r.bad) if b)
             corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
             if good and direct is None:

@@ -119,6 +119,9 @@ class Completion:
         if rep.gone and self.remote is not None:  # found by lookup, gone (or bad) at load: a miss
             self.tiers[self.remote].note_gone(rep.gone)
             self._count(f"gone_blocks.{self.names[self.remote]}", len(rep.gone))
+        if rep.bad and self.remote is not None:  # failed verification: remembered, the next lookup misses
+            self.tiers[self.remote].note_bad(rep.bad)
+            self._count(f"bad_blocks.{self.names[self.remote]}", len(rep.bad))
         for rid, ok in rep.loaded.items():
             self.release(rid)
             if not ok:

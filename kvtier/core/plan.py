@@ -75,6 +75,7 @@ class Report:
     rank: int = 0
     copied_ranks: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     gone: list[bytes] = field(default_factory=list)   # shared tier: keys a read found absent or bad
+    bad: list[bytes] = field(default_factory=list)    # shared tier: those of `gone` that failed verification
     capacity: dict[int, int] = field(default_factory=dict)  # tier -> slots its data plane holds (when fewer)
 
     def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
@@ -99,15 +100,16 @@ class Report:
         for t, v in other.corrupt.items():
             corrupt.setdefault(t, []).extend(s for s in v if s not in corrupt[t])
         gone = list(self.gone) + [k for k in other.gone if k not in self.gone]
+        bad = list(self.bad) + [k for k in other.bad if k not in self.bad]
         capacity = dict(self.capacity)
         for t, n in other.capacity.items():
             capacity[t] = min(n, capacity.get(t, n))
         return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
-                          copied_ranks=written, gone=gone, capacity=capacity)
+                          copied_ranks=written, gone=gone, bad=bad, capacity=capacity)
 
     def is_empty(self) -> bool:
         return not self.stored and not self.loaded and not self.copied and not self.corrupt \
-            and not self.copied_ranks and not self.gone and not self.capacity
+            and not self.copied_ranks and not self.gone and not self.bad and not self.capacity
 
 
 class Counting:
