@@ -43,6 +43,7 @@ from .guard import SafeAnswers, hook
 from .handoff import clear_reports, read_reports, write_report
 from .hybrid import HybridRules
 from .identity import model_identity
+from .kv_layout import layout_name
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
 from .scheduler import KVTierScheduler
 from .startup import (attach_vllm_log_handler, flush_budget_s, register_by_name, remote_opener, scheduler_line,
@@ -202,16 +203,18 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
             model=model, revision=str(rev),
             dtype=str(getattr(mc, "dtype", "?")),
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-            layout=self._layout_name(), tp=int(getattr(pc, "tensor_parallel_size", 1)),
+            layout=self._layout_name(vllm_config), tp=int(getattr(pc, "tensor_parallel_size", 1)),
             pp=int(getattr(pc, "pipeline_parallel_size", 1)))
 
-    def _layout_name(self) -> str:
-        """One group: "vllm-kv-blocks/v1" (unchanged). Several: v2 and a digest of the groups
-        (kind, block, window...): a block stored under another group layout is never served."""
+    def _layout_name(self, vllm_config: Any) -> str:
+        """The blocks' byte format (`kv_layout.layout_name`: canonical, or the CPU backend's packed
+        slabs); with several groups, plus a digest of the groups (kind, block, window...): a block
+        stored under another format or group layout is never served."""
+        name = layout_name(str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")))
         if not self.hybrid:
-            return "vllm-kv-blocks/v1"
+            return name
         import xxhash
-        return "vllm-kv-blocks/v2:" + xxhash.xxh3_64_hexdigest(repr(self.groups).encode())
+        return name + ":groups-" + xxhash.xxh3_64_hexdigest(repr(self.groups).encode())
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -81,8 +81,8 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class DeviceCopier:
-    """Blocks of the device KV (`flat[l]`: [num_blocks, layer_bytes] uint8 per layer) <-> rows of
-    a host tensor ([rows, block_bytes] uint8: layer 0's bytes of a block, then layer 1's, ...)."""
+    """Blocks of the device KV (`flat[l]`: [num_blocks, ...] uint8 per layer, a block's bytes in
+    index order: `kv_layout.canonical_view`) <-> rows of a host tensor ([rows, block_bytes] uint8: layer 0's bytes of a block, then layer 1's, ...)."""
 
     def __init__(self, flat: Sequence[torch.Tensor], offsets: Sequence[int], streams: Streams,
                  staging_bytes: int = STAGING_BYTES) -> None:
@@ -113,7 +113,7 @@ class DeviceCopier:
                 st = self._stage(len(ids))
                 idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
                 for li, f in enumerate(self.flat):
-                    st[:, self.offsets[li]:self.offsets[li + 1]].copy_(f.index_select(0, idx))
+                    st[:, self.offsets[li]:self.offsets[li + 1]].copy_(f.index_select(0, idx).flatten(1))
                 for i, r0, n in row_runs(rws):
                     host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
                 if len(block_ids) > self.chunk:  # the staging buffer is reused by the next chunk
@@ -135,7 +135,7 @@ class DeviceCopier:
                 idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
                 last = c == len(chunks) - 1
                 for li, f in enumerate(self.flat):
-                    f.index_copy_(0, idx, st[:, self.offsets[li]:self.offsets[li + 1]])
+                    f.index_copy_(0, idx, st[:, self.offsets[li]:self.offsets[li + 1]].view(-1, *f.shape[1:]))
                     if last:
                         events.append(s.record())
                 if not last:  # the staging buffer is reused by the next chunk

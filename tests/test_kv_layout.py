@@ -60,17 +60,27 @@ def flash_caches(layers=3, ratio=1, blocks=NB):
     return {f"model.layers.{i}.self_attn.attn": raw[i].permute(0, 2, 1, 3) for i in range(layers)}
 
 
-def test_flash_attention_blocks_are_dense_byte_ranges():
+def test_a_token_major_block_is_stored_in_canonical_order():
+    """FlashAttention's NHD block is one dense byte range, but its bytes are token-major: the
+    stored block is the canonical [heads, tokens, content] (the logical view's order), not the
+    memory as it lies (issue 29: a block stored under NHD served under HND was scrambled)."""
     caches = flash_caches()
-    t = next(iter(caches.values()))
-    assert not t[0].is_contiguous()
     lay = KVLayout(caches)
-    assert all(f is not None for f in lay.flat) and lay.ratio == 1
+    assert lay.flat == [None] * 3 and lay.ratio == 1
     assert lay.layer_bytes == [H * BS * D2 * 4] * 3
-    # the view is the block's memory as it lies, byte for byte
-    for li, (name, t) in enumerate(caches.items()):
-        raw = t.permute(0, 2, 1, 3)  # back to the buffer's own order
-        assert torch.equal(lay.flat[li][5], raw[5].contiguous().view(-1).view(torch.uint8))
+    for li, t in enumerate(caches.values()):
+        assert torch.equal(lay.canon[li][5].reshape(-1), t[5].contiguous().view(-1).view(torch.uint8))
+        assert torch.equal(torch.cat([v.reshape(-1) for v in lay.block_views(5)]).view(torch.float32).view(3, H, BS, D2)[li],
+                           t[5])
+
+
+def test_the_cpu_backends_order_is_the_flat_fast_path():
+    """[L, B, H, N, C] (the CPU backend's, physical = logical): one dense canonical byte range per
+    block, the row copies' path, unchanged."""
+    raw = torch.randn(3, NB, H, BS, D2)
+    lay = KVLayout({f"l{i}": raw[i] for i in range(3)})
+    assert all(f is not None and f.shape == (NB, H * BS * D2 * 4) for f in lay.flat)
+    assert lay.describe()["format"] == "vllm-kv-blocks/cpu-packed-v1"
 
 
 def test_heads_outermost_is_not_dense():
@@ -138,7 +148,7 @@ def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
     assert w.take_result().stored == {1: [True] * 5}
     rows = w.pools[0].buffer.view(16, -1)
     for b, sl in zip(blocks, slots):   # slot = layer 0's bytes of the block, then layer 1's, ...
-        want = torch.cat([w.layout.flat[li][b] for li in range(3)])
+        want = torch.cat([w.layout.canon[li][b].reshape(-1) for li in range(3)])
         assert torch.equal(rows[sl], want)
     for t in caches.values():
         t.zero_()

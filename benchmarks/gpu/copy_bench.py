@@ -48,7 +48,7 @@ def copies(layers: int, heads: int, head: int, block_tokens: int, blocks: int, s
     bb = lay.block_bytes
     pool = host_buffer(step_blocks * 2 * bb, pin=True, row_bytes=bb, what="bench pool")
     rows = pool.tensor.view(-1, bb)
-    dc = DeviceCopier(lay.flat, lay.offsets, CudaStreams(lay.device))
+    dc = DeviceCopier(lay.canon, lay.offsets, CudaStreams(lay.device))
     g = torch.Generator().manual_seed(0)
     ids = torch.randperm(blocks, generator=g)[:step_blocks].tolist()
     slots = torch.randperm(rows.shape[0], generator=g)[:step_blocks].tolist()
@@ -59,7 +59,7 @@ def copies(layers: int, heads: int, head: int, block_tokens: int, blocks: int, s
     h2d = _median_time(lambda: dev.copy_(host, non_blocking=True), repeat)
     store = _median_time(lambda: dc.streams.sync(dc.store(rows, ids, slots)), repeat)
     load = _median_time(lambda: dc.streams.sync(dc.load(rows, ids, slots)[-1]), repeat)
-    ok = all(torch.equal(rows[s], torch.cat([f[b].cpu() for f in lay.flat])) for b, s in zip(ids[:8], slots[:8]))
+    ok = all(torch.equal(rows[s], torch.cat([f[b].reshape(-1).cpu() for f in lay.canon])) for b, s in zip(ids[:8], slots[:8]))
     pool.close()
     return {"block_bytes": bb, "step_blocks": step_blocks, "pinned": pool.pinned, "byte_exact": ok,
             "d2h_gbps_limit": nbytes / d2h / 1e9, "h2d_gbps_limit": nbytes / h2d / 1e9,
