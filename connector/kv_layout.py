@@ -4,10 +4,11 @@ A block below the GPU is one contiguous region of `block_bytes`: layer 0's bytes
 then layer 1's, ..., each layer's block in one canonical order (`canonical_view`: heads, tokens,
 content), so what is stored does not depend on vLLM's physical layout (NHD, HND, cross-layer,
 kernel-block splits). The CPU attention backend packs K transposed inside a (block, head) slab:
-its blocks are stored as they lie and named apart (`layout_name`). `KVLayout` reads vLLM's per-layer tensors; `KVCopier` moves blocks
-between them and the rows of a CPU pool (or a staging buffer), as typed copy jobs: `RowCopy`
-(runs of consecutive (block, row) pairs: one strided copy per run, over all layers when vLLM's
-layers share one allocation) and `ViewCopy` (per-layer views, the general case and the GPU).
+its blocks are stored as they lie and named apart (`layout_name`). `KVLayout` reads vLLM's
+per-layer tensors; `KVCopier` moves blocks between them and the rows of a CPU pool (or a
+staging buffer), as typed copy jobs: `RowCopy` (runs of consecutive (block, row) pairs: one
+strided copy per run, over all layers when vLLM's layers share one allocation), `ViewCopy`
+(per-layer canonical views, the general case) and `DeviceJob` (the GPU's device copier).
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ class KVCopier:
     On the CPU backend: row copies (`RowCopy`, numpy / one torch copy per run). On a GPU: the
     device copier (`device_copy.DeviceCopier`: batched, on a side stream ordered against the
     forward). Otherwise per-layer canonical views (`ViewCopy`).
-    `streams` forces the device copier (tests drive it on CPU tensors with a recording fake).
+    `streams` forces the device copier (tests drive it on CPU tensors with a fake that runs the
+    copies later, as a GPU does: `benchmarks/gpu/probes.DeferredStreams`).
     """
 
     def __init__(self, layout: KVLayout, pool: CpuPool, streams=None) -> None:
