@@ -189,8 +189,8 @@ def scattered_copies() -> None:
     from kvtier.connector.kv_layout import KVLayout
     from kvtier.tiers.cpu_pool import host_buffer
     out = []
-    for layers, heads, head, bt, n in ((32, 8, 128, 16, 256), (64, 1, 576, 64, 256)):
-        kv = probes.views("LBNHC", layers, 4096, heads, bt, 2 * head, torch.bfloat16, "cuda")
+    for layers, heads, content, bt, n in ((32, 8, 256, 16, 256), (64, 1, 576, 64, 128)):   # GQA; MLA-like
+        kv = probes.views("LBNHC", layers, 2048, heads, bt, content, torch.bfloat16, "cuda")
         for t in kv.values():
             t.normal_()
         lay = KVLayout(kv)
@@ -199,7 +199,7 @@ def scattered_copies() -> None:
         rows = buf.tensor.view(-1, bb)
         dc = DeviceCopier(lay.canon, lay.offsets, CudaStreams(lay.device))
         g = torch.Generator().manual_seed(0)
-        ids = torch.randperm(4096, generator=g)[:n].tolist()
+        ids = torch.randperm(2048, generator=g)[:n].tolist()
         slots = torch.randperm(2 * n, generator=g)[:n].tolist()
         dc.streams.sync(dc.store(rows, ids, slots))
         exact = all(torch.equal(rows[s], torch.cat([probes.canonical(t, b) for t in kv.values()]))
@@ -217,6 +217,7 @@ def scattered_copies() -> None:
                     "store_ratio": d2h / st, "load_ratio": h2d / ld})
         buf.close()
         del kv, lay, dc, dev
+        torch.cuda.empty_cache()
     ok = all(o["store_exact"] for o in out)
     report("scattered_copies", "PASS" if ok else "FAIL", "; ".join(
         f"{o['blocks']} x {o['block_bytes'] >> 10} KiB: store {o['store_gbps']:.1f} GB/s "
@@ -238,16 +239,16 @@ def layer_overlap() -> None:
         kv = probes.views("LBNHC", layers, 2048, 8, 16, 256, torch.bfloat16, "cuda")
         w = KVTierWorker(lambda bb: n, pin=True)
         w.register_kv_caches(kv)
-        a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         names = list(kv)
         sync = torch.cuda.synchronize
+        seq = iter(range(1 << 30))
 
         def work():
-            for _ in range(4):
-                a @ a
+            a @ a
 
         def load():
-            w.bind(KVTierMetadata(loads=[LoadOp("o", 0, list(range(n)), list(range(n)))]))
+            w.bind(KVTierMetadata(loads=[LoadOp(f"o{next(seq)}", 0, list(range(n)), list(range(n)))]))
             w.start_load()
             for name in names:
                 w.wait_layer(name)
@@ -255,7 +256,7 @@ def layer_overlap() -> None:
             w.take_result()
 
         def load_only():
-            w.bind(KVTierMetadata(loads=[LoadOp("o", 0, list(range(n)), list(range(n)))]))
+            w.bind(KVTierMetadata(loads=[LoadOp(f"o{next(seq)}", 0, list(range(n)), list(range(n)))]))
             w.start_load()
             w.take_result()
 
@@ -282,11 +283,17 @@ def kvikio_check() -> None:
     except Exception as e:  # noqa: BLE001
         report("kvikio", "FAIL", f"kvikio does not import: {e}")
         return
-    compat = kvikio.defaults.is_compat_mode_preferred() if hasattr(kvikio.defaults, "is_compat_mode_preferred") \
-        else str(kvikio.defaults.compat_mode())
-    mode = "compatibility (POSIX, no GDS)" if compat is True else f"GDS preferred (compat_mode={compat})"
+    compat = bool(kvikio.defaults.is_compat_mode_preferred())
+    setting = kvikio.defaults.get("compat_mode")
+    try:
+        import kvikio.cufile_driver
+        gds = kvikio.cufile_driver.get("is_gds_available")
+    except Exception as e:  # noqa: BLE001 - no cuFile driver: say so
+        gds = f"unknown ({e})"
+    mode = (f"compatibility (POSIX in kvikio's threads; compat_mode={setting}, GDS available: {gds})" if compat
+            else f"GDS (cuFile; compat_mode={setting}, GDS available: {gds})")
     size = 256 << 20
-    d = tempfile.mkdtemp(dir=os.environ.get("KVTIER_CHECK_DIR"))
+    d = tempfile.mkdtemp(dir=os.environ.get("KVTIER_CHECK_DIR") or os.getcwd())   # a disk, not a tmpfs
     path = os.path.join(d, "kvikio.bin")
     with open(path, "wb") as f:
         f.write(os.urandom(size))
@@ -326,8 +333,12 @@ def kvikio_check() -> None:
     out = {"mode": mode}
     out["device_gbps"] = timed(lambda: kv_read(dev))
     out["host_gbps"] = timed(lambda: kv_read(host.numpy()))
-    out["posix_odirect_gbps"] = timed(posix)
-    same = torch.equal(dev.cpu(), host) and bytes(mm[:4096]) == host[:4096].numpy().tobytes()
+    try:
+        out["posix_odirect_gbps"] = timed(posix)
+        same_posix = bytes(mm[:4096]) == host[:4096].numpy().tobytes()
+    except OSError as e:   # O_DIRECT refused by this file system
+        out["posix_odirect_gbps"], out["posix_error"], same_posix = float("nan"), str(e), True
+    same = torch.equal(dev.cpu(), host) and same_posix
     os.unlink(path)
     os.rmdir(d)
     report("kvikio", "PASS" if same else "FAIL",
