@@ -52,4 +52,4 @@ if ! pyc 'import kvtier.connector.worker' 2>/dev/null; then
   for d in tiers policies connector configs; do ln -s "$ROOT/$d" "$PKG/kvtier/$d"; done
   export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}"
 fi
-exec timeout 290 "$PY" benchmarks/gpu/check.py "${ARGS[@]}"
+exec timeout 290 "$PY" benchmarks/gpu/check.py ${ARGS[@]+"${ARGS[@]}"}
