@@ -25,10 +25,10 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                 KVConnectorRole,
-                                                                 KVConnectorTransferResults, SupportsHMA)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 
 from kvtier.core.builder import build_controller
 from kvtier.core.config import ConfigError
@@ -43,6 +43,7 @@ from .handoff import clear_reports, read_reports, write_report
 from .hybrid import HybridRules
 from .digest_cache import data_dir_of
 from .identity import ModelIdentity
+from .kv_layout import layout_name
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
 from .parallel import shards, store_rank
 from .persistent import PersistentTiers
@@ -199,23 +200,22 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         return cfg
 
     def _fingerprint(self, vllm_config: Any, model: str | None) -> dict:
-        """What must match for a stored block to be served (`StackConfig.fingerprint` with the
-        model's identity, vLLM's KV dtype, layout and parallelism)."""
+        """What must match for a stored block to be served: the model's identity, KV dtype, layout, parallelism."""
         mc, pc = vllm_config.model_config, vllm_config.parallel_config
         return self.config.fingerprint(
             model=model or "(not known yet)", revision=str(getattr(mc, "revision", None)),
             dtype=str(getattr(mc, "dtype", "?")),
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-            layout=self._layout_name(), tp=int(getattr(pc, "tensor_parallel_size", 1)),
+            layout=self._layout_name(vllm_config), tp=int(getattr(pc, "tensor_parallel_size", 1)),
             pp=int(getattr(pc, "pipeline_parallel_size", 1)))
 
-    def _layout_name(self) -> str:
-        """One group: "vllm-kv-blocks/v1" (unchanged). Several: v2 and a digest of the groups
-        (kind, block, window...): a block stored under another group layout is never served."""
+    def _layout_name(self, vllm_config: Any) -> str:
+        """The blocks' byte format (`kv_layout.layout_name`), plus a digest of the groups when several:
+        a block stored under another format or group layout is never served."""
+        name = layout_name(str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")))
         if not self.hybrid:
-            return "vllm-kv-blocks/v1"
-        import xxhash
-        return "vllm-kv-blocks/v2:" + xxhash.xxh3_64_hexdigest(repr(self.groups).encode())
+            return name
+        return name + ":groups-" + xxhash.xxh3_64_hexdigest(repr(self.groups).encode())
 
     @property
     def requires_kv_delivery(self) -> bool:

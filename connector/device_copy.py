@@ -43,6 +43,10 @@ class Streams(Protocol):
     def sync(self, event: Any) -> None:
         """The host waits for `event`."""
 
+    def run(self, fn: Any, *args: Any) -> Any:
+        """Queue `fn(*args)` (device copies) on the stream in effect; a CUDA stream runs them in
+        order later, so on CUDA this calls it now (a fake may defer it: ordering tests on CPU)."""
+
 
 class CudaStreams:
     """`Streams` on a CUDA device: one side stream, events recorded on it."""
@@ -68,6 +72,9 @@ class CudaStreams:
     def sync(self, event: Any) -> None:
         event.synchronize()
 
+    def run(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
 
 def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first index in `rows`, first row, length) of each run of consecutive rows."""
@@ -81,8 +88,8 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
 
 
 class DeviceCopier:
-    """Blocks of the device KV (`flat[l]`: [num_blocks, layer_bytes] uint8 per layer) <-> rows of
-    a host tensor ([rows, block_bytes] uint8: layer 0's bytes of a block, then layer 1's, ...)."""
+    """Blocks of the device KV (`flat[l]`: [num_blocks, ...] uint8 per layer, a block's bytes in
+    index order: `kv_layout.canonical_view`) <-> rows of a host tensor ([rows, block_bytes] uint8: layer 0's bytes of a block, then layer 1's, ...)."""
 
     def __init__(self, flat: Sequence[torch.Tensor], offsets: Sequence[int], streams: Streams,
                  staging_bytes: int = STAGING_BYTES) -> None:
@@ -110,12 +117,7 @@ class DeviceCopier:
         s.fence()
         with self._settled(), s.side():
             for ids, rws in self._chunks(block_ids, rows):
-                st = self._stage(len(ids))
-                idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-                for li, f in enumerate(self.flat):
-                    st[:, self.offsets[li]:self.offsets[li + 1]].copy_(f.index_select(0, idx))
-                for i, r0, n in row_runs(rws):
-                    host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
+                s.run(self._gather, host, ids, rws)
                 if len(block_ids) > self.chunk:  # the staging buffer is reused by the next chunk
                     s.sync(s.record())
         return s.record()
@@ -129,13 +131,11 @@ class DeviceCopier:
         with self._settled(), s.side():
             chunks = list(self._chunks(block_ids, rows))
             for c, (ids, rws) in enumerate(chunks):
-                st = self._stage(len(ids))
-                for i, r0, n in row_runs(rws):
-                    st[i:i + n].copy_(host[r0:r0 + n], non_blocking=True)
+                s.run(self._stage_rows, host, ids, rws)
                 idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
                 last = c == len(chunks) - 1
-                for li, f in enumerate(self.flat):
-                    f.index_copy_(0, idx, st[:, self.offsets[li]:self.offsets[li + 1]])
+                for li in range(len(self.flat)):
+                    s.run(self._scatter, li, idx, len(ids))
                     if last:
                         events.append(s.record())
                 if not last:  # the staging buffer is reused by the next chunk
@@ -155,6 +155,24 @@ class DeviceCopier:
             except Exception:  # noqa: BLE001 - the device itself failed: the first error goes on
                 pass
             raise
+
+    # the copies themselves, queued on the side stream by `Streams.run`
+    def _gather(self, host: torch.Tensor, ids: list[int], rws: list[int]) -> None:
+        st = self._stage(len(ids))
+        idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        for li, f in enumerate(self.flat):
+            st[:, self.offsets[li]:self.offsets[li + 1]].copy_(f.index_select(0, idx).flatten(1))
+        for i, r0, n in row_runs(rws):
+            host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
+
+    def _stage_rows(self, host: torch.Tensor, ids: list[int], rws: list[int]) -> None:
+        st = self._stage(len(ids))
+        for i, r0, n in row_runs(rws):
+            st[i:i + n].copy_(host[r0:r0 + n], non_blocking=True)
+
+    def _scatter(self, li: int, idx: torch.Tensor, n: int) -> None:
+        f = self.flat[li]
+        f.index_copy_(0, idx, self._stage(n)[:, self.offsets[li]:self.offsets[li + 1]].view(-1, *f.shape[1:]))
 
     def close(self) -> None:
         self._staging = None

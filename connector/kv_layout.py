@@ -1,11 +1,14 @@
 """vLLM's KV layout and the copies between it and contiguous block rows (gather / scatter).
 
 A block below the GPU is one contiguous region of `block_bytes`: layer 0's bytes of that block,
-then layer 1's, ... (each layer's block copied as raw bytes, so the attention backend's inner
-layout never matters). `KVLayout` reads vLLM's per-layer tensors; `KVCopier` moves blocks
-between them and the rows of a CPU pool (or a staging buffer), as typed copy jobs: `RowCopy`
-(runs of consecutive (block, row) pairs: one strided copy per run, over all layers when vLLM's
-layers share one allocation) and `ViewCopy` (per-layer views, the general case and the GPU).
+then layer 1's, ..., each layer's block in one canonical order (`canonical_view`: heads, tokens,
+content), so what is stored does not depend on vLLM's physical layout (NHD, HND, cross-layer,
+kernel-block splits). The CPU attention backend packs K transposed inside a (block, head) slab:
+its blocks are stored as they lie and named apart (`layout_name`). `KVLayout` reads vLLM's
+per-layer tensors; `KVCopier` moves blocks between them and the rows of a CPU pool (or a
+staging buffer), as typed copy jobs: `RowCopy` (runs of consecutive (block, row) pairs: one
+strided copy per run, over all layers when vLLM's layers share one allocation), `ViewCopy`
+(per-layer canonical views, the general case) and `DeviceJob` (the GPU's device copier).
 """
 
 from __future__ import annotations
@@ -86,44 +89,51 @@ class KVLayout:
         for b in self.layer_bytes:
             self.offsets.append(self.offsets[-1] + b)
         self.block_bytes = self.offsets[-1]
-        # per layer: a [num_blocks, layer_bytes] uint8 view when a block is one dense byte range
-        self.flat: list[torch.Tensor | None] = []
-        for li, t in enumerate(self.tensors):
-            el = t.element_size()
-            kernel_page = t[0].numel() * el
-            dense = _dense(t[0]) and (r == 1 or t.stride(0) * el == kernel_page)
-            stride_b = t.stride(0) * el * r
-            if dense and stride_b >= self.layer_bytes[li]:
-                self.flat.append(torch.as_strided(_bytes_storage(t), (num_blocks, self.layer_bytes[li]),
-                                                   (stride_b, 1)))
-            else:
-                self.flat.append(None)
+        # per layer: [num_blocks, ...] uint8 views of each block in canonical order (`canonical_view`),
+        # and the [num_blocks, layer_bytes] view when that order is one dense byte range (`flat`)
+        self.canon = [canonical_view(t, num_blocks, r) for t in self.tensors]
+        self.flat: list[torch.Tensor | None] = [
+            c if c.dim() == 2 and c.stride(1) == 1 and c.stride(0) >= lb else None
+            for c, lb in zip(self.canon, self.layer_bytes)]
 
     def block_views(self, block_id: int) -> list[torch.Tensor]:
-        """One view per layer of block `block_id` (uint8 when it is a dense byte range)."""
-        r = self.ratio
-        return [f[block_id] if f is not None else (t[block_id] if r == 1 else t[block_id * r:(block_id + 1) * r])
-                for f, t in zip(self.flat, self.tensors)]
+        """One uint8 view per layer of block `block_id`, its bytes in canonical order."""
+        return [f[block_id] if f is not None else c[block_id] for f, c in zip(self.flat, self.canon)]
 
     def describe(self) -> dict:
         t = self.tensors[0]
         return {"layers": len(self.tensors), "num_blocks": self.num_blocks, "block_bytes": self.block_bytes,
                 "kernel_blocks_per_block": self.ratio, "shape": list(t.shape), "stride": list(t.stride()),
-                "dtype": str(t.dtype), "device": str(t.device),
+                "dtype": str(t.dtype), "device": str(t.device), "format": layout_name(t.device.type),
                 "contiguous_blocks": all(f is not None for f in self.flat)}
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether `t`'s elements fill one byte range without gaps, in any order of its dimensions."""
-    if t.numel() == 0:
-        return False
-    dims = sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1)
-    expect = 1
-    for stride, size in dims:
-        if stride != expect:
-            return False
-        expect *= size
-    return True
+def canonical_view(t: torch.Tensor, num_blocks: int, ratio: int = 1) -> torch.Tensor:
+    """A `[num_blocks, ...]` uint8 view of `t` whose block b, read in index order, is block b's
+    bytes in the canonical order, whatever the physical layout (vLLM's `KVCacheLayout`: NHD, HND,
+    the cross-layer BL* layouts, padded pages) and kernel-block split.
+
+    vLLM hands each layer as the logical `[blocks * ratio, heads, tokens, content]` view over its
+    physical order (`create_kv_cache_views`); the canonical block is `[heads, tokens, content]`
+    contiguous, the block's `ratio` kernel blocks' tokens in order. A view of another rank
+    (`[blocks * ratio, ...]`, e.g. a Mamba state) is its logical order, kernel blocks first.
+    Adjacent dimensions that are contiguous in memory are merged, so a block that lies in
+    canonical order is `[num_blocks, layer_bytes]`."""
+    el = t.element_size()
+    inner = [(t.shape[d], t.stride(d) * el) for d in range(1, t.dim())] + [(el, 1)]
+    kernel = (ratio, t.stride(0) * el)
+    dims = [inner[0], kernel] + inner[1:] if t.dim() == 4 else [kernel] + inner
+    merged: list[list[int]] = []
+    for size, stride in dims:
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    merged = merged or [[1, 1]]
+    return torch.as_strided(_bytes_storage(t), [num_blocks] + [m[0] for m in merged],
+                            [t.stride(0) * el * ratio] + [m[1] for m in merged])
 
 
 def runs(block_ids: Sequence[int], rows: Sequence[int]) -> list[tuple[int, int, int, int, int]]:
@@ -211,10 +221,11 @@ Job = RowCopy | ViewCopy | DeviceJob
 class KVCopier:
     """Copies between vLLM's KV (`layout`) and the slots of a CPU pool (or any rows buffer).
 
-    On the CPU backend: row copies (`RowCopy`, numpy / one torch copy per run). On a GPU whose
-    blocks are dense byte ranges: the device copier (`device_copy.DeviceCopier`: batched, on a
-    side stream ordered against the forward). Otherwise per-layer views (`ViewCopy`).
-    `streams` forces the device copier (tests drive it on CPU tensors with a recording fake).
+    On the CPU backend: row copies (`RowCopy`, numpy / one torch copy per run). On a GPU: the
+    device copier (`device_copy.DeviceCopier`: batched, on a side stream ordered against the
+    forward). Otherwise per-layer canonical views (`ViewCopy`).
+    `streams` forces the device copier (tests drive it on CPU tensors with a fake that runs the
+    copies later, as a GPU does: `benchmarks/gpu/probes.DeferredStreams`).
     """
 
     def __init__(self, layout: KVLayout, pool: CpuPool, streams=None) -> None:
@@ -226,10 +237,10 @@ class KVCopier:
         self.pool_rows = pool.buffer.view(n, lay.block_bytes)
         dense = all(f is not None for f in lay.flat)
         self.device: DeviceCopier | None = None
-        if streams is None and lay.device.type == "cuda" and dense and cuda_available():  # pragma: no cover
+        if streams is None and lay.device.type == "cuda" and cuda_available():  # pragma: no cover
             streams = CudaStreams(lay.device)
-        if streams is not None and dense:
-            self.device = DeviceCopier(lay.flat, lay.offsets, streams)
+        if streams is not None:   # gathers / scatters each layer's canonical view, whatever its layout
+            self.device = DeviceCopier(lay.canon, lay.offsets, streams)
         # [slot, layer, layer_bytes] views: a run of consecutive (block, slot) pairs is one
         # strided copy per layer (no per-block Python call)
         self.runs_ok = uniform and lay.device.type == "cpu" and dense and self.device is None
@@ -239,9 +250,6 @@ class KVCopier:
         # allocation at a fixed distance (vLLM's allocate_kv_cache): a run of blocks is then one
         # torch copy over all layers, run by the OpenMP team that the forward uses
         self.kv3 = _layers_view(lay) if self.runs_ok else None
-        self._stream = None
-        if self.device is None and lay.device.type == "cuda" and cuda_available():  # pragma: no cover - GPU only
-            self._stream = CudaStreams(lay.device)
 
     def _slot_views(self, slot: int) -> list[torch.Tensor]:
         row, offs = self.pool_rows[slot], self.layout.offsets
@@ -347,13 +355,7 @@ class KVCopier:
                     s = s.view(d.dtype).view(d.shape)
             d2.append(d)
             s2.append(s)
-        if self._stream is not None:  # pragma: no cover - GPU only, a layout the device copier cannot take
-            st = self._stream
-            st.fence()
-            with st.side():
-                torch._foreach_copy_(d2, s2, non_blocking=True)
-            st.sync(st.record())
-        elif d2:
+        if d2:
             copy_blocks(d2, s2, d2[0].numel() * d2[0].element_size())
 
     def copy_runs(self, li: int, rows3, runs, to_outside: bool) -> None:
@@ -410,3 +412,15 @@ class KVCopier:
         for s in slots:
             out.extend(self._slot_views(s))
         return out
+
+
+CANONICAL_FORMAT = "vllm-kv-blocks/canonical-v1"   # every layer's block as [heads, tokens, content]
+CPU_PACKED_FORMAT = "vllm-kv-blocks/cpu-packed-v1"  # the CPU attention backend's slabs, as they lie
+
+
+def layout_name(device_type: str) -> str:
+    """The stored bytes' format, for the fingerprint. On a GPU the logical `[heads, tokens,
+    content]` of vLLM's view means the same KV under every layout: blocks are canonical. The CPU
+    attention backend's logical view is one packed slab per (block, head) (K transposed, then V):
+    its bytes are kept as they lie and named apart, so neither is ever served to the other."""
+    return CPU_PACKED_FORMAT if device_type == "cpu" else CANONICAL_FORMAT

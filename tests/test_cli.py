@@ -236,7 +236,7 @@ def test_inspect_says_what_a_connector_directory_was_written_under(tmp_path, cap
                  f"  - {{name: nvme, kind: nvme, path: {tmp_path}/srv, capacity: 64MiB, io: posix}}\n")
     cfg = load_config(str(y), check_env=False).model_copy(update={"block_bytes": BB, "block_tokens": 16})
     fp = cfg.fingerprint(model="weights:abc", revision="None", dtype="torch.float32", kv_cache_dtype="auto",
-                         layout="vllm-kv-blocks/v1", tp=1, pp=1)    # what the connector records
+                         layout="vllm-kv-blocks/cpu-packed-v1", tp=1, pp=1)    # what the connector records
     NvmeTier("nvme", f"{tmp_path}/srv", 64, BB, make_eviction(cfg, cfg.tiers[1], 64), io="posix",
              fingerprint=fp).close()
     write_stats(f"{tmp_path}/srv", {"n_lookups": 0})

@@ -264,6 +264,7 @@ def test_fsck_checks_the_connectors_directory_without_its_config(copied, tmp_pat
     d = _copy_tier(src, tmp_path / "tier")
     rec = json.loads((d / "fingerprint.json").read_text())
     assert rec["model"].startswith("weights:") and rec["tp"] == 1
+    assert rec["layout"] == "vllm-kv-blocks/cpu-packed-v1"   # the CPU backend's packed slabs, named (issue 29)
     for extra in ([], ["--rebuild"]):
         r = subprocess.run([sys.executable, "-m", "kvtier", "fsck", "--dir", str(d), "--json", *extra],
                            capture_output=True, text=True, timeout=120)

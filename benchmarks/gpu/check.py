@@ -1,0 +1,386 @@
+"""kvtier's worker data path on a lent GPU machine (no vLLM, no network): one line per check,
+figures to one JSON file. Run through `benchmarks/gpu/check.sh` (which installs the carried
+wheels and makes the tree importable); `--cpu` runs the same harness without CUDA (the ordering
+probes on `probes.DeferredStreams`, the GPU-only checks reported as skipped).
+
+Exit status: 0 when every check that ran passed; 1 when one failed; 2 without CUDA (not --cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+RESULTS: dict[str, Any] = {"checks": {}}
+FAILED: list[str] = []
+
+
+def report(name: str, status: str, detail: str, **figures: Any) -> None:
+    RESULTS["checks"][name] = {"status": status, "detail": detail, **figures}
+    if status == "FAIL":
+        FAILED.append(name)
+    print(f"check {name}: {status}: {detail}", flush=True)
+
+
+def check(name: str, needs_gpu: bool = False):
+    def wrap(fn: Callable[[], None]) -> Callable[[bool], None]:
+        def run(gpu: bool) -> None:
+            if needs_gpu and not gpu:
+                report(name, "SKIP", "needs CUDA (skipped: --cpu)")
+                return
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - one line per check, the traceback in the file
+                report(name, "FAIL", f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            RESULTS["checks"].setdefault(name, {})["seconds"] = round(time.perf_counter() - t0, 2)
+        run.__name__ = name
+        return run
+    return wrap
+
+
+def _median_s(fn: Callable[[], Any], repeat: int, sync: Callable[[], None]) -> float:
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ---- checks that run everywhere -------------------------------------------------------------
+BLOCK_VLLM = ("import sys, importlib.abc\n"
+              "class B(importlib.abc.MetaPathFinder):\n"
+              "    def find_spec(self, n, p, t=None):\n"
+              "        if n == 'vllm' or n.startswith('vllm.'): raise ImportError('no vLLM here')\n"
+              "sys.meta_path.insert(0, B())\n"
+              "import kvtier.connector.worker, kvtier.connector.kv_layout, kvtier.connector.device_copy\n"
+              "print(sorted(m for m in sys.modules if m.startswith('vllm')))\n")
+
+
+@check("imports_without_vllm")
+def imports_without_vllm() -> None:
+    r = subprocess.run([sys.executable, "-c", BLOCK_VLLM], capture_output=True, text=True, timeout=120, cwd=HERE)
+    if r.returncode != 0 or r.stdout.strip() != "[]":
+        report("imports_without_vllm", "FAIL", (r.stderr.strip().splitlines() or ["?"])[-1])
+    else:
+        report("imports_without_vllm", "PASS", "worker, kv_layout, device_copy import with vLLM blocked")
+
+
+def _streams_fn(gpu: bool, prefer: str = "side"):
+    import probes
+    if gpu:
+        import torch
+
+        from kvtier.connector.device_copy import CudaStreams
+        return lambda: CudaStreams(torch.device("cuda"))
+    return lambda: probes.DeferredStreams(prefer)
+
+
+def layouts(gpu: bool) -> None:
+    import probes
+    bad = probes.layouts_roundtrip("cuda" if gpu else "cpu", _streams_fn(gpu))
+    n = (len(probes.ORDERS) + 2) ** 2
+    report("layouts", "FAIL" if bad else "PASS",
+           f"{n - len(bad)}/{n} layout pairs byte-exact (NHD, HND, BL*, LHBNC, 2-way kernel splits)"
+           + (f"; failed {bad[:4]}" if bad else ""), pairs=n, failed=bad)
+
+
+def _probe(gpu: bool, which: str) -> None:
+    import torch
+
+    import probes
+    fn = probes.store_probe if which == "store" else probes.load_probe
+    prefer = "side" if which == "store" else "compute"
+    name = f"{which}_probe"
+    device = "cuda" if gpu else "cpu"
+    compute = torch.cuda.Stream() if gpu else None
+    ctx = torch.cuda.stream(compute) if gpu else _null()
+    with ctx:   # the forward's stream: not the legacy default stream (it would order everything)
+        rig = probes.Rig(device, _streams_fn(gpu, prefer)())
+        try:
+            ok = [fn(rig) for _ in range(3)]
+            unordered = [fn(rig, ordered=False) for _ in range(3)]
+        finally:
+            rig.close()
+    what = "stored bytes are the pattern" if which == "store" else "compute-stream reads equal the source"
+    what += "" if gpu else " (CPU: probes.DeferredStreams)"
+    off = "fence" if which == "store" else "compute_wait"
+    if not all(ok):
+        report(name, "FAIL", f"{what}: {ok.count(True)}/3", ordered=ok, unordered=unordered)
+    elif all(unordered):
+        report(name, "FAIL", f"{what} 3/3, but also with {off} off: the probe cannot see a missing wait",
+               ordered=ok, unordered=unordered)
+    else:
+        report(name, "PASS", f"{what} 3/3; with {off} off {unordered.count(False)}/3 stale (the probe sees it)",
+               ordered=ok, unordered=unordered)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---- GPU-only checks --------------------------------------------------------------------------
+@check("two_registrations", needs_gpu=True)
+def two_registrations() -> None:
+    """A row run that spans two cudaHostRegister chunks, as one non-blocking copy each way."""
+    import torch
+
+    from kvtier.tiers import cpu_pool
+    rows, bb = 64, 1 << 20
+    old = cpu_pool.REGISTER_CHUNK_BYTES
+    cpu_pool.REGISTER_CHUNK_BYTES = 32 * bb          # two registrations of 32 rows
+    try:
+        buf = cpu_pool.host_buffer(rows * bb, pin=True, row_bytes=bb, what="check buffer")
+    finally:
+        cpu_pool.REGISTER_CHUNK_BYTES = old
+    try:
+        host = buf.tensor.view(rows, bb)
+        regs = len(buf.chunks)
+        dev = torch.randint(0, 256, (16, bb), dtype=torch.uint8, device="cuda")
+        span = host[24:40]                                  # rows 24..39: across the boundary at 32
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            span.copy_(dev, non_blocking=True)
+        s.synchronize()
+        d2h_ok = torch.equal(span, dev.cpu())
+        back = torch.empty_like(dev)
+        with torch.cuda.stream(s):
+            back.copy_(span, non_blocking=True)
+        s.synchronize()
+        h2d_ok = torch.equal(back, dev)
+        sync = torch.cuda.synchronize
+        across = _median_s(lambda: span.copy_(dev, non_blocking=True), 9, sync)
+        inside = _median_s(lambda: host[0:16].copy_(dev, non_blocking=True), 9, sync)
+        ok = d2h_ok and h2d_ok and regs == 2
+        report("two_registrations", "PASS" if ok else "FAIL",
+               f"{regs} registrations; D2H/H2D across the boundary byte-exact {d2h_ok}/{h2d_ok}; "
+               f"{16 * bb / across / 1e9:.1f} GB/s across vs {16 * bb / inside / 1e9:.1f} inside one",
+               registrations=regs, across_gbps=16 * bb / across / 1e9, inside_gbps=16 * bb / inside / 1e9)
+    finally:
+        buf.close()
+
+
+@check("scattered_copies", needs_gpu=True)
+def scattered_copies() -> None:
+    """Scattered stores / loads of N blocks (NHD bf16, canonical order) vs one pinned memcpy."""
+    import torch
+
+    import probes
+    from kvtier.connector.device_copy import CudaStreams, DeviceCopier
+    from kvtier.connector.kv_layout import KVLayout
+    from kvtier.tiers.cpu_pool import host_buffer
+    out = []
+    for layers, heads, content, bt, n in ((32, 8, 256, 16, 256), (64, 1, 576, 64, 128)):   # GQA; MLA-like
+        kv = probes.views("LBNHC", layers, 2048, heads, bt, content, torch.bfloat16, "cuda")
+        for t in kv.values():
+            t.normal_()
+        lay = KVLayout(kv)
+        bb = lay.block_bytes
+        buf = host_buffer(2 * n * bb, pin=True, row_bytes=bb, what="check pool")
+        rows = buf.tensor.view(-1, bb)
+        dc = DeviceCopier(lay.canon, lay.offsets, CudaStreams(lay.device))
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randperm(2048, generator=g)[:n].tolist()
+        slots = torch.randperm(2 * n, generator=g)[:n].tolist()
+        dc.streams.sync(dc.store(rows, ids, slots))
+        exact = all(torch.equal(rows[s], torch.cat([probes.canonical(t, b) for t in kv.values()]))
+                    for b, s in zip(ids[:16], slots[:16]))           # the store, checked before any load
+        dev = torch.empty(n * bb, dtype=torch.uint8, device="cuda")
+        host = rows[:n].reshape(-1)
+        sync = torch.cuda.synchronize
+        d2h = _median_s(lambda: host.copy_(dev, non_blocking=True), 7, sync)
+        h2d = _median_s(lambda: dev.copy_(host, non_blocking=True), 7, sync)
+        st = _median_s(lambda: dc.streams.sync(dc.store(rows, ids, slots)), 7, sync)
+        ld = _median_s(lambda: dc.streams.sync(dc.load(rows, ids, slots)[-1]), 7, sync)
+        nb = n * bb
+        out.append({"block_bytes": bb, "blocks": n, "store_exact": exact, "d2h_gbps": nb / d2h / 1e9,
+                    "h2d_gbps": nb / h2d / 1e9, "store_gbps": nb / st / 1e9, "load_gbps": nb / ld / 1e9,
+                    "store_ratio": d2h / st, "load_ratio": h2d / ld})
+        buf.close()
+        del kv, lay, dc, dev
+        torch.cuda.empty_cache()
+    ok = all(o["store_exact"] for o in out)
+    report("scattered_copies", "PASS" if ok else "FAIL", "; ".join(
+        f"{o['blocks']} x {o['block_bytes'] >> 10} KiB: store {o['store_gbps']:.1f} GB/s "
+        f"({o['store_ratio']:.2f}x one memcpy), load {o['load_gbps']:.1f} GB/s ({o['load_ratio']:.2f}x)"
+        for o in out), runs=out)
+
+
+@check("layer_overlap", needs_gpu=True)
+def layer_overlap() -> None:
+    """Per-layer loads against per-layer compute: time of both with `wait_layer` vs each alone."""
+    import torch
+
+    import probes
+    layers, n = 16, 256
+    from kvtier.connector.metadata import KVTierMetadata, LoadOp
+    from kvtier.connector.worker import KVTierWorker
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        kv = probes.views("LBNHC", layers, 2048, 8, 16, 256, torch.bfloat16, "cuda")
+        w = KVTierWorker(lambda bb: n, pin=True)
+        w.register_kv_caches(kv)
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        names = list(kv)
+        sync = torch.cuda.synchronize
+        seq = iter(range(1 << 30))
+
+        def work():
+            a @ a
+
+        def load():
+            w.bind(KVTierMetadata(loads=[LoadOp(f"o{next(seq)}", 0, list(range(n)), list(range(n)))]))
+            w.start_load()
+            for name in names:
+                w.wait_layer(name)
+                work()
+            w.take_result()
+
+        def load_only():
+            w.bind(KVTierMetadata(loads=[LoadOp(f"o{next(seq)}", 0, list(range(n)), list(range(n)))]))
+            w.start_load()
+            w.take_result()
+
+        load()
+        t_c = _median_s(lambda: [work() for _ in names], 5, sync)
+        t_l = _median_s(load_only, 5, sync)
+        t_both = _median_s(load, 5, sync)
+        w.close()
+    hidden = (t_c + t_l - t_both) / min(t_c, t_l)
+    report("layer_overlap", "PASS", f"{layers} layers, {n} blocks: load {t_l * 1e3:.1f} ms, compute "
+           f"{t_c * 1e3:.1f} ms, both with per-layer waits {t_both * 1e3:.1f} ms ({hidden:.0%} of the shorter hidden)",
+           load_ms=t_l * 1e3, compute_ms=t_c * 1e3, both_ms=t_both * 1e3, hidden=hidden)
+
+
+@check("kvikio", needs_gpu=True)
+def kvikio_check() -> None:
+    """kvikio's mode, and its device- and host-buffer reads vs POSIX O_DIRECT, same file."""
+    import mmap
+
+    import torch
+    try:
+        import kvikio
+        import kvikio.defaults
+    except Exception as e:  # noqa: BLE001
+        report("kvikio", "FAIL", f"kvikio does not import: {e}")
+        return
+    compat = bool(kvikio.defaults.is_compat_mode_preferred())
+    setting = kvikio.defaults.get("compat_mode")
+    try:
+        import kvikio.cufile_driver
+        gds = kvikio.cufile_driver.get("is_gds_available")
+    except Exception as e:  # noqa: BLE001 - no cuFile driver: say so
+        gds = f"unknown ({e})"
+    mode = (f"compatibility (POSIX in kvikio's threads; compat_mode={setting}, GDS available: {gds})" if compat
+            else f"GDS (cuFile; compat_mode={setting}, GDS available: {gds})")
+    size = 256 << 20
+    d = tempfile.mkdtemp(dir=os.environ.get("KVTIER_CHECK_DIR") or os.getcwd())   # a disk, not a tmpfs
+    path = os.path.join(d, "kvikio.bin")
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())
+
+    def drop():
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(3):
+            drop()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return size / statistics.median(times) / 1e9
+
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    host = torch.empty(size, dtype=torch.uint8).pin_memory()
+    mm = mmap.mmap(-1, size)
+
+    def kv_read(buf):
+        with kvikio.CuFile(path, "r") as f:
+            f.read(buf)
+
+    def posix():
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [mm], 0)
+        finally:
+            os.close(fd)
+
+    out = {"mode": mode}
+    out["device_gbps"] = timed(lambda: kv_read(dev))
+    out["host_gbps"] = timed(lambda: kv_read(host.numpy()))
+    try:
+        out["posix_odirect_gbps"] = timed(posix)
+        same_posix = bytes(mm[:4096]) == host[:4096].numpy().tobytes()
+    except OSError as e:   # O_DIRECT refused by this file system
+        out["posix_odirect_gbps"], out["posix_error"], same_posix = float("nan"), str(e), True
+    same = torch.equal(dev.cpu(), host) and same_posix
+    os.unlink(path)
+    os.rmdir(d)
+    report("kvikio", "PASS" if same else "FAIL",
+           f"{mode}; 256 MiB cold: device buffer {out['device_gbps']:.2f} GB/s, host buffer "
+           f"{out['host_gbps']:.2f}, POSIX O_DIRECT {out['posix_odirect_gbps']:.2f}; same bytes {same}", **out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="no CUDA: the harness, GPU-only checks skipped")
+    ap.add_argument("--out", default=None, help="the JSON file of figures (default $OUT/gpu_check.json)")
+    a = ap.parse_args()
+    import torch
+    gpu = torch.cuda.is_available()
+    out = a.out or os.path.join(os.environ.get("OUT") or ".", "gpu_check.json")
+    RESULTS.update({"mode": "cpu" if a.cpu else "gpu", "python": platform.python_version(),
+                    "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "device": torch.cuda.get_device_name() if gpu else None,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())})
+    if not a.cpu and not gpu:
+        print("check.py: no CUDA device (torch.cuda.is_available() is False): nothing checked; "
+              "`check.sh --cpu` runs the harness without one", flush=True)
+        return 2
+    use_gpu = gpu and not a.cpu
+    print(f"check.py: {RESULTS['mode']} mode, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"{RESULTS['device'] or 'no GPU'}", flush=True)
+    t0 = time.perf_counter()
+    imports_without_vllm(use_gpu)
+    check("layouts")(lambda: layouts(use_gpu))(use_gpu)
+    for which in ("store", "load"):
+        check(f"{which}_probe")(lambda w=which: _probe(use_gpu, w))(use_gpu)
+    for c in (two_registrations, scattered_copies, layer_overlap, kvikio_check):
+        c(use_gpu)
+    RESULTS["seconds"] = round(time.perf_counter() - t0, 1)
+    RESULTS["failed"] = FAILED
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+    print(f"check.py: {len(RESULTS['checks']) - len(FAILED)}/{len(RESULTS['checks'])} checks passed or skipped "
+          f"in {RESULTS['seconds']} s; figures in {out}", flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Ordering probes for the worker's device copies, on a GPU (CUDA streams) or on CPU with
+`DeferredStreams`, a fake that runs queued copies later, as a GPU does.
+
+A CPU copy is synchronous, so on CPU no ordering bug can show unless the copies are deferred:
+`DeferredStreams` keeps a compute queue and a side queue of closures (`Streams.run`), with the
+waits the code asks for (`fence`: the side stream waits for the compute work queued so far;
+`compute_wait`: the compute stream waits for a side event), and runs them only when the host
+syncs, preferring one stream whenever both can run. A missing wait then shows as stale bytes.
+
+- `store_probe`: a known pattern is written into a block by delayed compute work (a GPU: after
+  `torch.cuda._sleep`), and the block is stored at once: the stored bytes are the pattern.
+- `load_probe`: a block is loaded while the side stream is delayed, then each layer is read on
+  the compute stream after `wait_layer`, before any host sync: the reads equal the source.
+Each takes `ordered=False` to switch the wait off; then the probe must fail (it is not vacuous).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connector.worker import KVTierWorker
+
+SLEEP_CYCLES = 200_000_000   # torch.cuda._sleep: about 0.1 s at 2 GHz
+
+# vLLM's KVCacheLayout stride permutations of the logical [L, B, H, N, C] (RFC #42082)
+ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+          "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+
+
+class DeferredStreams:
+    """`device_copy.Streams` on CPU that runs copies later, as a GPU does (see the module)."""
+
+    def __init__(self, prefer: str = "side") -> None:
+        self.prefer = prefer
+        self.q: dict[str, list] = {"compute": [], "side": []}
+        self.done = {"compute": 0, "side": 0}
+        self.cur = "compute"
+
+    def fence(self) -> None:
+        self.q["side"].append(("wait", "compute", len(self.q["compute"])))
+
+    @contextlib.contextmanager
+    def side(self):
+        prev, self.cur = self.cur, "side"
+        try:
+            yield
+        finally:
+            self.cur = prev
+
+    def run(self, fn: Callable, *args: Any) -> None:
+        self.q[self.cur].append(("op", fn, args))
+
+    def compute(self, fn: Callable, *args: Any) -> None:
+        """Queue work on the compute stream (the forward's writes and reads)."""
+        self.q["compute"].append(("op", fn, args))
+
+    def record(self) -> int:
+        return len(self.q["side"])
+
+    def compute_wait(self, event: int) -> None:
+        self.q["compute"].append(("wait", "side", event))
+
+    def sync(self, event: int) -> None:
+        self._until(lambda: self.done["side"] >= event)
+
+    def drain(self) -> None:
+        self._until(lambda: all(self.done[k] >= len(q) for k, q in self.q.items()))
+
+    def _until(self, cond: Callable[[], bool]) -> None:
+        while not cond():
+            if not self._step():
+                raise RuntimeError("DeferredStreams: the streams wait on each other")
+
+    def _step(self) -> bool:
+        for name in (self.prefer, "compute" if self.prefer == "side" else "side"):
+            q, i = self.q[name], self.done[name]
+            if i >= len(q):
+                continue
+            item = q[i]
+            if item[0] == "wait" and self.done[item[1]] < item[2]:
+                continue
+            if item[0] == "op":
+                item[1](*item[2])
+            self.done[name] += 1
+            return True
+        return False
+
+
+def views(layout: str, layers: int, blocks: int, heads: int, tokens: int, content: int, dtype, device,
+          ratio: int = 1) -> dict[str, torch.Tensor]:
+    """Per-layer logical `[blocks * ratio, heads, tokens / ratio, content]` views of one buffer laid
+    out in `layout`'s order (vLLM's `create_kv_cache_views`, done here: no vLLM needed)."""
+    order = ORDERS[layout]
+    logical = (layers, blocks * ratio, heads, tokens // ratio, content)
+    phys = torch.zeros([logical[d] for d in order], dtype=dtype, device=device)
+    v5 = phys.permute(*[order.index(d) for d in range(5)])
+    return {f"model.layers.{i}.self_attn.attn": v5[i] for i in range(layers)}
+
+
+def canonical(t: torch.Tensor, block: int, ratio: int = 1) -> torch.Tensor:
+    """Block `block` of a layer's logical view, as canonical bytes (a host copy)."""
+    kb = t[block * ratio:(block + 1) * ratio]               # [ratio, H, n, C]
+    return kb.permute(1, 0, 2, 3).contiguous().view(torch.uint8).reshape(-1).cpu()
+
+
+class Rig:
+    """vLLM's KV (token-major NHD, bf16) and a worker on it, with the streams to probe."""
+
+    def __init__(self, device: str, streams, layers: int = 4, blocks: int = 64, heads: int = 8,
+                 tokens: int = 16, head: int = 64, layout: str = "LBNHC") -> None:
+        self.device = device
+        self.streams = streams
+        self.kv = views(layout, layers, blocks, heads, tokens, 2 * head, torch.bfloat16, device)
+        self.w = KVTierWorker(lambda bb: 16, pin=device == "cuda", copy_streams=streams)
+        self.w.register_kv_caches(self.kv)
+        self.rows = self.w.pools[0].buffer.view(16, -1)
+        self.ops = 0
+
+    def compute(self, fn: Callable, *args: Any) -> None:
+        """Work on the compute stream that runs late: after a sleep on a GPU, deferred on CPU."""
+        if self.device == "cuda":
+            torch.cuda._sleep(SLEEP_CYCLES)
+            fn(*args)
+        else:
+            self.streams.compute(fn, *args)
+
+    def delay_side(self) -> None:
+        if self.device == "cuda":
+            with torch.cuda.stream(self.streams.stream):
+                torch.cuda._sleep(SLEEP_CYCLES)
+
+    def host_sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        else:
+            self.streams.drain()
+
+    def close(self) -> None:
+        self.w.close()
+
+
+@contextlib.contextmanager
+def _off(streams, name: str, off: bool):
+    if not off:
+        yield
+        return
+    setattr(streams, name, lambda *a: None)
+    try:
+        yield
+    finally:
+        delattr(streams, name)
+
+
+def store_probe(rig: Rig, ordered: bool = True, block: int = 5, slot: int = 3) -> bool:
+    """True when the stored bytes are the pattern the compute stream wrote just before."""
+    for t in rig.kv.values():
+        t[block].zero_()
+    rig.host_sync()
+    rig.ops += 1
+    val = float(rig.ops % 7 + 1)
+    for li, t in enumerate(rig.kv.values()):
+        rig.compute(t[block].fill_, val + li)
+    with _off(rig.streams, "fence", not ordered):
+        rig.w.bind(KVTierMetadata(stores=[StoreOp(rig.ops, 0, [slot], [block])]))
+        rig.w.save()
+    stored = rig.rows[slot].clone()
+    rig.w.take_result()
+    rig.host_sync()
+    want = torch.cat([canonical(t, block) for t in rig.kv.values()])
+    return torch.equal(stored.cpu(), want)
+
+
+def load_probe(rig: Rig, ordered: bool = True, block: int = 9, slot: int = 6) -> bool:
+    """True when compute-stream reads after `wait_layer`, queued before any host sync, see the
+    loaded block."""
+    g = torch.Generator().manual_seed(rig.ops)
+    src = torch.randint(0, 256, (rig.rows.shape[1],), generator=g, dtype=torch.uint8)
+    rig.rows[slot].copy_(src)
+    for t in rig.kv.values():
+        t[block].zero_()
+    rig.host_sync()
+    rig.ops += 1
+    outs: list[torch.Tensor] = []
+    rig.delay_side()
+    with _off(rig.streams, "compute_wait", not ordered):
+        rig.w.bind(KVTierMetadata(loads=[LoadOp(f"p{rig.ops}", 0, [slot], [block])]))
+        rig.w.start_load()
+        for name, t in rig.kv.items():
+            rig.w.wait_layer(name)
+            if rig.device == "cuda":
+                outs.append(t[block].clone())          # on the compute stream, no host sync yet
+            else:
+                rig.streams.compute(lambda t=t: outs.append(t[block].clone()))
+    rig.host_sync()
+    rig.w.take_result()
+    got = torch.cat([o.unsqueeze(0).permute(1, 0, 2, 3).contiguous().view(torch.uint8).reshape(-1).cpu()
+                     for o in outs])
+    return torch.equal(got, src)
+
+
+def layouts_roundtrip(device: str, streams_fn: Callable[[], Any], dtype=torch.bfloat16) -> list[str]:
+    """A block stored under each layout (and a 2-way kernel-block split) loads byte-exact under
+    every other, through the device copier; returns the pairs that failed."""
+    bad = []
+    cases = [(lay, 1) for lay in ORDERS] + [("LBNHC", 2), ("LBHNC", 2)]
+    for src_case in cases:
+        kv_a = views(src_case[0], 2, 8, 2, 16, 16, dtype, device, src_case[1])
+        g = torch.Generator().manual_seed(1)
+        for t in kv_a.values():
+            t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, generator=g,
+                                                    dtype=torch.uint8).to(device))
+        wa = KVTierWorker(lambda bb: 4, pin=False, num_blocks=8, copy_streams=streams_fn())
+        wa.register_kv_caches(kv_a)
+        wa.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 6])]))
+        wa.save()
+        wa.take_result()
+        for dst_case in cases:
+            kv_b = views(dst_case[0], 2, 8, 2, 16, 16, dtype, device, dst_case[1])
+            wb = KVTierWorker(lambda bb: 4, pin=False, num_blocks=8, copy_streams=streams_fn())
+            wb.register_kv_caches(kv_b)
+            wb.pools[0].buffer.copy_(wa.pools[0].buffer)
+            wb.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [2, 5])]))
+            wb.start_load()
+            wb.take_result()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            ok = all(torch.equal(canonical(tb, d, dst_case[1]), canonical(ta, s, src_case[1]))
+                     for ta, tb in zip(kv_a.values(), kv_b.values()) for s, d in ((3, 2), (6, 5)))
+            if not ok:
+                bad.append(f"{src_case}->{dst_case}")
+            wb.close()
+        wa.close()
+    return bad
