@@ -21,7 +21,44 @@ from kvtier.core.once import Once
 from kvtier.tiers import io_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_kv_layout import RecordingStreams, flash_caches  # noqa: E402
+from test_kv_layout import flash_caches  # noqa: E402
+
+
+class RecordingStreams:
+    """`device_copy.Streams` on CPU tensors: runs each copy at once and records the stream calls
+    in order (events are numbers), so a test sees what the host waited for and when."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.n = 0
+
+    def fence(self):
+        self.calls.append(("fence",))
+
+    def side(self):
+        rec = self
+
+        class _Side:
+            def __enter__(self):
+                rec.calls.append(("side",))
+
+            def __exit__(self, *a):
+                rec.calls.append(("main",))
+        return _Side()
+
+    def run(self, fn, *args):
+        fn(*args)
+
+    def record(self):
+        self.n += 1
+        self.calls.append(("record", self.n))
+        return self.n
+
+    def compute_wait(self, ev):
+        self.calls.append(("compute_wait", ev))
+
+    def sync(self, ev):
+        self.calls.append(("sync", ev))
 
 C = pytest.importorskip("kvtier.connector.connector")
 
