@@ -123,6 +123,11 @@ class _RemoteBase:
         """Blocks known here to be on the server (the server may hold more, or fewer)."""
         return 0
 
+    @property
+    def num_used(self) -> int:
+        """The tier contract's occupancy: the blocks known to be on the server."""
+        return self.num_resident
+
 
 class RedisTier(_RemoteBase):
     def __init__(self, name: str, settings: RedisSettings, fingerprint: dict, block_bytes: int,
@@ -277,10 +282,6 @@ class SimRemoteTier(_RemoteBase):
 
     @property
     def num_resident(self) -> int:
-        return len(self._on)
-
-    @property
-    def num_used(self) -> int:
         return len(self._on)
 
     def known(self, key: bytes) -> bool:
