@@ -11,6 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.once import cause
 from kvtier.core.serving_stats import HEARTBEAT_S, write_server_state, write_stats
 from kvtier.tiers.handles import Medium
 
@@ -78,9 +79,14 @@ class StatsHooks:
                 totals = dict(self.sched.totals)
             except RuntimeError:   # changed size while copied (the scheduler thread): the next beat
                 return
-            for t in self._nvme_tiers():
-                write_stats(t.dir, totals)
-            write_server_state(self._server_state(totals, final))
+            try:
+                for t in self._nvme_tiers():
+                    write_stats(t.dir, totals)
+                write_server_state(self._server_state(totals, final))
+            except Exception as e:  # noqa: BLE001 - what inspect reads never fails a start, a step or a stop
+                self.sched.ctrl.count("state_write_errors")
+                self._once(("server_state",) + cause(e), logging.WARNING,
+                           "kvtier: the server's state for kvtier inspect not written: %s", e)
 
     def _beat(self) -> None:
         while not self.closed:

@@ -96,3 +96,28 @@ def test_states_of_servers_gone_for_a_day_are_pruned(tmp_path, monkeypatch):
     write_server_state({"stopped": None, "totals": {}})
     assert not old.exists() and recent.exists()
     assert sorted(s["pid"] for s in read_servers()) == sorted([os.getpid(), 999999998])
+
+
+def test_a_state_that_cannot_be_written_never_fails_the_server(monkeypatch, caplog):
+    """The state `kvtier inspect --server` reads is written from the connector's start, steps and
+    stop: a failure there (a tier that cannot say its occupancy, a run directory that cannot be
+    written) is one warning and a counter, twice the same cause one warning, never an exception."""
+    import logging
+    import types
+
+    from kvtier.connector.stats_hooks import StatsHooks
+    from kvtier.core.once import Once
+
+    counted = []
+    me = types.SimpleNamespace(
+        _stats_at=float("-inf"), closed=True, _heartbeat=object(), _once=Once(logging.getLogger("kvtier")),
+        sched=types.SimpleNamespace(totals={"blocks_looked_up": 3},
+                                    ctrl=types.SimpleNamespace(count=lambda k, v=1: counted.append(k))),
+        _nvme_tiers=lambda: [],
+        _server_state=lambda totals, final: (_ for _ in ()).throw(AttributeError("no attribute 'num_used'")))
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        StatsHooks._publish_stats(me, force=True)
+        StatsHooks._publish_stats(me, force=True)
+    assert counted == ["state_write_errors", "state_write_errors"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == \
+        ["kvtier: the server's state for kvtier inspect not written: no attribute 'num_used'"]
