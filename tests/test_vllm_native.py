@@ -191,6 +191,8 @@ def test_a_corrupt_value_on_the_server_is_a_miss_and_a_counter(tmp_path, redis_s
     assert dep.load(keys[:4]) == []                          # the prefix ends at the bad chunk
     c = tier.all_counters()
     assert c["load_misses"] == 1 and c["server.corrupt_blocks"] == 1
+    assert cl.exists(name) == 0                              # deleted on the server: nobody reads it again
+    assert cl.exists(tier.tier.ns.name(keys[1])) == 1
     assert dep.load(keys[1:4]) == datas[1:4]
 
 

@@ -7,8 +7,9 @@ Cluster) as a vLLM secondary tier, for a fleet of vLLM instances of one model.
 Keys live in the namespace of the fingerprint (model weights, dtype, layout, chunk geometry,
 parallelism, `namespace`), so another model or deployment on the same server never finds them;
 each value carries kvtier's keyed header, so a foreign, planted or corrupt value is a miss and a
-counter, and a key whose load failed is a miss from then on (until this instance stores it again),
-so a bad value is never found again and again. The server owns eviction: a chunk found by a lookup
+counter: it is deleted on the server while the server still holds that value (`RedisData.drop_bad`),
+and a key whose load failed is a miss from then on (until this instance stores it again), so a bad
+value is never found again and again. The server owns eviction: a chunk found by a lookup
 may be gone at load (a failed load, vLLM recomputes). Lookups gather a step's unknown keys and
 ask the server in one round trip when the step ends (`shared_lookup`; RETRY until the answer is
 in); transfers run on the tier's pipelines; a server that fails or stalls trips kvtier's breaker,
