@@ -79,20 +79,9 @@ def make_private_dirs(path: str) -> None:
             pass
 
 
-def open_dir(path: str, create: bool, what: str = "nvme tier directory") -> int:
-    """A directory fd for `path` (created 0700 when `create`); a symlink or another owner is refused.
-    A directory it creates is narrowed to 0700 (an existing one is left as it is: see
-    `nvme_dir.claim_dir`, which writes only in kvtier's own)."""
-    made = False
-    if create:
-        try:
-            make_private_dirs(os.path.dirname(path) or ".")
-            os.mkdir(path, 0o700)
-            made = True
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise OSError(e.errno, f"cannot create {what} {path}: [{_name(e.errno)}] {e.strerror}", path) from None
+def open_dir(path: str, what: str = "nvme tier directory") -> int:
+    """A directory fd for an existing `path`; a symlink or another owner is refused (creating one,
+    and writing in it, is `nvme_dir.claim_dir`'s: only in kvtier's own)."""
     try:
         st = os.lstat(path)
     except OSError as e:
@@ -105,8 +94,6 @@ def open_dir(path: str, create: bool, what: str = "nvme tier directory") -> int:
     st = os.fstat(fd)
     try:
         check_owned(st, path, what, want_dir=True)
-        if made and st.st_mode & 0o077:
-            os.fchmod(fd, 0o700)
     except BaseException:
         os.close(fd)
         raise

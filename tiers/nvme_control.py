@@ -98,7 +98,7 @@ class NvmeControl(SlotTier):
     # ---- open / recovery ---------------------------------------------------------------
     def _open_at(self, d: str) -> dict | None:
         """Open directory `d` (locked unless read-only) and its index; the stored fingerprint."""
-        self._dir_fd = open_dir(d, create=False) if self.read_only else claim_dir(d)
+        self._dir_fd = open_dir(d) if self.read_only else claim_dir(d)
         if not self.read_only:
             self._lock(d)
         idx = os.path.join(d, INDEX_DIR)

@@ -69,7 +69,7 @@ class NvmeData:
         self.dir_fd = -1
         self.bytes_read = self.bytes_written = 0
         try:
-            self.dir_fd = open_dir(directory, create=False)
+            self.dir_fd = open_dir(directory)
             if not read_only and dir_owner(self.dir_fd) != "kvtier":  # its control plane claims it first
                 raise ForeignDirectory(_errno.EEXIST, f"nvme tier {name!r}: {directory} is not a kvtier "
                                        f"directory (no marker): refused, nothing in it changed", directory)

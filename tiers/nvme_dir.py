@@ -111,7 +111,7 @@ def claim_dir(path: str, what: str = "nvme tier directory") -> int:
             pass
         except OSError as e:
             raise oserror(e, f"cannot create {what}", path) from None
-    fd = open_dir(path, create=False, what=what)
+    fd = open_dir(path, what=what)
     try:
         owner = "empty" if created else dir_owner(fd)
         if owner is None:

@@ -129,7 +129,7 @@ def fsck(path: str, block_bytes: int, fingerprint: dict, rebuild: bool = False,
     """Check (and with `rebuild`, rebuild) the tier directory `path`; returns a report."""
     fp = make_fingerprint("nvme", block_bytes, fingerprint)
     fph = int(fingerprint_hash(fp), 16)
-    dfd = open_dir(path, create=False)
+    dfd = open_dir(path)
     try:
         if rebuild and dir_owner(dfd) is None and not exists_at(dfd, SECRET_FILE) and not exists_at(dfd, INDEX_DIR):
             raise ForeignDirectory(errno.EEXIST, f"fsck: {path} is not a kvtier directory (no marker, secret or "
