@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.core.builder import build_controller
 from kvtier.core.config import ConfigError
-from kvtier.core.once import Once
+from kvtier.tiers.once import Once
 from kvtier.tiers.handles import Medium
 
 from .config import load_settings, tier_of
@@ -41,8 +41,8 @@ from .groups import GroupKind, block_geometry, served_groups
 from .guard import SafeAnswers, hook
 from .handoff import clear_reports, read_reports, write_report
 from .hybrid import HybridRules
-from .digest_cache import data_dir_of
-from .identity import ModelIdentity
+from kvtier.core.digest_cache import data_dir_of
+from kvtier.core.identity import ModelIdentity
 from .kv_layout import layout_name
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
 from .parallel import shards, store_rank
