@@ -105,3 +105,29 @@ def test_a_bad_config_refuses_the_start_in_one_line(tmp_path):
     good.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 64}\n")
     assert StartChecks.get_required_kvcache_layout(_extra({"config": str(good)})) is None
     assert StartChecks.requires_piecewise_for_cudagraph({"config": str(good), "cpu_capacity_blocks": 8}) is True
+
+
+def test_a_childs_refusal_is_printed_last_by_its_parent_only_when_it_fails(tmp_path, monkeypatch, capsys):
+    """The parent (vLLM's API server) prints the line its engine core left when it ends on an
+    uncaught exception; a clean exit, or a note older than this module's load, prints nothing (and
+    removes the note)."""
+    import os
+    import sys
+    import time
+
+    from kvtier.connector import start_check as C
+    monkeypatch.setenv("KVTIER_RUN_DIR", str(tmp_path))
+    line = "kvtier: error: /x.yaml: tiers.0.evicton: unknown key"
+    note = tmp_path / f"start-refused.{os.getpid()}"
+    note.write_text(line + "\n")
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    C.repeat_a_childs_refusal()
+    assert capsys.readouterr().err == "" and not note.exists()
+    note.write_text(line + "\n")
+    monkeypatch.setattr(sys, "last_value", RuntimeError("Engine core initialization failed"), raising=False)
+    C.repeat_a_childs_refusal()
+    assert capsys.readouterr().err == line + "\n" and not note.exists()
+    note.write_text(line + "\n")
+    os.utime(note, (time.time() - 3600, C.LOADED_AT - 3600))    # left by an earlier process with this pid
+    C.repeat_a_childs_refusal()
+    assert capsys.readouterr().err == "" and not note.exists()
