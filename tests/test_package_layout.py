@@ -1,13 +1,19 @@
 """The package's shape is part of its architecture (issue 17): no import cycles between kvtier's
-modules, no private name imported from another module, no module over 500 lines."""
+modules, no private name imported from another module, no module over 500 lines; and (issue 24)
+its installed packages, read from pyproject.toml, depend one way, without a cycle, and the lower
+ones never import vLLM."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
