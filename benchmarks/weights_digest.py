@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 
-from kvtier.connector.identity import DigestStats, weights_digest
+from kvtier.core.identity import DigestStats, weights_digest
 
 
 def drop(path: str) -> None:

@@ -41,8 +41,8 @@ def load_settings(extra: dict[str, Any] | None) -> StackConfig:
     extra = dict(extra or {})
     unknown = sorted(set(extra) - _KNOWN)
     if unknown:
-        raise ValueError(f"kvtier connector: unknown kv_connector_extra_config key(s) {unknown}; "
-                         f"known: {sorted(_KNOWN)}")
+        raise ConfigError(f"kv_connector_extra_config: {', '.join(unknown)}: unknown key(s); "
+                          f"known: {', '.join(sorted(_KNOWN))}")
     if extra.get("config"):
         base = load_config(extra["config"], check_env=False)
         source = base.source

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvtier.core.builder import build_controller
 from kvtier.core.config import ConfigError
-from kvtier.core.once import Once
+from kvtier.tiers.once import Once
 from kvtier.tiers.handles import Medium
 
 from .config import load_settings, tier_of
@@ -41,8 +41,8 @@ from .groups import GroupKind, block_geometry, served_groups
 from .guard import SafeAnswers, hook
 from .handoff import clear_reports, read_reports, write_report
 from .hybrid import HybridRules
-from .digest_cache import data_dir_of
-from .identity import ModelIdentity
+from kvtier.core.digest_cache import data_dir_of
+from kvtier.core.identity import ModelIdentity
 from .kv_layout import layout_name
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
 from .parallel import shards, store_rank
@@ -50,6 +50,7 @@ from .persistent import PersistentTiers
 from .scheduler import KVTierScheduler
 from .startup import (attach_vllm_log_handler, flush_budget_s, register_by_name, remote_opener, scheduler_line,
                       short_totals, warn_per_process_hashes, worker_line)
+from .start_check import StartChecks
 from .stats_hooks import StatsHooks
 from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
 
@@ -95,7 +96,7 @@ def _drops_draft_block(vllm_config: Any) -> bool:
     return bool(drop())
 
 
-class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
+class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -226,12 +227,6 @@ class KVTierConnector(SafeAnswers, StatsHooks, KVConnectorBase_V1, SupportsHMA):
         """vLLM 0.33's sleep mode: no. Wake-up remaps the KV cache the workers hold views into
         (connector/kv_layout.py); vLLM refuses `enable_sleep_mode` with kvtier mounted, not stale KV."""
         return False
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """True: loads are layer by layer (`wait_for_layer_load`), which a full CUDA-graph replay
-        would skip; vLLM then captures piecewise graphs, and attention runs between the pieces."""
-        return True
 
     # ==============================================================================
     # Worker side

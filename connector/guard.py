@@ -4,7 +4,7 @@ vLLM runs the connector's hooks inside its engine loop: an exception there kills
 (EngineDeadError, every request fails, the server exits). kvtier is a cache, so every failure
 has a safe answer: a lookup finds nothing, a load that cannot run is reported as a load error
 (vLLM recomputes those blocks), a store that cannot run is dropped (a future miss). `hook`
-wraps each hook with that answer; `kvtier.core.once.Once` keeps a failure that repeats (a full disk
+wraps each hook with that answer; `kvtier.tiers.once.Once` keeps a failure that repeats (a full disk
 fails every step) to one log line per cause while the counters count every one.
 """
 
@@ -14,7 +14,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvtier.core.once import cause
+from kvtier.tiers.once import cause
 
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from kvtier.core.builder import build_tier, build_tiers
 
-from .identity import ModelIdentity
+from kvtier.core.identity import ModelIdentity
 
 log = logging.getLogger("kvtier.connector")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from kvtier.core.controller import PENDING, TierController
-from kvtier.core.once import Once, cause
+from kvtier.tiers.once import Once, cause
 from kvtier.tiers.handles import Medium
 from kvtier.core.keys import GROUP_ID_BYTES
 from kvtier.policies import PROMOTION

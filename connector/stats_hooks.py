@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core.once import cause
+from kvtier.tiers.once import cause
 from kvtier.core.serving_stats import HEARTBEAT_S, write_server_state, write_stats
 from kvtier.tiers.handles import Medium
 

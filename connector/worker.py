@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvtier.core.executor import Executor
-from kvtier.core.once import Once, cause
+from kvtier.tiers.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.io_hooks import fault_point

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from typing import Iterator
 
-from kvtier.core.units import parse_size
+from kvtier.tiers.units import parse_size
 
 
 class SmallFs:

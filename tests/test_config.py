@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from kvtier.core.config import ConfigError, load_config, parse_config, shipped_configs
-from kvtier.core.units import parse_size
+from kvtier.tiers.units import parse_size
 
 
 def test_shipped_configs_load(tmp_path, monkeypatch):

@@ -41,7 +41,7 @@ def test_shipped_vllm_stack_policies(tmp_path, monkeypatch):
 
 
 def test_unknown_inline_key_is_an_error():
-    with pytest.raises(ValueError, match=r"unknown kv_connector_extra_config key\(s\) \['cpu_capcity'\]"):
+    with pytest.raises(ConfigError, match=r"^kv_connector_extra_config: cpu_capcity: unknown key\(s\); known: "):
         load_settings({"cpu_capcity": "1GiB"})
 
 
@@ -71,3 +71,63 @@ def test_the_connector_needs_a_cpu_tier_on_top(tmp_path):
 def test_promote_must_be_a_boolean():
     with pytest.raises(ConfigError, match="promote: expected true or false, got 'maybe'"):
         load_settings({"promote": "maybe"})
+
+
+def _extra(cfg: dict):
+    """What vLLM passes `get_required_kvcache_layout`: a config whose kv_transfer_config holds `cfg`."""
+    from types import SimpleNamespace
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=cfg))
+
+
+def test_a_bad_config_refuses_the_start_in_one_line(tmp_path):
+    """Issue 27 item 5: the class methods vLLM calls before it builds the connector check the config;
+    a bad one ends the process with `kvtier: error: <file>: <field>: <cause>` (a SystemExit's code)."""
+    from kvtier.connector.start_check import StartChecks, StartRefused
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 64, evicton: lru}\n")
+    for call in (lambda c: StartChecks.get_required_kvcache_layout(_extra(c)),
+                 StartChecks.requires_piecewise_for_cudagraph):
+        with pytest.raises(StartRefused) as e:
+            call({"config": str(bad)})
+        assert isinstance(e.value, SystemExit) and e.value.code == f"kvtier: error: {bad}: tiers.0.evicton: unknown key"
+        with pytest.raises(StartRefused) as e:
+            call({"cpu_capcity": "1GiB"})
+        assert e.value.code.startswith("kvtier: error: kv_connector_extra_config: cpu_capcity: unknown key(s); known: ")
+    bad.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: -1, evicton: lru}\n")
+    with pytest.raises(StartRefused) as e:
+        StartChecks.requires_piecewise_for_cudagraph({"config": str(bad)})
+    line = e.value.code
+    assert "\n" not in line and line.startswith(f"kvtier: error: {bad}: tiers.0.")
+    assert "capacity_blocks: must be between 1" in line and "evicton: unknown key" in line and line.count("; ") == 1, line
+    with pytest.raises(StartRefused, match=r"^kvtier: error: .*missing\.yaml: no such config file"):
+        StartChecks.get_required_kvcache_layout(_extra({"config": str(tmp_path / "missing.yaml")}))
+    good = tmp_path / "good.yaml"
+    good.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 64}\n")
+    assert StartChecks.get_required_kvcache_layout(_extra({"config": str(good)})) is None
+    assert StartChecks.requires_piecewise_for_cudagraph({"config": str(good), "cpu_capacity_blocks": 8}) is True
+
+
+def test_a_childs_refusal_is_printed_last_by_its_parent_only_when_it_fails(tmp_path, monkeypatch, capsys):
+    """The parent (vLLM's API server) prints the line its engine core left when it ends on an
+    uncaught exception; a clean exit, or a note older than this module's load, prints nothing (and
+    removes the note)."""
+    import os
+    import sys
+    import time
+
+    from kvtier.connector import start_check as C
+    monkeypatch.setenv("KVTIER_RUN_DIR", str(tmp_path))
+    line = "kvtier: error: /x.yaml: tiers.0.evicton: unknown key"
+    note = tmp_path / f"start-refused.{os.getpid()}"
+    note.write_text(line + "\n")
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    C.repeat_a_childs_refusal()
+    assert capsys.readouterr().err == "" and not note.exists()
+    note.write_text(line + "\n")
+    monkeypatch.setattr(sys, "last_value", RuntimeError("Engine core initialization failed"), raising=False)
+    C.repeat_a_childs_refusal()
+    assert capsys.readouterr().err == line + "\n" and not note.exists()
+    note.write_text(line + "\n")
+    os.utime(note, (time.time() - 3600, C.LOADED_AT - 3600))    # left by an earlier process with this pid
+    C.repeat_a_childs_refusal()
+    assert capsys.readouterr().err == "" and not note.exists()

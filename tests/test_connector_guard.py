@@ -8,7 +8,7 @@ import os
 import sys
 
 from kvtier.connector.guard import hook
-from kvtier.core.once import Once
+from kvtier.tiers.once import Once
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_connector_scheduler import Req, make, run_step, store_request  # noqa: E402

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from kvtier.connector.digest_cache import CACHE_FILE
-from kvtier.connector.identity import DigestStats, ModelIdentity, weights_digest
+from kvtier.core.digest_cache import CACHE_FILE
+from kvtier.core.identity import DigestStats, ModelIdentity, weights_digest
 from kvtier.connector.persistent import PersistentTiers
 from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.core.builder import build_controller

@@ -106,7 +106,7 @@ def test_a_state_that_cannot_be_written_never_fails_the_server(monkeypatch, capl
     import types
 
     from kvtier.connector.stats_hooks import StatsHooks
-    from kvtier.core.once import Once
+    from kvtier.tiers.once import Once
 
     counted = []
     me = types.SimpleNamespace(

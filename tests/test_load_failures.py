@@ -17,7 +17,7 @@ import torch
 from kvtier.connector.guard import SafeAnswers
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
 from kvtier.connector.worker import KVTierWorker
-from kvtier.core.once import Once
+from kvtier.tiers.once import Once
 from kvtier.tiers import io_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from kvtier.connector.identity import model_identity, weights_digest
+from kvtier.core.identity import model_identity, weights_digest
 
 
 def _model(d, size=3 * 1024 * 1024, seed=1):

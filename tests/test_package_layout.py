@@ -1,32 +1,48 @@
 """The package's shape is part of its architecture (issue 17): no import cycles between kvtier's
-modules, no private name imported from another module, no module over 500 lines."""
+modules, no private name imported from another module, no module over 500 lines; and (issue 24)
+its installed packages, read from pyproject.toml, depend one way, without a cycle, and the lower
+ones never import vLLM."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+    import tomli as tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
-# package -> folder (pyproject's package-dir)
-PACKAGES = {"kvtier": "kvtier", "kvtier.tiers": "tiers", "kvtier.policies": "policies",
-            "kvtier.connector": "connector", "kvtier.configs": "configs"}
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 MAX_LINES = 500
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for pkg, folder in PACKAGES.items():
-        for p in (ROOT / folder).rglob("*.py"):
-            rel = p.relative_to(ROOT / folder).with_suffix("")
-            parts = [x for x in rel.parts if x != "__init__"]
-            name = ".".join([pkg, *parts]) if parts else pkg
-            if pkg == "kvtier" and parts and parts[0] in ("tiers", "policies", "connector", "configs"):
-                continue
-            out[name] = p
-    return out
+def _folder(pkg: str) -> Path:
+    """Where setuptools finds an installed package: the longest `package-dir` prefix, then a folder per part."""
+    dirs, parts = SETUPTOOLS.get("package-dir", {}), pkg.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in dirs:
+            return ROOT.joinpath(dirs[".".join(parts[:i])], *parts[i:])
+    return ROOT.joinpath(*parts)
 
 
-MODULES = _modules()
+PACKAGE_DIRS = {pkg: _folder(pkg) for pkg in SETUPTOOLS["packages"]}
+
+
+def _modules() -> tuple[dict[str, Path], dict[str, str]]:
+    """Installed module name -> file, and module -> the installed package whose folder holds it."""
+    files, package = {}, {}
+    for pkg, folder in PACKAGE_DIRS.items():
+        for p in folder.glob("*.py"):
+            name = pkg if p.stem == "__init__" else f"{pkg}.{p.stem}"
+            files[name], package[name] = p, pkg
+    return files, package
+
+
+MODULES, PACKAGE_OF = _modules()
 
 
 def _resolve(mod: str, node: ast.ImportFrom) -> str:
@@ -125,3 +141,74 @@ def test_only_kvtier_vllm_imports_kvtier_vllm():
     bad = sorted(f"{m} -> {t}" for m, ts in g.items() if not m.startswith("kvtier.vllm")
                  for t in ts if t == "kvtier.vllm" or t.startswith("kvtier.vllm."))
     assert "kvtier.vllm.nvme_tier" in MODULES and bad == []
+
+
+# Packages depend one way (issue 24): policies <- tiers <- core <- {connector, vllm, cli, offline}. Each
+# installed package's row names the packages it may import; the root package holds `python -m kvtier`.
+LOWER = {"kvtier.core", "kvtier.tiers", "kvtier.policies"}
+MAY_IMPORT = {
+    "kvtier.configs": set(),
+    "kvtier.policies": set(),
+    "kvtier.tiers": {"kvtier.policies"},
+    "kvtier.core": {"kvtier.tiers", "kvtier.policies"},
+    "kvtier.connector": LOWER,
+    "kvtier.vllm": LOWER,
+    "kvtier.offline": LOWER,
+    "kvtier.cli": LOWER | {"kvtier.offline"},
+    "kvtier": set(PACKAGE_DIRS) - {"kvtier"},
+}
+
+
+def _package_edges() -> dict[tuple[str, str], list[str]]:
+    """(package, package it imports) -> the module imports that make the edge, lazy ones included.
+    An import of an ancestor package is not an edge: Python runs every ancestor's __init__ first
+    (test_no_init_reaches_below_it keeps that from hiding a cycle)."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for m, targets in _graph(top_level_only=False).items():
+        for t in targets:
+            if PACKAGE_OF[m] != PACKAGE_OF[t]:
+                edges.setdefault((PACKAGE_OF[m], PACKAGE_OF[t]), []).append(f"{m} -> {t}")
+    return edges
+
+
+def test_every_installed_package_has_a_layer():
+    assert set(MAY_IMPORT) == set(PACKAGE_DIRS)
+
+
+def test_packages_depend_one_way():
+    back = sorted(f"{a} -> {b}: {', '.join(sorted(why))}" for (a, b), why in _package_edges().items()
+                  if b not in MAY_IMPORT[a])
+    assert back == []
+
+
+def test_no_package_cycle():
+    g: dict[str, set[str]] = {p: set() for p in PACKAGE_DIRS}
+    for a, b in _package_edges():
+        g[a].add(b)
+    assert _cycles(g) == []
+
+
+def test_no_init_reaches_below_it():
+    """A package's __init__ never leads, import by import, to a module of a package under it: the
+    ancestor imports _package_edges leaves out then cannot close a cycle."""
+    g = _graph(top_level_only=False)
+    bad = []
+    for pkg in PACKAGE_DIRS:
+        seen, todo = {pkg}, [pkg]
+        while todo:
+            for t in g[todo.pop()] - seen:
+                seen.add(t)
+                todo.append(t)
+        bad += [f"{pkg} -> {t}" for t in sorted(seen) if PACKAGE_OF[t].startswith(pkg + ".")]
+    assert bad == []
+
+
+def test_core_tiers_policies_offline_never_import_vllm():
+    """Every module of these packages, imported in a fresh interpreter, leaves vLLM unimported."""
+    mods = sorted(m for m in MODULES if PACKAGE_OF[m] in LOWER | {"kvtier.offline"})
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}:\n    importlib.import_module(m)\n"
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]" and len(mods) > 50

@@ -380,7 +380,7 @@ class SlotTier:
 
     def summary(self) -> str:
         """The tier in a start-up line: name, capacity and what else an operator needs to know."""
-        from kvtier.core.units import format_size
+        from kvtier.tiers.units import format_size
         return f"{self.name} {self._cap} blocks ({format_size(self._cap * self.block_bytes)})"
 
     def stats(self) -> dict:

@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Sequence
 
-from kvtier.core.once import Once
+from kvtier.tiers.once import Once
 from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
 from .base import PENDING_SLOT, RESIDENT, SlotTier

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from kvtier.cli.common import print_result
-from kvtier.core.units import format_size, parse_size
+from kvtier.tiers.units import format_size, parse_size
 
 
 def bench_cpu(block_bytes: int, total: int, repeat: int) -> list[dict]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvtier.cli.common import CommandFailed, load_fitted, nvme_tier_config, open_nvme_read_only, print_result
 from kvtier.core.config import ConfigError, StackConfig
-from kvtier.core.units import format_size
+from kvtier.tiers.units import format_size
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from kvtier.cli.replay import load_gbps
 from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS
 from kvtier.offline.sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, belady_points, capacity_grid, measure
 from kvtier.offline.trace import TraceReader, apply_geometry, default_trace
-from kvtier.core.units import format_size, parse_size
+from kvtier.tiers.units import format_size, parse_size
 
 FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)   # table rows: shares of the unique blocks
 BELADY_FRACTIONS = (0.01, 0.05, 0.1)

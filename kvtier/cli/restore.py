@@ -11,7 +11,7 @@ from typing import Any
 from kvtier.cli.common import (CommandFailed, check_seed, engine_name, load_fitted, nvme_tier_config,
                                open_nvme_read_only, print_result, progress, staging_pool)
 from kvtier.cli.manifest import get_shared_manifest, read_manifest, read_manifest_if_dir
-from kvtier.core.units import format_size
+from kvtier.tiers.units import format_size
 from kvtier.offline.blockgen import block_key, fill_block
 
 

@@ -84,7 +84,7 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
         return CpuTier(t.name, cap, cfg.block_bytes, eviction, pin=t.pin, with_data=data == "full")
     if t.kind == "nvme":
         if data == "control":
-            from kvtier.connector.nvme import NvmeControl
+            from kvtier.tiers.nvme_control import NvmeControl
             return NvmeControl(t.name, t.path, cap, cfg.block_bytes, eviction, fingerprint=fp,
                                on_mismatch=t.on_fingerprint_mismatch)
         from kvtier.tiers.nvme import NvmeTier

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.fit import check_environment, fit_to_machine
-from kvtier.core.units import parse_size
+from kvtier.tiers.units import parse_size
 
 DEFAULT_CONFIG = "cpu-nvme.yaml"
 

@@ -21,7 +21,7 @@ import logging
 from typing import Any, Sequence
 
 from kvtier.core.leases import Lease, LeaseTable
-from kvtier.core.once import Once
+from kvtier.tiers.once import Once
 from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvtier.core.failures import Failures
-from kvtier.core.once import Once, cause
+from kvtier.tiers.once import Once, cause
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, StoreOp
 from kvtier.core.staging import Staging
 from kvtier.core.write_behind import CopiesDown

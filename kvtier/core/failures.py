@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from kvtier.core.once import cause
+from kvtier.tiers.once import cause
 from kvtier.core.plan import CopyOp, LoadOp, StoreOp
 
 

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Sequence
 
-from kvtier.core.once import cause
+from kvtier.tiers.once import cause
 from kvtier.core.plan import CopyOp
 from kvtier.tiers.cpu_pool import copy_blocks
 from kvtier.tiers.handles import Medium

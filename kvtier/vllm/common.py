@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import (Locality, OffloadingCounterMetadata, Offloa
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager
 
 from kvtier.core.builder import build_tier
-from kvtier.core.once import Once
+from kvtier.tiers.once import Once
 
 from .options import chunk_fingerprint, tier_stack
 

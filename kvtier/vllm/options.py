@@ -64,11 +64,11 @@ def tier_stack(kind: str, tier_type: str, options: dict[str, Any], block_bytes: 
 def chunk_fingerprint(spec: Any, block_bytes: int, namespace: str | None = None,
                       model_identity: str | None = None) -> dict[str, Any]:
     """What the bytes of one of vLLM's offload chunks depend on: the model (by the digest of its
-    weights, `connector.identity`), the KV dtype and layout, the chunk geometry (groups, their
+    weights, `core.identity`), the KV dtype and layout, the chunk geometry (groups, their
     tokens and layers, blocks per chunk, bytes) and the parallelism whose workers' bytes the
     chunk concatenates; `namespace` separates deployments further by choice."""
-    from kvtier.connector.digest_cache import default_data_dir
-    from kvtier.connector.identity import model_identity as identify
+    from kvtier.core.digest_cache import default_data_dir
+    from kvtier.core.identity import model_identity as identify
     c = spec.config
     ident, how = (model_identity, "") if model_identity else identify(c.model.name, data_dir=default_data_dir())
     if ident is None:   # weights unreadable: no identity, so nothing may be shared under one
