@@ -39,11 +39,11 @@ def test_two_cache_salts_are_two_tenants(tmp_path):
     llm = U.make_llm(model, U.kvtier_config(config=str(y)))
     try:
         [s] = [c for c in C.live_connectors("scheduler") if c.sched is not None]
-        first = _generate(llm, [p], ["alice"])
+        [first] = _generate(llm, [p], ["alice"])
         t = s.sched.totals
         assert t["tenant_stored_blocks.cpu|alice"] == stored and t.get("tenant_hit_blocks.cpu|alice", 0) == 0
         # the same tokens under bob's salt hash to other blocks: a miss, stored as bob's
-        assert _generate(llm, [p], ["bob"]) == first
+        assert _generate(llm, [p], ["bob"]) == [first]
         assert t["tenant_stored_blocks.cpu|bob"] == stored and t.get("tenant_hit_blocks.cpu|bob", 0) == 0
         assert _generate(llm, [p, p], ["alice", "bob"]) == [first, first]
         assert t["tenant_hit_blocks.cpu|alice"] == full and t["tenant_hit_blocks.cpu|bob"] == full
