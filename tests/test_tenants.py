@@ -282,3 +282,18 @@ def test_plan_plans_each_tenant(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tenant steady: 4 requests, 16 block refs, 7 unique blocks; alone:" in out
     assert "at its quota (4 blocks of dram) 56.2%" in out
+
+
+def test_a_persistent_tier_that_opens_later_gets_its_quotas(tmp_path):
+    """In vLLM the NVMe tier waits, closed, for the model's identity: its quotas apply once it opens."""
+    from kvtier.core.builder import build_controller, build_tier, build_tiers
+    c = parse_config({"block_bytes": 4096, "tiers": [
+        {"name": "dram", "kind": "cpu", "capacity_blocks": 10},
+        {"name": "nv", "kind": "nvme", "path": str(tmp_path / "nv"), "capacity_blocks": 20}],
+        "tenants": {"quotas": {"a": {"dram": "50%", "nv": "40%"}}}}, check_env=False)
+    tiers = build_tiers(c, "none", closed="waiting for the model's identity")
+    ctrl = build_controller(c, tiers)
+    assert list(ctrl.tenants.split) == ["dram"]
+    ctrl.open_tier(1, build_tier(c, 1, "none"))
+    assert ctrl.tenants.split["nv"].quotas == [8, 0]
+    ctrl.close()

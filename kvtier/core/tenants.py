@@ -208,8 +208,8 @@ class Tenants:
         blocks already resident (a persistent tier's restored index) are charged to `other`."""
         if count is not None:
             self.count = count
-        if isinstance(tier.eviction, TenantEviction) or tier.remote:
-            return
+        if isinstance(tier.eviction, TenantEviction) or tier.remote or not tier.ready:
+            return   # a closed persistent tier is attached when it opens (TierController.open_tier)
         cap = tier.capacity_blocks
         q = quota_blocks(self.cfg, tier.name, cap)
         split = TenantEviction(cap, [self._make(tier.name, cap) for _ in self.labels],
