@@ -249,14 +249,15 @@ def mix(seed: int = 0, block_tokens: int = 512, scale: float = 0.5) -> list[Requ
 def tenants(seed: int = 0, duration_s: float = 600.0, steady_requests: int = 1200, apps: int = 12,
             prompt_tokens: tuple[int, int] = (2000, 6000), burst_requests: int = 1500,
             burst_tokens: tuple[int, int] = (4000, 12000), burst: tuple[float, float] = (0.3, 0.7),
-            block_tokens: int = 512) -> list[Request]:
+            burst_repeat: int = 2, block_tokens: int = 512) -> list[Request]:
     """Two tenants on one cache: one tenant's burst over the other's steady traffic.
 
     Tenant ``steady``: `steady_requests` API calls spread over `duration_s` on `apps` shared
     system prompts (the ``api`` shape: Zipf 1.0, lengths uniform in `prompt_tokens`). Tenant
-    ``burst``: `burst_requests` single-use documents (lengths uniform in `burst_tokens`, never
-    seen again) arriving uniformly in the `burst` fraction of the run. Each request carries its
-    ``tenant``; their blocks are disjoint (as with vLLM's per-tenant ``cache_salt``).
+    ``burst``: `burst_requests` requests in the `burst` fraction of the run: documents (lengths
+    uniform in `burst_tokens`) arriving uniformly, each sent `burst_repeat` times, 1-10 s apart,
+    then never again (so a frequency-aware policy sees them as reused too). Each request carries
+    its ``tenant``; their blocks are disjoint (as with vLLM's per-tenant ``cache_salt``).
     """
     from dataclasses import replace
     rng = random.Random(f"tenants/{seed}")
@@ -264,9 +265,13 @@ def tenants(seed: int = 0, duration_s: float = 600.0, steady_requests: int = 120
     out = [replace(r, tenant="steady") for r in api(seed, requests=steady_requests, duration_s=duration_s, apps=apps,
                                                      prompt_tokens=prompt_tokens, _blocks=blocks, _tag="steady")]
     lo, hi = burst[0] * duration_s * 1000.0, burst[1] * duration_s * 1000.0
-    for i in range(burst_requests):
+    rep = max(1, int(burst_repeat))
+    for i in range(burst_requests // rep):
         seg = [(("burst", i), rng.randint(*burst_tokens))]
-        out.append(replace(_req(blocks, rng.uniform(lo, hi), seg, 100), tenant="burst"))
+        t = rng.uniform(lo, hi)
+        for _ in range(rep):
+            out.append(replace(_req(blocks, t, seg, 100), tenant="burst"))
+            t += rng.uniform(1000.0, 10000.0)
     return sorted(out, key=lambda r: r.timestamp)
 
 
