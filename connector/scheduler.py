@@ -421,7 +421,8 @@ class KVTierScheduler:
             n_in = int(getattr(q, "num_prompt_tokens", 0) or 0)
             self.recorder.record(float(getattr(q, "arrival_time", 0.0) or 0.0), n_in,
                                  int(getattr(q, "num_output_tokens", 0) or 0),
-                                 q.block_hashes[:n_in // self.block_tokens])
+                                 q.block_hashes[:n_in // self.block_tokens],
+                                 None if (ten := self.ctrl.tenants) is None else ten.label(ten.tenant_of(q)))
         if req_id in self._async_inflight:  # its lease pins what the load still reads; the report releases it
             return True, None
         self.ctrl.release(req_id)

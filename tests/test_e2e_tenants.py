@@ -1,5 +1,6 @@
-"""Tenants inside real vLLM (CPU build): two cache_salts are two tenants in kvtier's counters
-and its /metrics gauges; the same prompt under another salt is another tenant's blocks."""
+"""Tenants inside real vLLM (CPU build): two cache_salts are two tenants in kvtier's counters,
+its /metrics gauges and its recorded trace; the same prompt under another salt is another
+tenant's blocks."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_two_cache_salts_are_two_tenants(tmp_path):
     model = U.build_tiny_llama(tmp_path / "m")
     y = tmp_path / "t.yaml"
     y.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 64}\n"
-                 "tenants:\n  quotas:\n    alice: {cpu: 50%}\n    bob: {cpu: 25%}\n")
+                 "tenants:\n  quotas:\n    alice: {cpu: 50%}\n    bob: {cpu: 25%}\n"
+                 f"serving: {{record_trace: {tmp_path / 'rec.jsonl'}}}\n")
     p = U.prompts(1, BLOCKS, seed=11)[0]
     stored = (len(p) + MAX_TOKENS - 1) // U.BLOCK      # full blocks of prompt + generated tokens
     full = (len(p) - 1) // U.BLOCK                     # blocks a request may load
@@ -56,3 +58,5 @@ def test_two_cache_salts_are_two_tenants(tmp_path):
         assert st["alice"]["cpu"]["quota_blocks"] == 32 and st["bob"]["cpu"]["quota_blocks"] == 16
     finally:
         U.shutdown(llm)
+    from kvtier.offline.trace import load_trace   # the recorded trace names each request's tenant
+    assert sorted(r.tenant for r in load_trace(str(tmp_path / "rec.jsonl"))) == ["alice", "alice", "bob", "bob"]
