@@ -13,10 +13,10 @@ from kvtier.core.stack import TierStack
 from kvtier.policies.base import RequestInfo
 
 
-def stack(cap=10, quotas=None, tiers=None, policy="lru"):
-    d = {"block_bytes": 4096, "block_tokens": 16,
+def stack(cap=10, quotas=None, tiers=None, policy="lru", demotion="write_through"):
+    d = {"block_bytes": 4096, "block_tokens": 16, "writeback_bytes": 8192,
          "tiers": tiers or [{"name": "dram", "kind": "cpu", "capacity_blocks": cap}],
-         "policy": {"eviction": policy}}
+         "policy": {"eviction": policy, "demotion": demotion}}
     if quotas is not None:
         d["tenants"] = {"quotas": quotas}
     return TierStack.from_config(parse_config(d, check_env=False), with_data=False)
@@ -45,8 +45,12 @@ class Keys:
         return out
 
 
+_rid = iter(range(1 << 62))
+
+
 def put(s, keys, tenant):
-    return s.put(keys, info=RequestInfo(keys=keys, tenant=tenant))
+    """A request's store (its own request id: lru orders a request's blocks by it)."""
+    return s.put(keys, info=RequestInfo(keys=keys, tenant=tenant, request_id=f"r{next(_rid)}"))
 
 
 def test_burst_takes_free_room_only_then_evicts_its_own():
@@ -136,12 +140,12 @@ QUOTAS = {"a": {"dram": "50%", "dram2": "30%"}, "b": {"dram": "25%", "dram2": "4
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from(["put", "hit"]), st.integers(1, 14)),
                     min_size=1, max_size=40),
-       policy=st.sampled_from(["lru", "arc", "s3fifo"]))
-def test_no_tenant_is_pushed_below_its_guaranteed_share(ops, policy):
+       policy=st.sampled_from(["lru", "arc", "s3fifo"]), demotion=st.sampled_from(["write_through", "write_back"]))
+def test_no_tenant_is_pushed_below_its_guaranteed_share(ops, policy, demotion):
     """After any store or hit by one of tenants a, b, c, every other tenant still holds, in each
     tier, at least min(its quota, what it held before): another's traffic may take back what a
     tenant borrowed, never its guaranteed share. Counted from the tiers' contents."""
-    s, ks = stack(quotas=QUOTAS, tiers=TIERS2, policy=policy), Keys()
+    s, ks = stack(quotas=QUOTAS, tiers=TIERS2, policy=policy, demotion=demotion), Keys()
     quota = [{"a": 6, "b": 3, "c": 0}, {"a": 6, "b": 8, "c": 2}]
     mine = {"a": [], "b": [], "c": []}
     before = held(s, ks)
@@ -302,3 +306,17 @@ def test_a_persistent_tier_that_opens_later_gets_its_quotas(tmp_path):
     ctrl.open_tier(1, build_tier(c, 1, "none"))
     assert ctrl.tenants.split["nv"].quotas == [8, 0]
     ctrl.close()
+
+
+def test_the_cursor_walks_every_account_the_one_furthest_over_first():
+    """A quota-blind walk (write-back cleaning ahead) sees every evictable block once, the
+    tenant furthest over its quota first, and resumes after a block."""
+    s, ks = stack(10, {"a": {"dram": "50%"}, "b": {"dram": "10%"}}), Keys()
+    put(s, ks.new("a", 3), "a")
+    put(s, ks.new("b", 4), "b")                     # b: 3 over its quota, a: 2 under
+    t = s.tiers[0]
+    walk = [v.block_id for v in t.iter_free_blocks()]
+    assert sorted(walk) == sorted(t.resident.values())
+    assert [ks.owner[t.key_at(x)] for x in walk] == ["b"] * 4 + ["a"] * 3
+    assert [v.block_id for v in t.iter_free_blocks(walk[4])] == walk[5:]
+    assert t.free_slots(5) == walk[:5]

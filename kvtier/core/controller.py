@@ -216,7 +216,7 @@ class TierController(Completion, Counting):
         if tgt is None or tgt >= op.tier:
             return
         who = info.tenant if op.tier == self.remote or self.tenants is None else \
-            self.tenants.owner(self.tiers[op.tier], op.slots)
+            self.tenants.owners(self.tiers[op.tier], op.slots)
         if any(self.holds(k, tgt) for k in keys) or self._room(tgt, len(keys), who) < len(keys):
             return
         slots = self.tiers[tgt].allocate(keys, info)
@@ -296,7 +296,7 @@ class TierController(Completion, Counting):
         keys = [k for _, k in src]
         slots: list[int] = []
         if t != self.remote:
-            who = self.tenants.owner(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
+            who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
             room = self._room(t, len(src), who)
             if room < len(src):
                 self._count(f"store_dropped_blocks.{self.names[t]}", len(src) - room)
@@ -304,7 +304,7 @@ class TierController(Completion, Counting):
             if not src:
                 return 0
             slots = self.tiers[t].allocate(keys)
-            self._claim(t, slots, who)
+            self._claim(t, slots, who[:room] if who is not None else None)
         self._pending[t].update(keys)
         self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
@@ -318,11 +318,12 @@ class TierController(Completion, Counting):
         if self.tenants is not None:
             self.tenants.claim(self.tiers[t], slots, tenant)
 
-    def _victims(self, t: int, n: int, tenant: Any) -> list[int]:
-        """Up to `n` victims of tier `t` in its policy's order (with tenants: honouring quotas)."""
+    def _victims(self, t: int, need: int, tenant: Any, n: int) -> list[int]:
+        """Up to `need` victims of tier `t` in its policy's order (with tenants: honouring the
+        quotas, for `n` blocks of `tenant`: a name, or each block's account)."""
         if self.tenants is None:
-            return self.tiers[t].free_slots(n)
-        return self.tenants.victims(self.tiers[t], n, tenant)
+            return self.tiers[t].free_slots(need)
+        return self.tenants.victims(self.tiers[t], need, tenant, n)
 
     def _room(self, t: int, n: int, tenant: Any = None) -> int:
         """Evict from tier `t` until `n` slots are free (or nothing more can go now); free slots.
@@ -336,12 +337,12 @@ class TierController(Completion, Counting):
         if need <= 0:
             return tier.num_free_slots
         if self.demotion != "write_back" or t + 1 >= self.nlocal:
-            victims = self._victims(t, need, tenant)
+            victims = self._victims(t, need, tenant, n)
             if victims:
                 self._evict(t, victims)
             return tier.num_free_slots
         while need > 0:
-            ahead = self._victims(t, need, tenant)
+            ahead = self._victims(t, need, tenant, n)
             if not ahead:
                 break
             if not all(self.holds(tier.key_at(s), t + 1) for s in ahead):

@@ -110,11 +110,13 @@ class TenantEviction(EvictionPolicy):
         return out
 
     # ---- the quota ------------------------------------------------------------------------
-    def choose(self, n: int, asker: int, pinned: Sequence[int], free: int = 0) -> list[int]:
-        """Up to `n` victims to make room for `n` more blocks of account `asker` once its first
-        blocks took the `free` slots (module docstring)."""
+    def choose(self, ask: Sequence[int], pinned: Sequence[int], free: Sequence[int] = ()) -> list[int]:
+        """Up to len(`ask`) victims, one for each block to store (`ask`: the account of each), once
+        the blocks of accounts `free` took the free slots (module docstring)."""
         usage = list(self.usage)
-        usage[asker] += free
+        for a in free:
+            usage[a] += 1
+        n = len(ask)
         quota = self.quotas
         cand: dict[int, list[int]] = {}
         pos: dict[int, int] = {}
@@ -131,7 +133,7 @@ class TenantEviction(EvictionPolicy):
             return lst[i]
 
         out: list[int] = []
-        for _ in range(n):
+        for asker in ask:
             within = usage[asker] + 1 <= quota[asker]
             s = None
             order = [b for b in sorted(range(len(usage)), key=lambda b: quota[b] - usage[b])
@@ -226,30 +228,36 @@ class Tenants:
         ev = getattr(tier, "eviction", None)
         return ev if isinstance(ev, TenantEviction) else None
 
-    def claim(self, tier: Any, slots: Sequence[int], tenant: str | int | None) -> None:
-        """Slots just allocated in `tier` will belong to `tenant` (a name, an account or None)."""
+    def _accounts(self, tenant: str | list[int] | None, n: int) -> list[int]:
+        """A tenant (or None) for n blocks, or already each block's account (a list)."""
+        return list(tenant) if isinstance(tenant, list) else [self.account(tenant)] * n
+
+    def claim(self, tier: Any, slots: Sequence[int], tenant: str | list[int] | None) -> None:
+        """Slots just allocated in `tier` will belong to `tenant` (a name or None), or to each
+        block's account (a list, as `owners` gives)."""
         ev = self.of(tier)
         if ev is not None:
-            a = tenant if isinstance(tenant, int) else self.account(tenant)
-            for s in slots:
+            for s, a in zip(slots, self._accounts(tenant, len(slots))):
                 ev.claimed[s] = a
 
-    def owner(self, tier: Any, slots: Sequence[int]) -> int:
-        """The account owning most of `slots` of `tier` (a copy's batch; pending slots: the
-        account they were claimed for), `other` when unknown."""
+    def owners(self, tier: Any, slots: Sequence[int]) -> list[int]:
+        """The account of each of `slots` of `tier` (a pending slot: the one it was claimed for;
+        `other` when unknown): what its copies and promotions are charged to."""
         ev = self.of(tier)
-        if ev is None or not slots:
-            return len(self.labels) - 1
-        own = [a for s in slots if (a := ev.owner[s] if ev.owner[s] >= 0 else ev.claimed[s]) >= 0]
-        return max(set(own), key=own.count) if own else len(self.labels) - 1
+        dflt = len(self.labels) - 1
+        if ev is None:
+            return [dflt] * len(slots)
+        return [a if (a := ev.owner[s] if ev.owner[s] >= 0 else ev.claimed[s]) >= 0 else dflt for s in slots]
 
-    def victims(self, tier: Any, n: int, tenant: str | int | None) -> list[int]:
-        """Up to `n` slots of `tier` to evict for `tenant`'s blocks, honouring the quotas."""
+    def victims(self, tier: Any, need: int, tenant: str | list[int] | None, n: int) -> list[int]:
+        """Up to `need` slots of `tier` to evict so that `n` blocks of `tenant` (a name or None,
+        or each block's account) fit, honouring the quotas: the first blocks take the free slots."""
         ev = self.of(tier)
         if ev is None:
-            return tier.free_slots(n)
-        return ev.choose(n, tenant if isinstance(tenant, int) else self.account(tenant), _Pins(tier),
-                         tier.num_free_slots)
+            return tier.free_slots(need)
+        acc = self._accounts(tenant, n)
+        free = tier.num_free_slots
+        return ev.choose(acc[free:free + need], _Pins(tier), acc[:free])
 
     def count_hits(self, tier: Any, n: int, tenant: str | None) -> None:
         self.count(f"tenant_hit_blocks.{tier.name}|{self.label(tenant)}", n)
