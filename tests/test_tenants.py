@@ -320,3 +320,22 @@ def test_the_cursor_walks_every_account_the_one_furthest_over_first():
     assert [ks.owner[t.key_at(x)] for x in walk] == ["b"] * 4 + ["a"] * 3
     assert [v.block_id for v in t.iter_free_blocks(walk[4])] == walk[5:]
     assert t.free_slots(5) == walk[:5]
+
+
+def test_inspect_shows_each_tenant_from_a_serving_directory(tmp_path, capsys):
+    """`kvtier inspect` reads the counters a serving connector left in its NVMe directory."""
+    from kvtier.core.serving_stats import write_stats
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"block_bytes: 64KiB\ntiers:\n  - {{name: cpu, kind: cpu, capacity_blocks: 8}}\n"
+                   f"  - {{name: nvme, kind: nvme, path: {tmp_path / 'nv'}, capacity_blocks: 32, io: posix}}\n"
+                   "tenants:\n  quotas:\n    alice: {cpu: 50%, nvme: 25%}\n")
+    assert main(["spill", "-n", "2", "-c", str(cfg), "-q"]) == 0
+    write_stats(str(tmp_path / "nv"), {"hit_blocks.cpu": 3, "miss_blocks": 1, "tenant_hit_blocks.cpu|alice": 3,
+                                       "tenant_stored_blocks.nvme|alice": 5, "tenant_evicted_blocks.cpu|other": 2})
+    capsys.readouterr()
+    assert main(["inspect", "-c", str(cfg), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tiers"][1]["serving"]["tenants"] == {
+        "alice": {"cpu": {"hits": 3}, "nvme": {"stored": 5}}, "other": {"cpu": {"evicted": 2}}}
+    assert main(["inspect", "-c", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "tenant alice: cpu: hits 3 stored 0 evicted 0; nvme: hits 0 stored 5 evicted 0" in out, out
