@@ -134,32 +134,17 @@ class TenantEviction(EvictionPolicy):
 
         out: list[int] = []
         for asker in ask:
-            within = usage[asker] + 1 <= quota[asker]
-            s = None
-            order = [b for b in sorted(range(len(usage)), key=lambda b: quota[b] - usage[b])
-                     if b != asker and usage[b] > quota[b]]
-            if within:
-                for b in order:
-                    s = take(b)
-                    if s is not None:
-                        usage[b] -= 1
-                        break
-                if s is None:
-                    s = take(asker)
-                    if s is not None:
-                        usage[asker] -= 1
-            else:
-                s = take(asker)
+            borrowers = [b for b in sorted(range(len(usage)), key=lambda b: quota[b] - usage[b])
+                         if b != asker and usage[b] > quota[b]]
+            # within its quota after this block: reclaim from borrowers first; else its own first
+            order = borrowers + [asker] if usage[asker] < quota[asker] else [asker] + borrowers
+            for b in order:
+                s = take(b)
                 if s is not None:
-                    usage[asker] -= 1
-                else:
-                    for b in order:
-                        s = take(b)
-                        if s is not None:
-                            usage[b] -= 1
-                            break
-            if s is None:
-                break
+                    usage[b] -= 1
+                    break
+            else:
+                break    # no victim for this block: it and the blocks after it find no room
             out.append(s)
             usage[asker] += 1
         return out
