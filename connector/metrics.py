@@ -55,7 +55,14 @@ histogram vllm:kvtier_store_seconds{tier}              obs:seconds_stored.<tier>
 gauge vllm:kvtier_resident_blocks{tier}                gauge_resident_blocks.<tier>
 gauge vllm:kvtier_capacity_blocks{tier}                gauge_capacity_blocks.<tier>
 gauge vllm:kvtier_leased_blocks                        gauge_leased_blocks (blocks pinned by leases)
+counter vllm:kvtier_tenant_hit_blocks_total{tier,tenant}  tenant_hit_blocks.<tier>|<tenant>
+counter vllm:kvtier_tenant_stored_blocks_total{tier,tenant}  tenant_stored_blocks.<tier>|<tenant>
+counter vllm:kvtier_tenant_evicted_blocks_total{tier,tenant}  tenant_evicted_blocks.<tier>|<tenant>
+gauge vllm:kvtier_tenant_bytes{tier,tenant}            gauge_tenant_bytes.<tier>|<tenant> (bytes held)
 =====================================================  ============================================
+
+The `tenant` label (YAML `tenants:`, kvtier/core/tenants.py) is a named tenant or `other`: at
+most MAX_TENANT_LABELS values, any further one is counted as `other`.
 
 vLLM's own `vllm:prompt_tokens_cached_by_source{source="host"|"disk"}` comes from
 `KVTierConnector.get_external_cache_hit_sources`, not from here.
@@ -121,6 +128,14 @@ GAUGES: dict[str, tuple[str, bool, str]] = {
     "capacity_blocks": ("gauge_capacity_blocks", True, "Capacity of a tier in blocks."),
     "leased_blocks": ("gauge_leased_blocks", False, "Tier blocks pinned by leases of requests in flight."),
 }
+# per tenant (keys `<key>.<tier>|<tenant>`): Prometheus name -> (kind, stats key, help)
+TENANT_SERIES: dict[str, tuple[str, str, str]] = {
+    "tenant_hit_blocks": ("counter", "tenant_hit_blocks", "Blocks a tenant was served from a tier."),
+    "tenant_stored_blocks": ("counter", "tenant_stored_blocks", "Blocks committed to a tier, charged to a tenant."),
+    "tenant_evicted_blocks": ("counter", "tenant_evicted_blocks", "A tenant's blocks that left a tier."),
+    "tenant_bytes": ("gauge", "gauge_tenant_bytes", "Bytes a tenant holds in a tier."),
+}
+MAX_TENANT_LABELS = 65   # named tenants (at most 64) and `other`
 LATENCY_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                    1.0, 2.5, 5.0, 10.0]
 PREFIX = "vllm:kvtier_"
@@ -138,8 +153,17 @@ def to_series(data: dict[str, Any]) -> dict[tuple[str, str, str | None], Any]:
     by_key = {v[0]: (k, v[1]) for k, v in COUNTERS.items()}
     hist_key = {v[0]: k for k, v in HISTOGRAMS.items()}
     gauge_key = {v[0]: (k, v[1]) for k, v in GAUGES.items()}
-    out: dict[tuple[str, str, str | None], Any] = {}
+    out: dict[tuple[str, str, Any], Any] = {}
+    tenant_key = {v[1]: (k, v[0]) for k, v in TENANT_SERIES.items()}
     for key, v in (data or {}).items():
+        if "|" in key:
+            base, _, rest = key.partition(".")
+            tier, _, tenant = rest.rpartition("|")
+            if base in tenant_key and tier and tenant and isinstance(v, (int, float)) and not isinstance(v, bool):
+                name, kind = tenant_key[base]
+                if kind == "gauge" or v > 0:
+                    out[(kind, name, (tier, tenant))] = v
+            continue
         if key.startswith(OBS_PREFIX):
             base, tier = split_key(key[len(OBS_PREFIX):])
             if base in hist_key and isinstance(v, (list, tuple)):
@@ -178,10 +202,17 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._metrics[("gauge", name)] = self._gauge_cls(
                 name=PREFIX + name, documentation=doc, labelnames=tl if tiered else list(labelnames),
                 multiprocess_mode="mostrecent")
+        for name, (kind, _, doc) in TENANT_SERIES.items():
+            cls = self._counter_cls if kind == "counter" else self._gauge_cls
+            kw = {} if kind == "counter" else {"multiprocess_mode": "mostrecent"}
+            self._metrics[(kind, name)] = cls(name=PREFIX + name, documentation=doc, labelnames=tl + ["tenant"], **kw)
+        self._tenants: set[str] = set()
         # the children of every known tier exist from the start: a series never emitted reads 0
         self._children: dict[tuple, Any] = {}
         for idx in per_engine_labelvalues:
             for (kind, name), m in self._metrics.items():
+                if name in TENANT_SERIES:   # created when a tenant is first counted
+                    continue
                 tiered = kind == "histogram" or (COUNTERS.get(name) or GAUGES.get(name) or (0, True))[1]
                 for tier in (self.tiers if tiered else [None]):
                     self._child(kind, name, tier, idx)
@@ -191,13 +222,20 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         c = self._children.get(k)
         if c is None:
             values = list(self.per_engine_labelvalues.get(engine_idx, [None, str(engine_idx)]))
-            if tier is not None:
+            if isinstance(tier, tuple):
+                values.extend(tier)
+            elif tier is not None:
                 values.append(tier)
             c = self._children[k] = self._metrics[(kind, name)].labels(*values)
         return c
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for (kind, name, tier), v in to_series(transfer_stats_data).items():
+            if isinstance(tier, tuple) and tier[1] not in self._tenants:
+                if len(self._tenants) < MAX_TENANT_LABELS - 1 or tier[1] == "other":
+                    self._tenants.add(tier[1])
+                else:
+                    tier = (tier[0], "other")
             c = self._child(kind, name, tier, engine_idx)
             if kind == "counter":
                 c.inc(v)

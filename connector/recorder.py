@@ -190,8 +190,10 @@ class TraceRecorder:
         if n != len(line):
             raise OSError(errno.ENOSPC, f"short write ({n} of {len(line)} bytes), cut back")
 
-    def record(self, arrival_s: float, input_length: int, output_length: int, hashes: Sequence[Any]) -> None:
-        """Queue one finished request (vLLM's arrival time in seconds, its prompt's full-block hashes)."""
+    def record(self, arrival_s: float, input_length: int, output_length: int, hashes: Sequence[Any],
+               tenant: str | None = None) -> None:
+        """Queue one finished request (vLLM's arrival time in seconds, its prompt's full-block hashes,
+        its tenant's label: a tenant YAML `tenants:` names, or `other`)."""
         if self._closed:
             return
         if len(self._q) >= QUEUE_MAX:
@@ -199,18 +201,19 @@ class TraceRecorder:
             return
         # vLLM's arrival is wall-clock time: only its age is taken, onto the monotonic clock
         at = time.monotonic() - (time.time() - arrival_s)
-        self._q.append((at, input_length, output_length, tuple(hashes)))   # bytes() in the writer
+        self._q.append((at, input_length, output_length, tuple(hashes), tenant))   # bytes() in the writer
 
     def _id(self, h: bytes) -> int:
         """A 63-bit id of a block hash, keyed with the deployment's secret."""
         return xxhash.xxh3_64_intdigest(self._key + bytes(h)) >> 1
 
     def _line(self, rec: tuple) -> bytes:
-        arrival, n_in, n_out, hashes = rec
+        arrival, n_in, n_out, hashes, tenant = rec
         ids = ", ".join(str(self._id(h)) for h in hashes)
         ts = int(self._base_ms + max(0.0, (arrival - self._m0) * 1000))
+        ten = "" if tenant is None else f', "tenant": {json.dumps(tenant)}'
         return (f'{{"timestamp": {ts}, "input_length": {n_in}, "output_length": {n_out}, '
-                f'"hash_ids": [{ids}], "block_tokens": {self.block_tokens}}}\n').encode()
+                f'"hash_ids": [{ids}], "block_tokens": {self.block_tokens}{ten}}}\n').encode()
 
     def _run(self) -> None:
         while True:

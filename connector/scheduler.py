@@ -125,7 +125,8 @@ class KVTierScheduler:
     def _info(self, r: _Req, start: int) -> RequestInfo:
         return RequestInfo(keys=r.keys, start=start, hit_blocks=r.hit_blocks,
                            num_tokens=getattr(r.request, "num_tokens", 0), block_tokens=self.block_tokens,
-                           now=float(getattr(r.request, "arrival_time", 0.0) or 0.0), request_id=r.req_id)
+                           now=float(getattr(r.request, "arrival_time", 0.0) or 0.0), request_id=r.req_id,
+                           tenant=self.ctrl.tenants.tenant_of(r.request) if self.ctrl.tenants is not None else None)
 
     # ---- lookup / lease ----------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
@@ -420,7 +421,8 @@ class KVTierScheduler:
             n_in = int(getattr(q, "num_prompt_tokens", 0) or 0)
             self.recorder.record(float(getattr(q, "arrival_time", 0.0) or 0.0), n_in,
                                  int(getattr(q, "num_output_tokens", 0) or 0),
-                                 q.block_hashes[:n_in // self.block_tokens])
+                                 q.block_hashes[:n_in // self.block_tokens],
+                                 None if (ten := self.ctrl.tenants) is None else ten.label(ten.tenant_of(q)))
         if req_id in self._async_inflight:  # its lease pins what the load still reads; the report releases it
             return True, None
         self.ctrl.release(req_id)

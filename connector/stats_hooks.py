@@ -112,7 +112,8 @@ class StatsHooks:
                            "dir": getattr(t, "dir", None) if t.medium is Medium.FILE else None,
                            "capacity_blocks": int(t.capacity_blocks or 0), "resident_blocks": int(t.num_used or 0)}
                           for t in self.sched.tiers],
-                "record_trace": rec.path if rec is not None and rec.active else None, "totals": totals}
+                "record_trace": rec.path if rec is not None and rec.active else None, "totals": totals,
+                **({"tenants": self.sched.ctrl.tenants.stats(totals)} if self.sched.ctrl.tenants is not None else {})}
 
     def _nvme_tiers(self) -> list:
         return [t for t in self.sched.tiers if t.medium is Medium.FILE] if self.sched is not None else []
@@ -126,6 +127,8 @@ class StatsHooks:
                 out[f"gauge_resident_blocks.{t.name}"] = int(t.num_used)
                 out[f"gauge_capacity_blocks.{t.name}"] = int(t.capacity_blocks)
         out["gauge_leased_blocks"] = int(self.sched.leases.pinned())
+        if self.sched.ctrl.tenants is not None:   # bytes each tenant holds per tier (kvtier.core.tenants)
+            out.update(self.sched.ctrl.tenants.gauges())
         return out
 
     @classmethod

@@ -20,7 +20,8 @@ class RequestInfo:
     first block of the call; `hit_blocks` is how many leading blocks were found in the stack;
     `num_tokens` and `block_tokens` tell whether the last block is partial; `now` is a clock.
     `output_tokens` is how many tokens the request generated (0 = unknown): known when the
-    request finishes, which is when a serving engine offloads its blocks.
+    request finishes, which is when a serving engine offloads its blocks. `tenant`: the
+    request's tenant (its cache_salt or a kv_transfer_params field), for quotas and counters.
     """
 
     keys: Sequence[bytes] = ()
@@ -31,6 +32,7 @@ class RequestInfo:
     now: float = 0.0
     request_id: str | None = None
     output_tokens: int = 0
+    tenant: str | None = None   # who stored / asks (kvtier.core.tenants), None: no tenant
 
     def is_full(self, pos: int) -> bool:
         """Whether block `pos` of the chain holds block_tokens tokens (unknown -> True)."""

@@ -82,3 +82,31 @@ def test_prom_series_with_tier_label():
     assert reg.get_sample_value("vllm:kvtier_demoted_blocks_total", {**lab, "tier": "nvme"}) == 5
     assert reg.get_sample_value("vllm:kvtier_load_seconds_count", {**lab, "tier": "cpu"}) == 2
     assert reg.get_sample_value("vllm:kvtier_load_seconds_bucket", {**lab, "tier": "cpu", "le": "0.005"}) == 1
+
+
+def test_prom_tenant_series_with_bounded_label():
+    """Per-tenant counters and bytes held (YAML `tenants:`) carry a `tenant` label; past
+    MAX_TENANT_LABELS values, a new tenant is counted as `other`."""
+    from kvtier.connector import metrics as mm
+    reg = prometheus_client.CollectorRegistry()
+
+    class Cfg:
+        kv_transfer_config = None
+
+    m = KVTierPromMetrics(Cfg(), _types(reg), ["model_name", "engine"], {0: ["tiny", "0"]}, tiers=["cpu"])
+    lab = {"model_name": "tiny", "engine": "0", "tier": "cpu"}
+    assert to_series({"tenant_hit_blocks.cpu|a": 3, "gauge_tenant_bytes.cpu|a": 0, "tenant_bogus.cpu|a": 1}) == {
+        ("counter", "tenant_hit_blocks", ("cpu", "a")): 3, ("gauge", "tenant_bytes", ("cpu", "a")): 0}
+    m.observe({"tenant_hit_blocks.cpu|a": 3, "tenant_stored_blocks.cpu|a": 5, "tenant_evicted_blocks.cpu|b": 2,
+               "gauge_tenant_bytes.cpu|a": 4096})
+    m.observe({"tenant_hit_blocks.cpu|a": 1, "gauge_tenant_bytes.cpu|a": 8192})
+    assert reg.get_sample_value("vllm:kvtier_tenant_hit_blocks_total", {**lab, "tenant": "a"}) == 4
+    assert reg.get_sample_value("vllm:kvtier_tenant_stored_blocks_total", {**lab, "tenant": "a"}) == 5
+    assert reg.get_sample_value("vllm:kvtier_tenant_evicted_blocks_total", {**lab, "tenant": "b"}) == 2
+    assert reg.get_sample_value("vllm:kvtier_tenant_bytes", {**lab, "tenant": "a"}) == 8192
+    for i in range(mm.MAX_TENANT_LABELS + 5):
+        m.observe({f"tenant_hit_blocks.cpu|t{i}": 1})
+    names = {s.labels["tenant"] for f in reg.collect() if f.name.startswith("vllm:kvtier_tenant_")
+             for s in f.samples if "tenant" in s.labels}
+    assert len(names) == mm.MAX_TENANT_LABELS and "other" in names
+    assert reg.get_sample_value("vllm:kvtier_tenant_hit_blocks_total", {**lab, "tenant": "other"}) == 8

@@ -324,3 +324,16 @@ def test_a_path_it_cannot_record_to_never_stops_vllm(tmp_path, caplog):
     assert len(out) == 2 and all(len(o) == 4 for o in out)
     warns = [x.getMessage() for x in caplog.records if "record_trace" in x.getMessage()]
     assert len(warns) == 1 and path in warns[0] and "ENOTDIR" in warns[0]
+
+
+def test_a_tenant_is_recorded_for_plan():
+    """With YAML tenants the scheduler passes each request's tenant label: `kvtier plan` plans per tenant."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "t.jsonl")
+        r = TraceRecorder(p, block_tokens=32)
+        r.record(time.time(), 64, 1, _hashes("a", "b"), tenant='al"ice')
+        r.record(time.time(), 64, 1, _hashes("a", "c"))
+        r.close()
+        reqs = load_trace(p)
+        assert [q.tenant for q in reqs] == ['al"ice', None]

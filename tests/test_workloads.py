@@ -10,7 +10,8 @@ from kvtier.offline.workloads import SHAPES, generate, stats, write_trace
 
 def small(shape, seed=0, **kw):
     sizes = {"agent": {"sessions": 4}, "chat": {"conversations": 200}, "rag": {"requests": 300},
-             "api": {"requests": 400}, "mix": {"scale": 0.05}}
+             "api": {"requests": 400}, "mix": {"scale": 0.05},
+             "tenants": {"steady_requests": 200, "burst_requests": 200}}
     return generate(shape, seed, **{**sizes[shape], **kw})
 
 
@@ -28,6 +29,7 @@ def test_mooncake_format_roundtrip_and_chaining(tmp_path, shape):
     assert write_trace(reqs, p) == len(reqs)
     back = load_trace(p)
     assert [r.hash_ids for r in back] == [r.hash_ids for r in reqs]
+    assert [r.tenant for r in back] == [r.tenant for r in reqs]
     ts = [r.timestamp for r in back]
     assert ts == sorted(ts)
     parent = {}

@@ -110,7 +110,22 @@ def _servers_text(d: dict) -> str:
         by = ", ".join(f"{k} {100 * v:.1f}%" for k, v in h["hit_ratio_by_tier"].items())
         lines.append(f"  block hit ratio {100 * h['hit_ratio']:.1f}%" + (f" ({by})" if by else "")
                      + f" of {h['blocks_looked_up']} blocks looked up, {h['lookups']} lookups")
+        lines.extend(tenant_lines(s.get("tenants") or h.get("tenants") or {}, "  "))
     return "\n".join(lines)
+
+
+def tenant_lines(tenants: dict, indent: str) -> list[str]:
+    """One line per tenant: per tier, blocks held (of its quota), hits, stored, evicted."""
+    out = []
+    for name, per in tenants.items():
+        parts = []
+        for tier, d in per.items():
+            held = f"held {d['held_blocks']}/{d['quota_blocks']} quota ({format_size(d['held_bytes'])}) " \
+                if "held_blocks" in d else ""
+            parts.append(f"{tier}: {held}hits {d.get('hits', 0)} stored {d.get('stored', 0)} "
+                         f"evicted {d.get('evicted', 0)}")
+        out.append(f"{indent}tenant {name}: " + ("; ".join(parts) or "nothing counted yet"))
+    return out
 
 
 def inspect_shared(cfg: StackConfig, t: Any) -> dict:
@@ -189,6 +204,7 @@ def _inspect_text(d: dict) -> str:
                 lines.append(head + f"block hit ratio {100 * sv['hit_ratio']:.1f}%"
                              + (f" ({by})" if by else " (no hit in any tier)")
                              + f" of {sv['blocks_looked_up']} blocks looked up")
+            lines.extend(tenant_lines(sv.get("tenants") or {}, "           "))
         for k in ("path", "server", "namespace", "fingerprint_is", "fingerprint", "server_memory", "corrupt_blocks",
                   "quarantined", "stored_capacity", "beyond_capacity", "note"):
             if t.get(k) not in (None, 0) or k in ("path", "quarantined"):

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-cpu", action="store_true")
 
     p = sub.add_parser("workload", help="write a generated Mooncake-format trace (kvtier.offline.workloads)")
-    p.add_argument("shape", choices=["agent", "chat", "rag", "api", "mix"])
+    p.add_argument("shape", choices=["agent", "chat", "rag", "api", "mix", "tenants"],
+                   help="tenants: two tenants, one's burst over the other's steady traffic")
     p.add_argument("--seed", type=int, default=1, help="seed (default 1: an evaluation seed; 0 is the tuning seed)")
     p.add_argument("--block-tokens", type=int, default=512)
     p.add_argument("--out", "-o", required=True, help="output JSONL (.gz to compress)")

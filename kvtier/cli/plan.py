@@ -113,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
     first = next(it, None)
     if first is None:
         raise ConfigError(f"--trace: {trace}: no requests in the trace (empty, or only blank lines)")
-    reqs: Any = itertools.chain([first], it)
+    from kvtier.offline.tenant_plan import ByTenant, plan_tenants
+    byt = ByTenant(itertools.chain([first], it))   # keeps the requests that carry a tenant
+    reqs: Any = byt
     if not args.no_belady:   # Belady holds the trace; the curve alone streams it (memory: the unique blocks)
         reqs = list(reqs)
     bt = reader.block_tokens
@@ -129,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         args.prefill_source = "--prefill-tokens-per-s"
     rep = report(sz, cfg, cfg, args, local, shared)
+    if byt.by:   # the trace names tenants: each one's own curve (kvtier/offline/tenant_plan.py)
+        rep["tenants"] = plan_tenants(byt.by, bt, cfg, *(local[0] if local else (None, 0)), args.sample)
     rep["trace"] = str(trace)
     rep["geometry"] = reader.geometry
     rep["geometry_note"] = note
@@ -470,6 +474,9 @@ def text(rep: dict) -> str:
     if bm and bm["sample_rate"] < 1:
         lines.append(f"    Belady on a sample of the blocks at rate {bm['sample_rate']:.3g}: error +/-{_pct(bm['error'])} "
                      f"of hit ratio ({bm['seconds']:.1f} s)")
+    if "tenants" in rep:
+        from kvtier.offline.tenant_plan import tenant_lines
+        lines.extend(tenant_lines(rep["tenants"], rep["stack"]["tiers"][0]["name"] if rep.get("stack") else None, bb))
     if "suggestion" in rep:
         s = rep["suggestion"]
         lines.append(f"  suggestion ({s['goal']}): {s['summary']}")

@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--warm", action="store_true",
                    help="keep what persistent tiers hold from an earlier run (default: start cold, like Belady)")
     p.add_argument("--no-belady", action="store_true", help="skip the Belady yardstick")
+    p.add_argument("--no-tenants", action="store_true", help="ignore the config's tenants: quotas (to compare)")
     p.add_argument("--plot", default=None, help="PNG: hit ratio vs capacity for the policies")
     p.add_argument("--compare", action="store_true",
                    help="metadata-only: the default eviction next to vllm_lru, lru, arc, s3fifo and Belady "
@@ -225,6 +226,8 @@ def _stack_config(args: argparse.Namespace, unique: int, block_tokens: int = BLO
         data["policy"]["eviction"] = args.policy
         for t in data["tiers"]:
             t["eviction"] = None
+    if getattr(args, "no_tenants", False):
+        data["tenants"] = None
     if args.admission:
         data["policy"]["admission"] = args.admission
         for t in data["tiers"]:
@@ -333,6 +336,11 @@ def _text(d: dict) -> str:
     lines.append(f"  TTFT model ({c['prefill_tokens_per_s']:.0f} prefill tok/s): prefill {c['prefill_s_without_cache']:.1f} s "
                  f"without cache, {c['prefill_s_saved']:.1f} s saved, {c['load_s']:.1f} s loading -> "
                  f"{c['mean_ttft_saved_ms']:.1f} ms saved per request")
+    for name, t in d.get("tenants", {}).items():
+        held = "  ".join(f"{tn} held {v.get('held_blocks', 0)}/{v.get('quota_blocks', 0)} quota "
+                         f"stored {v.get('stored', 0)} evicted {v.get('evicted', 0)}" for tn, v in t["tiers"].items())
+        lines.append(f"  tenant {name:<10} block hit ratio {100 * t['hit_ratio']:6.2f}%  token hit ratio "
+                     f"{100 * t['token_hit_ratio']:6.2f}%  ({t['block_refs']} block refs)" + (f"  {held}" if held else ""))
     if d["data"]:
         lines.append(f"  content check: {d['content_mismatches']} mismatches")
     lines.append(f"  {d['blocks_per_s'] / 1e3:.0f}k blocks/s ({d['seconds']:.2f} s)")

@@ -113,7 +113,16 @@ def build_controller(cfg: StackConfig, tiers: Sequence[Any], ranks: int = 1,
     return TierController(tiers, block_tokens=cfg.block_tokens, admission=make_admission(cfg),
                           promotion=make_promotion(cfg), demotion=cfg.policy.demotion,
                           lease_timeout_s=lease_timeout_s or cfg.serving.lease_timeout_s, ranks=ranks,
-                          writeback_blocks=wb)
+                          writeback_blocks=wb, tenants=make_tenants(cfg))
+
+
+def make_tenants(cfg: StackConfig) -> Any:
+    """The config's tenants (quotas split each local tier's eviction policy by tenant), or None."""
+    if cfg.tenants is None:
+        return None
+    from kvtier.core.tenants import Tenants
+    tcfg = {t.name: t for t in cfg.storage_tiers()}
+    return Tenants(cfg, lambda name, cap: make_eviction(cfg, tcfg[name], cap))
 
 
 def fresh_evictions(cfg: StackConfig, tiers: Sequence[Any]) -> list[EvictionPolicy]:

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.fit import check_environment, fit_to_machine
+from kvtier.core.tenants_config import TenantsConfig, check_tenants
 from kvtier.tiers.units import parse_size
 
 DEFAULT_CONFIG = "cpu-nvme.yaml"
@@ -228,6 +229,7 @@ class StackConfig(_Model):
     tiers: list[TierConfig]
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     serving: ServingConfig = Field(default_factory=ServingConfig)
+    tenants: TenantsConfig | None = None   # per-tenant quotas (kvtier/core/tenants_config.py)
     source: str = Field(default="<dict>", exclude=True)
 
     @field_validator("block_bytes", "writeback_bytes", mode="before")
@@ -301,6 +303,7 @@ def parse_config(data: Any, source: str = "<dict>", check_env: bool = True) -> S
         cfg = StackConfig.model_validate({**data, "source": source})
     except ValidationError as e:
         raise ConfigError(_format_validation(e, source)) from None
+    check_tenants(cfg)
     for t in cfg.tiers:
         if t.path:
             t.path = expand_path(t.path)

@@ -37,11 +37,13 @@ class TierController(Completion, Counting):
     def __init__(self, tiers: Sequence[SlotTier], *, block_tokens: int = 1,
                  admission: Sequence[AdmissionPolicy | None] | None = None,
                  promotion: PromotionPolicy | None = None, demotion: str = "write_through",
-                 lease_timeout_s: float = 300.0, ranks: int = 1, writeback_blocks: int = 256) -> None:
+                 lease_timeout_s: float = 300.0, ranks: int = 1, writeback_blocks: int = 256,
+                 tenants: Any = None) -> None:
         """`tiers`: top (fastest) first. `admission[i]`: whether a block is worth writing to
         tier i (None or "all": every block). `promotion`: where a lower-tier hit goes (None:
         served in place). `ranks`: workers that each write a shard of every block (a copy to
-        NVMe commits once every rank reported). `writeback_blocks`: the write-back batch."""
+        NVMe commits once every rank reported). `writeback_blocks`: the write-back batch.
+        `tenants`: per-tenant quotas and counters (`kvtier.core.tenants.Tenants`), or None."""
         if demotion not in DEMOTION:
             raise ValueError(f"demotion must be one of {DEMOTION}, got {demotion!r}")
         self._init_counters()
@@ -64,6 +66,9 @@ class TierController(Completion, Counting):
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
         for t in self.tiers:  # their own events (network, index writes) join our counters
             t.bind_counter(self._count)
+        self.tenants = tenants
+        for t in self.tiers[:self.nlocal] if tenants is not None else ():
+            tenants.attach(t, self._count)
         self._index = [t.resident for t in self.tiers[:self.nlocal]]  # read-only: key -> slot
         self._pending = [set() for _ in self.tiers]            # keys on their way into each tier
         self._stores: dict[int, StoreInFlight] = {}
@@ -193,6 +198,8 @@ class TierController(Completion, Counting):
             n = len(op.slots)
             self._count(f"hit_blocks.{tier.name}", n)
             self._count(f"hit_tokens.{tier.name}", n * self.block_tokens)
+            if self.tenants is not None:
+                self.tenants.count_hits(tier, n, info.tenant)
             if t > 0:
                 self._plan_promotion(op, keys_of[t], info, pos_of[t])
         self._count("hit_tokens", lease.num_blocks * self.block_tokens if tokens is None else tokens)
@@ -208,9 +215,12 @@ class TierController(Completion, Counting):
         tgt = self.promotion.target(op.tier, len(self.tiers))
         if tgt is None or tgt >= op.tier:
             return
-        if any(self.holds(k, tgt) for k in keys) or self._room(tgt, len(keys)) < len(keys):
+        who = info.tenant if op.tier == self.remote or self.tenants is None else \
+            self.tenants.owners(self.tiers[op.tier], op.slots)
+        if any(self.holds(k, tgt) for k in keys) or self._room(tgt, len(keys), who) < len(keys):
             return
         slots = self.tiers[tgt].allocate(keys, info)
+        self._claim(tgt, slots, who)
         self._pending[tgt].update(keys)
         op.via = slots
         op.via_tier = tgt
@@ -232,7 +242,7 @@ class TierController(Completion, Counting):
             want = self._admit(0, want, [keys[i] for i in want], info)
         if not want:
             return [], 0, []
-        room = self._room(0, len(want))
+        room = self._room(0, len(want), info.tenant)
         deferred = want[room:]
         if deferred:
             if not retry:
@@ -242,6 +252,7 @@ class TierController(Completion, Counting):
             return [], 0, deferred
         ks = [keys[i] for i in want]
         slots = top.allocate(ks, info)
+        self._claim(0, slots, info.tenant)
         self._pending[0].update(ks)
         op_id = next(self._op_ids)
         self._stores[op_id] = StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want])
@@ -285,13 +296,15 @@ class TierController(Completion, Counting):
         keys = [k for _, k in src]
         slots: list[int] = []
         if t != self.remote:
-            room = self._room(t, len(src))
+            who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
+            room = self._room(t, len(src), who)
             if room < len(src):
                 self._count(f"store_dropped_blocks.{self.names[t]}", len(src) - room)
                 src, keys = src[:room], keys[:room]
             if not src:
                 return 0
             slots = self.tiers[t].allocate(keys)
+            self._claim(t, slots, who[:room] if who is not None else None)
         self._pending[t].update(keys)
         self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
@@ -301,7 +314,18 @@ class TierController(Completion, Counting):
         return len(src)
 
     # ---- room: eviction and write-back ---------------------------------------------------
-    def _room(self, t: int, n: int) -> int:
+    def _claim(self, t: int, slots: Sequence[int], tenant: Any) -> None:
+        if self.tenants is not None:
+            self.tenants.claim(self.tiers[t], slots, tenant)
+
+    def _victims(self, t: int, need: int, tenant: Any, n: int) -> list[int]:
+        """Up to `need` victims of tier `t` in its policy's order (with tenants: honouring the
+        quotas, for `n` blocks of `tenant`: a name, or each block's account)."""
+        if self.tenants is None:
+            return self.tiers[t].free_slots(need)
+        return self.tenants.victims(self.tiers[t], need, tenant, n)
+
+    def _room(self, t: int, n: int, tenant: Any = None) -> int:
         """Evict from tier `t` until `n` slots are free (or nothing more can go now); free slots.
 
         Write-back: a victim the next tier lacks (dirty) is copied down and stays, pinned, until
@@ -313,12 +337,12 @@ class TierController(Completion, Counting):
         if need <= 0:
             return tier.num_free_slots
         if self.demotion != "write_back" or t + 1 >= self.nlocal:
-            victims = tier.free_slots(need)
+            victims = self._victims(t, need, tenant, n)
             if victims:
                 self._evict(t, victims)
             return tier.num_free_slots
         while need > 0:
-            ahead = tier.free_slots(need)
+            ahead = self._victims(t, need, tenant, n)
             if not ahead:
                 break
             if not all(self.holds(tier.key_at(s), t + 1) for s in ahead):
@@ -403,6 +427,8 @@ class TierController(Completion, Counting):
                 n += len(slots)
             if fresh_eviction is not None:
                 t.eviction = fresh_eviction[i]
+                if self.tenants is not None:
+                    self.tenants.attach(t)
         return n
 
     def open_tier(self, t: int, tier: SlotTier) -> None:
@@ -416,6 +442,8 @@ class TierController(Completion, Counting):
         tier.bind_counter(self._count)
         if t < self.nlocal:
             self._index[t] = tier.resident
+            if self.tenants is not None:
+                self.tenants.attach(tier)
             self._wb_max[t] = max(1, min(self._wb_max_cfg, tier.capacity_blocks // 4))
         old.close()
 
@@ -434,6 +462,7 @@ class TierController(Completion, Counting):
 
     def stats(self) -> dict:
         return {"totals": dict(self.totals), "tiers": [t.stats() for t in self.tiers],
+                **({"tenants": self.tenants.stats(self.totals)} if self.tenants is not None else {}),
                 "policies": self.describe(), "leases": self.leases.pinned(),
                 "pending_stores": len(self._stores), "pending_copies": len(self._copies)}
 

@@ -70,6 +70,10 @@ def hit_ratios(stats: dict) -> dict:
            "lookups": int(t.get("n_lookups", 0)), "blocks_looked_up": asked,
            "hit_ratio": sum(hits.values()) / asked if asked else 0.0}
     out["hit_ratio_by_tier"] = {k: v / asked if asked else 0.0 for k, v in sorted(hits.items())}
+    from kvtier.core.tenants import tenant_counters
+    ten = tenant_counters(t)
+    if ten:   # YAML tenants: per tenant and tier, blocks hit, stored, evicted
+        out["tenants"] = ten
     return out
 
 

@@ -75,6 +75,8 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
                                                           ctrl.complete, ctrl.release)
     count_request = ctrl.count_request
     rng = range(max((len(k) for k in keys), default=0))
+    per_tenant: dict[str, list[int]] = {}   # label -> [block refs, hit blocks, input tokens, hit tokens]
+    label = _labels(ctrl)
     t0 = time.perf_counter()
     try:
         for i, r in enumerate(reqs):
@@ -98,13 +100,13 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
                 if counted:
                     for t, _ in lease.blocks:
                         tier_hits[t] += 1
-                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now, str(i)))
+                load("replay", k, rng[:k], RequestInfo(ks, 0, k, r.input_length, bt, now, str(i), tenant=r.tenant))
             count_request(n, k)
             if k < full:
                 if data:
                     for j in range(k, full):
                         _fill(src.views[j], ks[j])
-                store(ks[k:full], rng[k:full], RequestInfo(ks, k, k, r.input_length, bt, now, str(i)))
+                store(ks[k:full], rng[k:full], RequestInfo(ks, k, k, r.input_length, bt, now, str(i), tenant=r.tenant))
             rep, loaded = execute(take_plan(), _Blocks(scratch.views, src.views, k) if data else [])
             complete(rep)
             served = k
@@ -116,6 +118,12 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             if counted:
                 hits += served
                 hit_tok += min(r.input_length, served * bt)
+                if r.tenant is not None:
+                    pt = per_tenant.setdefault(label(r.tenant), [0, 0, 0, 0])
+                    pt[0] += n
+                    pt[1] += served
+                    pt[2] += r.input_length
+                    pt[3] += min(r.input_length, served * bt)
             if k:
                 release("replay")
             if bar is not None and i % 256 == 0:
@@ -139,9 +147,33 @@ def replay(stack: TierStack, reqs: Sequence[Any], block_tokens: int | None = Non
             "evicted": c("evicted_blocks"), "not_admitted": c("not_admitted_blocks"),
             "dropped": c("store_dropped_blocks"), "bytes_read": c("bytes_loaded"), "bytes_written": c("bytes_stored"),
             "corrupt": c("corrupt_blocks")})
-    return {"requests": len(reqs), "block_refs": refs, "hit_blocks": hits,
+    out = {"requests": len(reqs), "block_refs": refs, "hit_blocks": hits,
             "hit_ratio": hits / refs if refs else 0.0,
             "token_hit_ratio": hit_tok / in_tok if in_tok else 0.0,
             "hit_tokens": hit_tok, "input_tokens": in_tok, "per_tier": per_tier,
             "policies": ctrl.describe(), "data": data, "block_bytes": stack.block_bytes,
             "content_mismatches": bad, "seconds": dt, "blocks_per_s": refs / dt if dt else 0.0}
+    if per_tenant:
+        held = ctrl.tenants.stats(tot) if ctrl.tenants is not None else {}
+        out["tenants"] = {name: {"block_refs": a, "hit_blocks": b, "hit_ratio": b / a if a else 0.0,
+                                 "token_hit_ratio": d / c if c else 0.0, "tiers": held.get(name, {})}
+                          for name, (a, b, c, d) in sorted(per_tenant.items())}
+    return out
+
+
+MAX_TENANT_LABELS = 64   # a trace's tenants reported one by one; the rest together as "other"
+
+
+def _labels(ctrl):
+    """A trace tenant -> its report label: the configured tenants' (named ones and `other`), or the
+    trace's own names, the first MAX_TENANT_LABELS of them."""
+    if ctrl.tenants is not None:
+        return ctrl.tenants.label
+    seen: dict[str, str] = {}
+
+    def label(t: str) -> str:
+        v = seen.get(t)
+        if v is None:
+            v = seen[t] = t if len(seen) < MAX_TENANT_LABELS else "other"
+        return v
+    return label

@@ -9,7 +9,8 @@ none gives it. A trace kvtier recorded (connector/recorder.py) starts each sessi
 line ``{"kvtier_trace": {"block_tokens", "block_bytes", "model", "kv_dtype", "session", ...}}``:
 the geometry the server stored its blocks in, which `plan` and `replay` use over the config's.
 A trace whose lengths contradict its block size, or that mixes geometries, is refused (one
-line naming the path, the line and the field).
+line naming the path, the line and the field). An optional ``tenant`` (a non-empty string of at most
+256 characters) names the request's tenant (`kvtier replay` and `kvtier plan` report per tenant).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Request:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    tenant: str | None = None
 
     def last_full(self, block_tokens: int = BLOCK_TOKENS) -> bool:
         """Whether the request's last block holds a full block of input tokens."""
@@ -85,7 +87,10 @@ def parse_request(obj: object, where: str = "request") -> Request:
     for i, x in enumerate(h):
         if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 1 << 64:
             raise TraceError(f"{where}: field 'hash_ids'[{i}] must be an integer in [0, 2**64), got {x!r}")
-    return Request(float(ts), inp, out, tuple(h))
+    ten = obj.get("tenant")
+    if ten is not None and (not isinstance(ten, str) or not 0 < len(ten) <= 256):
+        raise TraceError(f"{where}: field 'tenant' must be a string of 1 to 256 characters, got {ten!r:.80}")
+    return Request(float(ts), inp, out, tuple(h), ten)
 
 
 class Trace(list):

@@ -22,6 +22,8 @@ Shapes (``SHAPES``; parameters are the keyword arguments of each function):
 - ``api``: single-turn API calls: one of many applications' shared system prompts (with
   few-shot examples; Zipf popularity) + a unique user input.
 - ``mix``: the four shapes at once, merged by time.
+- ``tenants``: two tenants on one cache, one tenant's burst over the other's steady traffic
+  (each request carries its ``tenant``).
 
 Tuning vs evaluation: policies in kvtier were developed on ``TUNING_SEEDS`` only; the figures
 in docs/policies.md are on ``EVAL_SEEDS`` (and on the bundled Mooncake trace).
@@ -244,7 +246,37 @@ def mix(seed: int = 0, block_tokens: int = 512, scale: float = 0.5) -> list[Requ
     return sorted(reqs, key=lambda r: r.timestamp)
 
 
-SHAPES: dict[str, Callable[..., list[Request]]] = {"agent": agent, "chat": chat, "rag": rag, "api": api, "mix": mix}
+def tenants(seed: int = 0, duration_s: float = 600.0, steady_requests: int = 1200, apps: int = 12,
+            prompt_tokens: tuple[int, int] = (2000, 6000), burst_requests: int = 1500,
+            burst_tokens: tuple[int, int] = (4000, 12000), burst: tuple[float, float] = (0.3, 0.7),
+            burst_repeat: int = 2, block_tokens: int = 512) -> list[Request]:
+    """Two tenants on one cache: one tenant's burst over the other's steady traffic.
+
+    Tenant ``steady``: `steady_requests` API calls spread over `duration_s` on `apps` shared
+    system prompts (the ``api`` shape: Zipf 1.0, lengths uniform in `prompt_tokens`). Tenant
+    ``burst``: `burst_requests` requests in the `burst` fraction of the run: documents (lengths
+    uniform in `burst_tokens`) arriving uniformly, each sent `burst_repeat` times, 1-10 s apart,
+    then never again (so a frequency-aware policy sees them as reused too). Each request carries
+    its ``tenant``; their blocks are disjoint (as with vLLM's per-tenant ``cache_salt``).
+    """
+    from dataclasses import replace
+    rng = random.Random(f"tenants/{seed}")
+    blocks = _Blocks(block_tokens)
+    out = [replace(r, tenant="steady") for r in api(seed, requests=steady_requests, duration_s=duration_s, apps=apps,
+                                                     prompt_tokens=prompt_tokens, _blocks=blocks, _tag="steady")]
+    lo, hi = burst[0] * duration_s * 1000.0, burst[1] * duration_s * 1000.0
+    rep = max(1, int(burst_repeat))
+    for i in range(burst_requests // rep):
+        seg = [(("burst", i), rng.randint(*burst_tokens))]
+        t = rng.uniform(lo, hi)
+        for _ in range(rep):
+            out.append(replace(_req(blocks, t, seg, 100), tenant="burst"))
+            t += rng.uniform(1000.0, 10000.0)
+    return sorted(out, key=lambda r: r.timestamp)
+
+
+SHAPES: dict[str, Callable[..., list[Request]]] = {"agent": agent, "chat": chat, "rag": rag, "api": api, "mix": mix,
+                                                   "tenants": tenants}
 
 
 def generate(shape: str, seed: int = 0, block_tokens: int = 512, **params) -> list[Request]:
@@ -264,8 +296,9 @@ def write_trace(reqs: Iterable[Request], path: str | os.PathLike, block_tokens: 
     n = 0
     with opener(path, "wt", encoding="utf-8") as f:
         for r in reqs:
+            ten = {} if r.tenant is None else {"tenant": r.tenant}
             f.write(json.dumps({"timestamp": int(r.timestamp), "input_length": r.input_length,
-                                "output_length": r.output_length, "hash_ids": list(r.hash_ids), **extra}) + "\n")
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids), **ten, **extra}) + "\n")
             n += 1
     return n
 
