@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from kvtier.core.controller import PENDING, TierController
 from kvtier.core.once import Once, cause
-from kvtier.tiers.handles import Medium
+from kvtier.tiers.contract import Medium
 from kvtier.core.keys import GROUP_ID_BYTES
 from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo

@@ -36,7 +36,8 @@ from kvtier.core.staging import Staging
 from kvtier.core.write_behind import CopiesDown
 from kvtier.core.outside import Outside
 from kvtier.tiers.cpu_pool import copy_blocks
-from kvtier.tiers.handles import DoneHandle, IOResult, Medium
+from kvtier.tiers.handles import DoneHandle, IOResult
+from kvtier.tiers.contract import Medium
 from kvtier.tiers.io_hooks import fault_point
 
 log = logging.getLogger("kvtier.executor")
@@ -204,7 +205,7 @@ class Executor(Failures, Counting):
         direct = None
         if pre is not None:  # read ahead (an asynchronous load)
             host, rows, bufs, h = pre
-            reads = [(0, [False] * n, h)]
+            reads = [(0, h)]
         else:
             if op.via:
                 pool = self.host_pool(op.via_tier)
@@ -218,17 +219,13 @@ class Executor(Failures, Counting):
             reads = []  # every chunk in flight at once: the engine's threads keep the disk / server busy
             for lo in range(0, n, step):
                 hi = min(n, lo + step)
-                bad = [False] * (hi - lo)
-                if shared:
-                    reads.append((lo, bad, plane.get(op.keys[lo:hi], bufs[lo:hi])))
-                else:
-                    reads.append((lo, bad, plane.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
-                                                      keys=op.keys[lo:hi] if op.keys else None)))
+                reads.append((lo, plane.read(op.slots[lo:hi], bufs[lo:hi], op.keys[lo:hi] if op.keys else None,
+                                             None if op.checksums is None else op.checksums[lo:hi])))
         oks: list[bool] = []       # in the outside
         read_oks: list[bool] = []  # read and verified (in the promotion slots `op.via`)
         corrupt: list[int] = []
         errors: list[str] = []
-        for lo, bad, h in reads:
+        for lo, h in reads:
             r = h.wait()
             read_oks.extend(r.ok)
             ok = list(r.ok)
@@ -236,7 +233,8 @@ class Executor(Failures, Counting):
             if shared:  # absent (the server evicted it) or failed verification (`bad`): a miss, reported
                 self.result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
                 self.result.bad.extend(op.keys[lo + i] for i, b in enumerate(r.bad) if b)
-            corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
+            else:       # failed verification: quarantined
+                corrupt.extend(op.slots[lo + i] for i, b in enumerate(r.bad) if b)
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
             if good and direct is None:
                 job = self.outside.job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
@@ -320,7 +318,7 @@ class Executor(Failures, Counting):
             else:
                 host, rows = torch.empty((n, self.block_bytes), dtype=torch.uint8), list(range(n))
             bufs = [host[r] for r in rows]
-            h = plane.get(op.keys, bufs)
+            h = plane.read(op.slots, bufs, op.keys)
         except Exception as e:  # noqa: BLE001 - a miss, reported with the load
             self.once(("remote_read",) + cause(e), logging.WARNING,
                        "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)

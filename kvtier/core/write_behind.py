@@ -18,7 +18,7 @@ from typing import Any, Sequence
 from kvtier.core.once import cause
 from kvtier.core.plan import CopyOp
 from kvtier.tiers.cpu_pool import copy_blocks
-from kvtier.tiers.handles import Medium
+from kvtier.tiers.contract import Medium
 
 Done = tuple[list[tuple[Any, list[int]]], float, list[str]]   # ([(op, per-slot tags)], seconds, errors)
 
@@ -75,14 +75,14 @@ class WriteBehind:
 def _flush(nvme: Any, batch: list, failed_src: set[int], t0: float) -> Done:
     """The flusher thread: wait for a batch's writes, fdatasync once, per-op tags (-1: failed)."""
     try:
-        results = [(op, sums, h.wait()) for op, sums, h in batch]
-        if any(any(r.ok) for _, _, r in results):
+        results = [(op, h.wait()) for op, h in batch]
+        if any(any(r.ok) for _, r in results):
             nvme.sync()
     except Exception as e:  # noqa: BLE001 - the batch is not durable: reported, the sources stay
-        return [(op, [-1] * len(op.src_slots)) for op, _, _ in batch], time.perf_counter() - t0, [str(e)]
-    out = [(op, [c if ok and src not in failed_src else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)])
-           for op, sums, r in results]
-    return out, time.perf_counter() - t0, [e for _, _, r in results for e in r.errors]
+        return [(op, [-1] * len(op.src_slots)) for op, _ in batch], time.perf_counter() - t0, [str(e)]
+    out = [(op, [c if ok and src not in failed_src else -1
+                 for c, ok, src in zip(r.tags or [0] * len(r.ok), r.ok, op.src_slots)]) for op, r in results]
+    return out, time.perf_counter() - t0, [e for _, r in results for e in r.errors]
 
 
 class CopiesDown:
@@ -143,12 +143,7 @@ class CopiesDown:
             srcs = [[ex.host_pool(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
             for op, views in zip(ops, srcs):  # every check before the first transfer is handed over
                 plane = ex.plane_of(op.tier)
-                if shared:
-                    h = plane.put(op.keys, views)
-                    batch.append((op, [0] * len(op.src_slots), h))
-                else:
-                    sums = [0] * len(op.slots)
-                    batch.append((op, sums, plane.write(op.slots, views, sums, keys=op.keys)))
+                batch.append((op, plane.write(op.slots, views, op.keys)))
         except Exception as e:  # noqa: BLE001 - the copies not handed over are dropped
             started = {id(b[0]) for b in batch}
             self._copy_failed([op for op in ops if id(op) not in started], e)
