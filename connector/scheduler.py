@@ -324,15 +324,7 @@ class KVTierScheduler:
         failed = dict(self._failed_loads)
         for op in plan.loads:
             failed.setdefault(op.req_id, []).extend(op.block_ids)
-        rep = KVTierWorkerMeta()
-        for op in plan.loads:
-            rep.loaded[op.req_id] = False
-            if op.via:
-                rep.stored[op.op_id] = [False] * len(op.slots)
-        for op in plan.stores:
-            rep.stored[op.op_id] = [False] * len(op.slots)
-        for op in plan.copies:  # every rank's report, as if each had failed it
-            rep.copied_ranks[op.op_id] = {r: [-1] * len(op.src_slots) for r in range(self.ctrl.ranks)}
+        rep = KVTierWorkerMeta.of_plan(plan, ok=False, ranks=self.ctrl.ranks)  # every rank's, each failed
         waiting, self._failed_loads, self._async_step = self._async_step, {}, []
         self.on_worker_meta(rep)
         meta = KVTierMetadata(failed_loads=failed, async_loads=waiting, remote_tier=self.ctrl.remote,
