@@ -116,7 +116,8 @@ def test_the_executor_runs_each_op_through_its_pairs_handler(monkeypatch):
         blocks = [block_data(1, i, bb) for i in range(2)]
         bufs = list(blocks) + [torch.zeros(bb, dtype=torch.uint8) for _ in range(2)]
         ex = Executor(Buffers(bufs, bb), [top, low], bb)
-        rep = ex.run(Plan(stores=[StoreOp(1, 0, [0, 1], [0, 1])], copies=[CopyOp(2, [0, 1], [2, 3], src_tier=0, tier=1)]))
+        rep = ex.run(Plan(stores=[StoreOp(1, 0, [0, 1], [0, 1])],
+                          copies=[CopyOp(2, [0, 1], [2, 3], src_tier=0, tier=1)]))
         assert rep.stored == {1: [True, True]} and rep.copied == {2: [0, 0]}
         ex.run(Plan(loads=[LoadOp("r", 1, [2, 3], [2, 3])]))
         assert torch.equal(bufs[2], blocks[0]) and torch.equal(bufs[3], blocks[1])   # byte-exact round trip

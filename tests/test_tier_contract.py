@@ -57,7 +57,8 @@ def _tier_names(fn: ast.AST) -> set[str]:
             tgt = node.target.elts[-1] if isinstance(node.target, ast.Tuple) else node.target
             pairs.append((tgt, node.iter))
         for tgt, val in pairs:
-            if isinstance(tgt, ast.Name) and isinstance(val, (ast.Subscript, ast.Call, ast.Attribute)) and is_tiers(val):
+            if isinstance(tgt, ast.Name) and isinstance(val, (ast.Subscript, ast.Call, ast.Attribute)) \
+                    and is_tiers(val):
                 names.add(tgt.id)
     return names
 

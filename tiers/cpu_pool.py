@@ -285,7 +285,8 @@ class CpuPool:
         log.info("cpu pool: %d slots x %d B = %d MiB, %s", num_slots, block_bytes, total >> 20,
                  f"pinned ({len(self.host.chunks)} registrations)" if self.pinned else "pageable")
 
-    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor], keys: Sequence[bytes] | None = None) -> IOHandle:
+    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor],
+              keys: Sequence[bytes] | None = None) -> IOHandle:
         """Copy `srcs[i]` (block_bytes each, any dtype viewed as bytes) into slot `slots[i]`
         (DRAM blocks carry no header: `keys` unused)."""
         views = self.views
