@@ -33,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvtier.core.builder import build_controller
 from kvtier.core.config import ConfigError
 from kvtier.tiers.once import Once
-from kvtier.tiers.handles import Medium
+from kvtier.tiers.contract import Medium
 
 from .config import load_settings, tier_of
 from .drain import drain_at_sigterm

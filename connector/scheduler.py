@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 from kvtier.core.controller import PENDING, TierController
 from kvtier.tiers.once import Once, cause
-from kvtier.tiers.handles import Medium
+from kvtier.tiers.contract import Medium
 from kvtier.core.keys import GROUP_ID_BYTES
 from kvtier.policies import PROMOTION
 from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
@@ -325,15 +325,7 @@ class KVTierScheduler:
         failed = dict(self._failed_loads)
         for op in plan.loads:
             failed.setdefault(op.req_id, []).extend(op.block_ids)
-        rep = KVTierWorkerMeta()
-        for op in plan.loads:
-            rep.loaded[op.req_id] = False
-            if op.via:
-                rep.stored[op.op_id] = [False] * len(op.slots)
-        for op in plan.stores:
-            rep.stored[op.op_id] = [False] * len(op.slots)
-        for op in plan.copies:  # every rank's report, as if each had failed it
-            rep.copied_ranks[op.op_id] = {r: [-1] * len(op.src_slots) for r in range(self.ctrl.ranks)}
+        rep = KVTierWorkerMeta.of_plan(plan, ok=False, ranks=self.ctrl.ranks)  # every rank's, each failed
         waiting, self._failed_loads, self._async_step = self._async_step, {}, []
         self.on_worker_meta(rep)
         meta = KVTierMetadata(failed_loads=failed, async_loads=waiting, remote_tier=self.ctrl.remote,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.tiers.once import cause
 from kvtier.core.serving_stats import HEARTBEAT_S, write_server_state, write_stats
-from kvtier.tiers.handles import Medium
+from kvtier.tiers.contract import Medium
 
 from .config import load_settings
 from .guard import hook

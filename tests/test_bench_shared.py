@@ -60,12 +60,12 @@ def _same_bytes(url: str, cluster: bool) -> None:
     assert d.client.kvtier_zero_copy
     keys = [bytes([i]) * 16 for i in range(6)]
     src = torch.randint(0, 256, (6, 64 << 10), dtype=torch.uint8)
-    assert d.put(keys, list(src.unbind(0))).wait().all_ok
+    assert d.write((), list(src.unbind(0)), keys).wait().all_ok
     raw = connect(s, plain=True)
     for k, t in zip(keys, src.unbind(0)):
         assert raw.get(d.ns.name(k)) == bytes(d.seal(k, t)) == d.seal_parts(k, t).tobytes()
     dst = torch.zeros_like(src)
-    assert d.get(keys, list(dst.unbind(0))).wait().all_ok and torch.equal(src, dst)
+    assert d.read((), list(dst.unbind(0)), keys).wait().all_ok and torch.equal(src, dst)
     for k in keys:
         raw.delete(d.ns.name(k))
     raw.close()
@@ -92,10 +92,10 @@ def test_direct_reads_standalone_and_cluster(redis_server, redis_cluster):
         d = RedisData(s, Namespace({"t": "direct", "cluster": cluster}), 32 << 10, threads=2)
         keys = [b"direct-%02d" % i for i in range(24)]
         src = torch.randint(0, 256, (24, 32 << 10), dtype=torch.uint8)
-        assert d.put(keys, list(src.unbind(0))).wait().all_ok
+        assert d.write((), list(src.unbind(0)), keys).wait().all_ok
         _direct_only(d)
         dst = torch.zeros_like(src)
-        r = d.get(keys + [b"absent"], list(dst.unbind(0)) + [torch.zeros(32 << 10, dtype=torch.uint8)]).wait()
+        r = d.read((), list(dst.unbind(0)) + [torch.zeros(32 << 10, dtype=torch.uint8)], keys + [b"absent"]).wait()
         assert r.ok == [True] * 24 + [False] and torch.equal(src, dst)
         assert d.counters["missing_blocks"] == 1 and d.counters["bytes_read"] == 24 * (32 << 10)
         raw = connect(s, plain=True)
@@ -112,7 +112,7 @@ def test_cluster_redirect_falls_back_to_the_pipeline(redis_cluster):
     d = RedisData(s, Namespace({"t": "moved"}), 16 << 10, threads=1)
     key = b"moved-key"
     src = torch.randint(0, 256, (16 << 10,), dtype=torch.uint8)
-    assert d.put([key], [src]).wait().all_ok
+    assert d.write((), [src], [key]).wait().all_ok
     c = d.client
     slot = c.keyslot(d.ns.name(key))
     owner = c.nodes_manager.get_node_from_slot(slot)
@@ -122,7 +122,7 @@ def test_cluster_redirect_falls_back_to_the_pipeline(redis_cluster):
     real = d._get_pipeline
     d._get_pipeline = lambda ks, ds: used.append(len(ks)) or real(ks, ds)
     dst = torch.zeros_like(src)
-    r = d.get([key], [dst]).wait()
+    r = d.read((), [dst], [key]).wait()
     assert r.ok == [True] and torch.equal(src, dst) and used == [1]
     assert not d.breaker.down and "unreachable" not in d.counters
     connect(s, plain=True).delete(d.ns.name(key))

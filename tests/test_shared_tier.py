@@ -109,7 +109,7 @@ def test_bad_values_are_misses_never_bytes(redis_server, damage):
         bad = b"\x00" * 10
     cl.set(name, bytes(bad))
     dst = [torch.full((BB,), 7, dtype=torch.uint8) for _ in keys]
-    r = rd.get(keys, dst).wait()
+    r = rd.read((), dst, keys).wait()
     assert r.ok == [True, True, False, True]
     assert torch.equal(dst[2], torch.full((BB,), 7, dtype=torch.uint8))
     assert rd.counters["corrupt_blocks"] == 1

@@ -1,6 +1,8 @@
-"""Tiers: the Tier protocol, CPU and NVMe slot tiers, the GPU adapter, and the I/O engines."""
+"""Tiers: the tier contract, CPU and NVMe slot tiers, the shared tier, the GPU adapter, and the I/O engines."""
 
-from .base import BlockView, SlotTier, TierFull, TierProtocol
+from .base import SlotTier, TierFull
+from .contract import BlockView, DataPlane, Medium, Tier
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 
-__all__ = ["BlockView", "SlotTier", "TierFull", "TierProtocol", "DoneHandle", "FutureHandle", "IOHandle", "IOResult"]
+__all__ = ["BlockView", "DataPlane", "Medium", "SlotTier", "Tier", "TierFull", "DoneHandle", "FutureHandle",
+           "IOHandle", "IOResult"]

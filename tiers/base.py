@@ -1,7 +1,7 @@
-"""The Tier protocol (scheduler-side surface, the same for every medium) and a slot-based base.
+"""The slot tier: the base of every tier that keeps blocks in slots of its own (CPU, NVMe).
 
-Control plane only: which key lives in which slot, reference counts, the eviction cursor.
-Bytes move through each tier's data-plane object (see cpu_pool.py, io_engines.py).
+Control plane only (the contract `contract.Tier`): which key lives in which slot, reference
+counts, the eviction cursor. Bytes move through each tier's data plane (`contract.DataPlane`).
 
 Block life in a slot tier: free -> allocate() -> pending (pinned, invisible to lookup; bytes
 being written) -> commit() -> resident (visible; evictable when ref_cnt == 0) -> evict() -> free.
@@ -9,43 +9,17 @@ being written) -> commit() -> resident (visible; evictable when ref_cnt == 0) ->
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Callable, Iterable, Iterator, Sequence
 
 from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
 
-from .handles import Medium
+from .contract import BlockView, Medium
 
 FREE, PENDING_SLOT, RESIDENT = 0, 1, 2
 
 
 class TierFull(RuntimeError):
     """Not enough free slots; evict first."""
-
-
-class BlockView(NamedTuple):
-    """Read-only view of one block, the shape vLLM's KVCacheBlock offers."""
-
-    block_id: int
-    ref_cnt: int
-    block_hash: bytes | None
-    is_null: bool = False
-
-
-@runtime_checkable
-class TierProtocol(Protocol):
-    name: str
-
-    @property
-    def capacity_blocks(self) -> int: ...
-    @property
-    def num_used(self) -> int: ...
-    def lookup(self, keys: Sequence[bytes]) -> int: ...
-    def get_block(self, block_id: int) -> BlockView: ...
-    def touch(self, block_ids: Sequence[int]) -> None: ...
-    def free_blocks(self, block_ids: Sequence[int]) -> None: ...
-    def iter_free_blocks(self, after: BlockView | int | None = None) -> Iterator[BlockView]: ...
-    def allocate(self, keys: Sequence[bytes]) -> list[int]: ...
-    def evict(self, block_ids: Sequence[int]) -> list[bytes]: ...
 
 
 def match_prefix(indexes: Sequence[dict[bytes, int]], keys: Iterable[bytes]) -> tuple[list[int], list[int]]:
@@ -163,6 +137,14 @@ class SlotTier:
     def find(self, key: bytes) -> int | None:
         return self._slot_of.get(key)
 
+    def known(self, key: bytes) -> bool:
+        """Resident here (a slot tier knows its blocks exactly)."""
+        return key in self._slot_of
+
+    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int:
+        """The contract's lookup: as `lookup` (a slot tier never waits)."""
+        return self.lookup(keys)
+
     def __contains__(self, key: bytes) -> bool:
         return key in self._slot_of
 
@@ -204,9 +186,15 @@ class SlotTier:
             return True
         return False
 
-    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO) -> None:
+    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO, keys: Sequence[bytes] | None = None) -> None:
         """Record a use (reorders the eviction cursor)."""
         self.eviction.on_hit(block_ids, info)
+
+    def load_fields(self, slots: Sequence[int], keys: Sequence[bytes], verify: bool) -> tuple[list | None, list | None]:
+        """What a load of these blocks carries: (expected tags, keys) when the tier verifies."""
+        if verify and self.verifies:
+            return self.checksums(slots), list(keys)
+        return None, None
 
     # ---- the cursor --------------------------------------------------------------------
     def iter_free_blocks(self, after: BlockView | int | None = None) -> Iterator[BlockView]:
@@ -371,6 +359,15 @@ class SlotTier:
         DRAM blocks are not verified: the unpinned ones are evicted."""
         gone = [s for s in dict.fromkeys(slots) if self._state[s] == RESIDENT and self._ref[s] == 0]
         return len(self.evict(gone)) if gone else 0
+
+    def note_written(self, keys: Sequence[bytes]) -> None:
+        """The shared tier's membership news; a slot tier's membership is its index."""
+
+    def note_gone(self, keys: Sequence[bytes]) -> None:
+        """As `note_written`: nothing to note."""
+
+    def note_bad(self, keys: Sequence[bytes]) -> None:
+        """As `note_written`: a slot tier quarantines by slot (`quarantine`)."""
 
     def close(self) -> None:
         """Release what the tier holds (files, locks, memory)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvtier.policies.lru import LRU
 
 from .base import SlotTier
-from .handles import Medium
+from .contract import Medium
 
 
 class ClosedTier(SlotTier):

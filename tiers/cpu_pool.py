@@ -23,7 +23,8 @@ from typing import Sequence
 
 import torch
 
-from .handles import DoneHandle, IOHandle, IOResult, Medium
+from .handles import DoneHandle, IOHandle, IOResult
+from .contract import Medium
 
 log = logging.getLogger("kvtier.cpu")
 
@@ -284,17 +285,27 @@ class CpuPool:
         log.info("cpu pool: %d slots x %d B = %d MiB, %s", num_slots, block_bytes, total >> 20,
                  f"pinned ({len(self.host.chunks)} registrations)" if self.pinned else "pageable")
 
-    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor]) -> IOHandle:
-        """Copy `srcs[i]` (block_bytes each, any dtype viewed as bytes) into slot `slots[i]`."""
+    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor],
+              keys: Sequence[bytes] | None = None) -> IOHandle:
+        """Copy `srcs[i]` (block_bytes each, any dtype viewed as bytes) into slot `slots[i]`
+        (DRAM blocks carry no header: `keys` unused)."""
         views = self.views
         dst = [views[s] for s in slots]
         copy_blocks(dst, [_as_bytes(t) for t in srcs], self.block_bytes)
         return DoneHandle(IOResult(ok=[True] * len(dst), nbytes=len(dst) * self.block_bytes))
 
-    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor]) -> IOHandle:
+    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], keys: Sequence[bytes] | None = None,
+             expect: Sequence | None = None) -> IOHandle:
+        """Copy slot `slots[i]` into `dsts[i]` (not verified: `keys`, `expect` unused)."""
         views = self.views
         copy_blocks([_as_bytes(t) for t in dsts], [views[s] for s in slots], self.block_bytes)
         return DoneHandle(IOResult(ok=[True] * len(slots), nbytes=len(slots) * self.block_bytes))
+
+    def sync(self) -> None:
+        """Nothing to make durable."""
+
+    def drain(self) -> None:
+        """Nothing in flight (copies are done when `read` / `write` return)."""
 
     def close(self) -> None:
         """Unregister the pool's memory; it is unmapped once no view of it is left (unmapping

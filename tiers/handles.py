@@ -3,29 +3,21 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import enum
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
-
-
-class Medium(enum.Enum):
-    """What a tier's data plane stores blocks on (its `medium`): the executor's handlers are
-    chosen by (source medium, destination medium) (`kvtier.core.executor`)."""
-
-    HOST = "DRAM slots"            # tiers.cpu_pool.CpuPool
-    FILE = "a file of slots"       # tiers.nvme_data.NvmeData
-    SHARED = "a shared server"     # tiers.redis_data.RedisData
 
 
 @dataclass
 class IOResult:
     """Per-block outcome of one batch: ok[i] is False for a block that failed or did not verify;
-    bad[i] (when not empty) True for a block that was there but failed verification."""
+    bad[i] (when not empty) True for a block that was there but failed verification; tags[i]
+    (a write, when the data plane seals blocks) the tag block i was written with."""
 
     ok: list[bool]
     nbytes: int = 0
     errors: list[str] = field(default_factory=list)
     bad: list[bool] = field(default_factory=list)
+    tags: list = field(default_factory=list)
 
     @property
     def all_ok(self) -> bool:

@@ -140,10 +140,9 @@ class NvmeTier(NvmeControl):
             if h is not None:
                 h.wait()
         slots = list(slots)
-        sums = [0] * len(slots)
 
         def finish(r: IOResult) -> IOResult:
-            for s, ok, c in zip(slots, r.ok, sums):
+            for s, ok, c in zip(slots, r.ok, r.tags):
                 self._written[s] = ok
                 if ok:
                     self._sum[s] = c
@@ -155,7 +154,7 @@ class NvmeTier(NvmeControl):
 
         for s in slots:
             self._written[s] = False
-        handle = self.data.write(slots, srcs, sums, finish=finish, keys=[self._key_of[s] for s in slots])
+        handle = self.data.write(slots, srcs, [self._key_of[s] for s in slots], finish=finish)
         for s in slots:
             self._inflight[s] = handle
         return handle
@@ -174,9 +173,9 @@ class NvmeTier(NvmeControl):
                         continue
                 raise ValueError(f"tier {self.name!r}: read of slot {s} that holds no block")
         keys = [self._key_of[s] for s in slots]
-        bad = [False] * len(slots)
 
         def finish(r: IOResult) -> IOResult:
+            bad = r.bad or [False] * len(slots)
             corrupt = [s for s, k, b in zip(slots, keys, bad) if b and self._key_of[s] == k]
             if corrupt:
                 log.error("nvme tier %r: %d blocks failed verification in %s; %s: %s", self.name, len(corrupt),
@@ -189,7 +188,7 @@ class NvmeTier(NvmeControl):
             self.io_errors += sum(1 for ok, b in zip(r.ok, bad) if not ok and not b)
             return r
 
-        return self.data.read(slots, dsts, self.checksums(slots), bad, finish=finish, keys=keys)
+        return self.data.read(slots, dsts, keys, self.checksums(slots), finish=finish)
 
     def drain(self) -> None:
         """Wait for every transfer in flight, so their buffers may be freed (an interrupted caller)."""

@@ -25,7 +25,7 @@ from kvtier.tiers.once import Once
 from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
 from .base import PENDING_SLOT, RESIDENT, SlotTier
-from .handles import Medium
+from .contract import Medium
 from .io_hooks import crash_point
 from .nvme_block import SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint, slot_stride
 from .nvme_dir import (DATA_FILE, INDEX_DIR, FingerprintMismatch, claim_dir, exists_at, fingerprint_diff,

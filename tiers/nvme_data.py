@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .handles import IOHandle, IOResult, Medium
+from .handles import IOHandle, IOResult
+from .contract import Medium
 from .io_engine import MAX_IO_BYTES
 from .io_engines import select_engine
 from .nvme_block import BlockCodec, load_secret, open_dir, slot_stride
@@ -100,31 +101,36 @@ class NvmeData:
     def _offsets(self, slots: Sequence[int]) -> list[int]:
         return [s * self.stride for s in slots]
 
-    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor], sums: list[int],
-              finish: Callable[[IOResult], IOResult] | None = None,
-              keys: Sequence[bytes] | None = None) -> IOHandle:
-        """Write blocks under their `keys`; `sums[i]` receives block i's tag when the handle completes."""
+    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor], keys: Sequence[bytes] | None = None,
+              finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
+        """Write blocks under their `keys`; the result's `tags[i]` is block i's tag (its checksum)."""
         if self.read_only:
             raise OSError(_errno.EROFS, f"nvme tier {self.name!r}: {self.path} is open read-only", self.path)
         if keys is None or len(keys) != len(slots):
             raise ValueError(f"nvme tier {self.name!r}: write of {len(slots)} blocks needs their keys")
+        sums = [0] * len(slots)   # the engine fills them in its threads
 
         def done(r: IOResult) -> IOResult:
             self.bytes_written += r.nbytes
+            r.tags = sums
             return finish(r) if finish else r
         return self.engine.write(self.file, self._offsets(slots), srcs, self.block_bytes, checksums=sums,
                                  finish=done, codec=self.codec, keys=keys)
 
-    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], expect: Sequence[int | Sequence[int]],
-             mismatched: list[bool], finish: Callable[[IOResult], IOResult] | None = None,
-             keys: Sequence[bytes] | None = None) -> IOHandle:
+    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], keys: Sequence[bytes] | None = None,
+             expect: Sequence[int | Sequence[int]] | None = None,
+             finish: Callable[[IOResult], IOResult] | None = None) -> IOHandle:
         """Read blocks and verify them against their `keys` and tags (`expect[i]`: the tag, or
-        one per rank); a block that fails is ok=False and mismatched[i]=True."""
+        one per rank); a block that fails is ok=False and bad[i]=True in the result."""
         if keys is None or len(keys) != len(slots):
             raise ValueError(f"nvme tier {self.name!r}: read of {len(slots)} blocks needs their keys")
+        if expect is None or len(expect) != len(slots):
+            raise ValueError(f"nvme tier {self.name!r}: read of {len(slots)} blocks needs their expected tags")
+        mismatched = [False] * len(slots)   # the engine marks the blocks that fail verification
 
         def done(r: IOResult) -> IOResult:
             self.bytes_read += r.nbytes
+            r.bad = mismatched if any(mismatched) else []
             return finish(r) if finish else r
         r = self.rank  # several ranks: each verifies its own shard against its own tag
         mine = [e if isinstance(e, int) else (e[r] if r < len(e) else -1) for e in expect]
@@ -134,6 +140,11 @@ class NvmeData:
     def sync(self) -> None:
         """fdatasync: written bytes are durable (OSError naming the path on failure)."""
         self.engine.sync(self.file)
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight."""
+        if self.engine is not None:
+            self.engine.drain()
 
     @property
     def description(self) -> str:

@@ -11,7 +11,7 @@ eviction (`maxmemory` + `allkeys-lru`), and other instances write to it too. So:
 - `note_bad(keys)`: values that failed verification (deleted on the server by the reader when
   unchanged) are remembered, in a bounded set, as misses: the next lookup stops before them,
   so a bad value is read once, not again and again. Writing the block again clears the mark.
-The bytes move through `redis_data.RedisData` (offline: this object's `get` / `put`; in vLLM
+The bytes move through `redis_data.RedisData` (offline: this object's `data_plane`; in vLLM
 each worker opens its own). `SimRemoteTier` is the metadata-only model replay runs: an LRU of
 `capacity_blocks` (unbounded when 0), as a server with `allkeys-lru` behaves.
 """
@@ -19,14 +19,16 @@ each worker opens its own). `SimRemoteTier` is the metadata-only model replay ru
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import MappingProxyType
 from typing import Callable, Sequence
 
-import torch
+from kvtier.policies.base import NO_INFO, RequestInfo
 
-from .handles import IOHandle, Medium
+from .contract import BlockView, Medium
 from .redis_conn import Namespace, RedisSettings
 from .redis_data import RedisData
 
@@ -82,16 +84,21 @@ class _Known:
 
 
 class _RemoteBase:
-    """A shared tier, as the controller sees it: the server owns membership and eviction."""
+    """A shared tier, as the controller sees it (`contract.Tier`, `remote`): the server owns
+    membership and eviction, so the slot calls answer accordingly: no slot, nothing to pin,
+    never short of room (the server evicts), a bad value noted by key (`note_bad`)."""
 
     kind = "redis"
     medium = Medium.SHARED
     remote = True
     verifies = False
     eviction_name = "server"
+    eviction = None
     capacity_blocks = 0
     data_plane = None
     ready = True
+    resident = MappingProxyType({})   # no block held in a slot here
+    num_free_slots = sys.maxsize        # room is never short: the server evicts
 
     def close(self) -> None:
         """Nothing held (RedisTier closes its connections)."""
@@ -102,14 +109,74 @@ class _RemoteBase:
     def summary(self) -> str:
         return f"{self.name} (a shared server's, modelled as an LRU of {self.capacity_blocks} blocks)"
 
-    def hit(self, slots, info=None) -> None:
-        """Slot tiers reorder their eviction; the server does its own LRU on GET."""
+    def bind_counter(self, count: Callable[[str, float], None]) -> None:
+        """The controller's counters (the simulated tier counts nothing of its own)."""
+
+    # ---- the slot calls, answered for a tier without slots -------------------------------
+    def find(self, key: bytes) -> int | None:
+        return None
+
+    def key_at(self, slot: int) -> bytes | None:
+        return None
+
+    def get_block(self, block_id: int) -> BlockView:
+        return BlockView(block_id, 0, None, False)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """The server owns its blocks: nothing to pin."""
+
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Nothing pinned."""
+
+    def unpin_if(self, slot: int, key: bytes) -> bool:
+        return False
 
     def pinned_blocks(self) -> int:
         return 0
 
-    def bind_counter(self, count: Callable[[str, float], None]) -> None:
-        """The controller's counters (the simulated tier counts nothing of its own)."""
+    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO, keys: Sequence[bytes] | None = None) -> None:
+        """The server does its own LRU on GET; the keys are fresh in the local memory."""
+        if keys:
+            self.touch_keys(keys)
+
+    def load_fields(self, slots: Sequence[int], keys: Sequence[bytes], verify: bool) -> tuple[None, list[bytes]]:
+        """A load names its blocks by key (each value's header is checked against it)."""
+        return None, list(keys)
+
+    def allocate(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[int]:
+        """No slot: the server names the blocks by key."""
+        return []
+
+    def commit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
+        """No slot pending (written blocks are `note_written`)."""
+
+    def commit_written(self, slots: Sequence[int], sums: Sequence, info: RequestInfo = NO_INFO) -> None:
+        """As `commit`."""
+
+    def abort(self, slots: Sequence[int]) -> None:
+        """As `commit`."""
+
+    def free_slots(self, n: int) -> list[int]:
+        """No victim to pick: the server evicts."""
+        return []
+
+    def evict(self, block_ids: Sequence[int]) -> list[bytes]:
+        return []
+
+    def quarantine(self, slots: Sequence[int], why: str = "failed verification") -> int:
+        """A bad value is noted by key (`note_bad`), not by slot."""
+        return 0
+
+    def limit(self, n: int) -> list[bytes]:
+        """The server's size is its own."""
+        return []
+
+    # ---- membership ----------------------------------------------------------------------
+    def touch_keys(self, keys: Sequence[bytes]) -> None:
+        """Keys used again (fresh in the local memory)."""
+
+    def note_written(self, keys: Sequence[bytes]) -> None:
+        """Blocks this instance wrote."""
 
     def note_gone(self, keys: Sequence[bytes]) -> None:
         """Blocks a read found missing or bad: not known any more."""
@@ -223,13 +290,6 @@ class RedisTier(_RemoteBase):
         m = len(self._clean(keys[:m]))  # marked bad while the answer was on its way
         self._known.add(keys[:m])
         return m
-
-    # ---- data plane (offline; vLLM's workers open their own `RedisData`) -------------------
-    def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor]) -> IOHandle:
-        return self.conn.get(keys, dsts)
-
-    def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor]) -> IOHandle:
-        return self.conn.put(keys, srcs)
 
     # ---- introspection -------------------------------------------------------------------
     def scan_count(self, limit: int | None = None) -> int | None:

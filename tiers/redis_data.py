@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .handles import DoneHandle, FutureHandle, IOHandle, IOResult, Medium
+from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
+from .contract import Medium
 from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text
 
 log = logging.getLogger("kvtier.redis")
@@ -180,16 +181,20 @@ class RedisData:
         return [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(keys))]
 
     # ---- blocks --------------------------------------------------------------------------
-    def get(self, keys: Sequence[bytes], dsts: Sequence[torch.Tensor]) -> IOHandle:
-        """Read and verify blocks into `dsts` (CPU tensors of block_bytes); ok[i] False: a miss."""
+    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], keys: Sequence[bytes] | None = None,
+             expect: Sequence | None = None) -> IOHandle:
+        """Read and verify the blocks named by `keys` into `dsts` (CPU tensors of block_bytes);
+        ok[i] False: a miss; bad[i] True: it failed verification. `slots` are placeholders (the
+        server names blocks by key) and there is no expected tag (the header is checked)."""
         return self._submit(self._get, keys, dsts, "get", "skipped_blocks")
 
     def _submit(self, fn, keys: Sequence[bytes], bufs: Sequence[torch.Tensor], what: str,
                 skipped: str) -> IOHandle:
         """`fn(keys, bufs)` on the pool in batches of `batch_bytes`; none while the breaker is open
         (all not ok, counted in `skipped`)."""
-        if len(keys) != len(bufs):
-            raise ValueError(f"shared tier: {what} of {len(keys)} keys with {len(bufs)} buffers")
+        if keys is None or len(keys) != len(bufs):
+            raise ValueError(f"shared tier: {what} of {len(bufs)} blocks needs as many keys, got "
+                             f"{'none' if keys is None else len(keys)}")
         if not keys:
             return DoneHandle(IOResult(ok=[]))
         if not self.breaker.allow():
@@ -391,8 +396,10 @@ class RedisData:
             self.count("bad_delete_failed_blocks", failed)
         return deleted
 
-    def put(self, keys: Sequence[bytes], srcs: Sequence[torch.Tensor]) -> IOHandle:
-        """Seal and write blocks (SET, pipelined); ok[i] False: not written (counted, logged once)."""
+    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor],
+              keys: Sequence[bytes] | None = None) -> IOHandle:
+        """Seal and write the blocks under their `keys` (SET, pipelined; `slots`: placeholders);
+        ok[i] False: not written (counted, logged once)."""
         return self._submit(self._put, keys, srcs, "put", "put_skipped_blocks")
 
     def seal(self, key: bytes, src: torch.Tensor) -> bytearray:
@@ -433,7 +440,7 @@ class RedisData:
         return IOResult(ok=ok, nbytes=n, errors=errs)
 
     def sync(self) -> None:
-        """Nothing to make durable (the server owns persistence); for the write-behind flusher."""
+        """Nothing to make durable (the server owns persistence)."""
 
     # ---- misc ----------------------------------------------------------------------------
     def ping(self) -> str | None:

@@ -1,7 +1,7 @@
 """`kvtier bench` for the shared tier (Redis / Valkey): ours next to the plain redis-py client.
 
-ours: the tier's real paths, `RedisData.put` (seal: keyed header + payload hash, pipelined SET
-through the zero-copy packer, `threads` pipelines of at most `batch_bytes`) and `RedisData.get`
+ours: the tier's real paths, `RedisData.write` (seal: keyed header + payload hash, pipelined SET
+through the zero-copy packer, `threads` pipelines of at most `batch_bytes`) and `RedisData.read`
 (pipelined GET, verify header and payload hash, copy into a CPU tensor).
 limit: redis-py as a user would call it, default connection (hiredis packer and parser):
 pipelined SET of `bytes` values / GET of the same number of values of the same size (our header
@@ -76,12 +76,12 @@ def bench_shared(settings, block_bytes: int, total: int, repeat: int, threads: i
         raise RuntimeError(f"shared bench: {settings.where} does not answer: {why}")
 
     def put() -> None:
-        r = data.put(keys, srcs).wait()
+        r = data.write((), srcs, keys).wait()
         if not r.all_ok:
             raise RuntimeError(f"shared bench: put failed: {r.errors[:2]}")
 
     def get() -> None:
-        r = data.get(keys, dsts).wait()
+        r = data.read((), dsts, keys).wait()
         if not r.all_ok:
             raise RuntimeError(f"shared bench: get missed or failed ({sum(not o for o in r.ok)} of {n}; "
                                f"server evicted? lower --total): {r.errors[:2]}")

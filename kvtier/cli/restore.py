@@ -144,8 +144,8 @@ def restore_shared(shared: Any, seed: int | None, verify: bool, args: Any = None
                    f"(the tier's admission policy kept them off the server, or they were evicted)")
         return _result(verify, problem, False, seed=seed, seeds=[seed], **base)
     entries = [(None, block_key(*ref), ref) for ref in sorted(expected)]
-    r = _read_back(entries, lambda chunk, bufs: shared.get([k for _, k, _ in chunk], bufs), shared.block_bytes,
-                   expected, verify, args, batch, drain=shared.conn.drain)
+    r = _read_back(entries, lambda chunk, bufs: shared.conn.read((), bufs, [k for _, k, _ in chunk]),
+                   shared.block_bytes, expected, verify, args, batch, drain=shared.conn.drain)
     absent = r["corrupt"]  # absent (evicted) and bad values are both misses on the shared tier
     problem = None
     if absent or r["bad_served"]:

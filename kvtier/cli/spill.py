@@ -15,7 +15,7 @@ from kvtier.core.config import ConfigError
 from kvtier.core.stack import TierStack
 from kvtier.tiers.units import format_size
 from kvtier.offline.blockgen import block_key, fill_block
-from kvtier.tiers.handles import Medium
+from kvtier.tiers.contract import Medium
 
 log = logging.getLogger("kvtier")
 

@@ -65,7 +65,7 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
     t = cfg.storage_tiers()[index]
     if closed is not None and t.kind in ("nvme", "redis"):
         from kvtier.tiers.closed import ClosedTier
-        from kvtier.tiers.handles import Medium
+        from kvtier.tiers.contract import Medium
         return ClosedTier(t.name, Medium.SHARED if t.kind == "redis" else Medium.FILE, t.kind == "redis",
                           cfg.block_bytes, closed)
     cap = t.blocks(cfg.block_bytes)

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 from kvtier.core.leases import Lease, LeaseTable
 from kvtier.tiers.once import Once
 from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
-from kvtier.tiers.base import SlotTier, group_by_tier, match_prefix
+from kvtier.tiers.base import group_by_tier, match_prefix
+from kvtier.tiers.contract import Tier
 
 from kvtier.core.inflight import PENDING, Completion, CopyInFlight, Pending, StoreInFlight
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, StoreOp
@@ -34,7 +35,7 @@ DEMOTION = ("write_through", "write_back")
 
 
 class TierController(Completion, Counting):
-    def __init__(self, tiers: Sequence[SlotTier], *, block_tokens: int = 1,
+    def __init__(self, tiers: Sequence[Tier], *, block_tokens: int = 1,
                  admission: Sequence[AdmissionPolicy | None] | None = None,
                  promotion: PromotionPolicy | None = None, demotion: str = "write_through",
                  lease_timeout_s: float = 300.0, ranks: int = 1, writeback_blocks: int = 256,
@@ -47,7 +48,7 @@ class TierController(Completion, Counting):
         if demotion not in DEMOTION:
             raise ValueError(f"demotion must be one of {DEMOTION}, got {demotion!r}")
         self._init_counters()
-        self.tiers = list(tiers)
+        self.tiers: list[Tier] = list(tiers)
         self.names = [t.name for t in self.tiers]
         remote = [i for i, t in enumerate(self.tiers) if t.remote]
         if remote and remote != [len(self.tiers) - 1] or remote == [0]:
@@ -78,8 +79,10 @@ class TierController(Completion, Counting):
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
         self._once = Once(log)
         self._wb_max_cfg = writeback_blocks
-        self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers[:self.nlocal]]
+        self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers]
         self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
+        # tiers every store is copied to from the top tier: the next (write-through) and the shared tier
+        self._through = ([1] if demotion == "write_through" and self.nlocal > 1 else []) + remote
 
     # ---- lookups (no side effects) -------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -107,20 +110,16 @@ class TierController(Completion, Counting):
 
     def holds(self, key: bytes, tier: int = 0) -> bool:
         """Whether `tier` has the block or is receiving it (the shared tier: as far as known here)."""
-        if tier == self.remote:
-            return key in self._pending[tier] or self.tiers[tier].known(key)
-        return key in self._index[tier] or key in self._pending[tier]
+        return key in self._pending[tier] or self.tiers[tier].known(key)
 
     # ---- leases --------------------------------------------------------------------------
     def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
         for t, slots in group_by_tier(blocks).items():
-            if t != self.remote:   # the server owns its blocks: nothing to pin
-                self.tiers[t].touch(slots)
+            self.tiers[t].touch(slots)
 
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
         for t, slots in group_by_tier(blocks).items():
-            if t != self.remote:
-                self.tiers[t].free_blocks(slots)
+            self.tiers[t].free_blocks(slots)
 
     def acquire(self, request_id: str, keys: Sequence[bytes], start: int = 0,
                 wait: bool = True) -> Lease | None | Pending:
@@ -188,13 +187,8 @@ class TierController(Completion, Counting):
             pos_of[t].append(lease.start + j)
         for t, op in ops.items():
             tier = self.tiers[t]
-            if t == self.remote:
-                op.keys = keys_of[t]
-                tier.touch_keys(op.keys)
-            elif checksums and tier.verifies:
-                op.checksums = tier.checksums(op.slots)
-                op.keys = keys_of[t]
-            tier.hit(op.slots, info)
+            op.checksums, op.keys = tier.load_fields(op.slots, keys_of[t], checksums)
+            tier.hit(op.slots, info, keys_of[t])
             n = len(op.slots)
             self._count(f"hit_blocks.{tier.name}", n)
             self._count(f"hit_tokens.{tier.name}", n * self.block_tokens)
@@ -225,7 +219,7 @@ class TierController(Completion, Counting):
         op.via = slots
         op.via_tier = tgt
         op.op_id = next(self._op_ids)
-        excl = None if self.promotion.inclusive or op.tier == self.remote else (op.tier, list(zip(op.slots, keys)))
+        excl = None if self.promotion.inclusive else (op.tier, list(zip(op.slots, keys)))
         self._stores[op.op_id] = StoreInFlight(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
                                         info=info, pos=pos)
 
@@ -258,15 +252,10 @@ class TierController(Completion, Counting):
         self._stores[op_id] = StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want])
         self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
         self._count(f"store_planned_blocks.{top.name}", len(slots))
-        if self.demotion == "write_through" and self.nlocal > 1:
-            lower = [j for j, k in enumerate(ks) if not self.holds(k, 1)]
-            lower = self._admit(1, lower, [ks[j] for j in lower], info)
-            self._plan_copy(0, [(slots[j], ks[j]) for j in lower])
-        if self.remote is not None:  # the fleet's tier: written through from the top tier
-            r = self.remote
-            up = [j for j, k in enumerate(ks) if not self.holds(k, r)]
-            up = self._admit(r, up, [ks[j] for j in up], info)
-            self._plan_copy(0, [(slots[j], ks[j]) for j in up], r)
+        for t in self._through:  # written through from the top tier
+            lower = [j for j, k in enumerate(ks) if not self.holds(k, t)]
+            lower = self._admit(t, lower, [ks[j] for j in lower], info)
+            self._plan_copy(0, [(slots[j], ks[j]) for j in lower], t)
         return want, op_id, deferred
 
     def count_dropped(self, t: int, n: int) -> None:
@@ -284,9 +273,9 @@ class TierController(Completion, Counting):
         return out
 
     def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]], t: int | None = None) -> int:
-        """Copy (slot, key) blocks of `src_tier` into new slots of tier `t` (default: the next), or
-        to the shared tier (no slots, no room to make: the server evicts); the sources stay
-        pinned until the copy is reported durable. Returns how many."""
+        """Copy (slot, key) blocks of `src_tier` into new slots of tier `t` (default: the next; the
+        shared tier gives no slots and is never short of room: the server evicts); the sources
+        stay pinned until the copy is reported durable. Returns how many."""
         t = src_tier + 1 if t is None else t
         if not src:
             return 0
@@ -294,17 +283,15 @@ class TierController(Completion, Counting):
             self._count(f"not_open_blocks.{self.names[t]}", len(src))
             return 0
         keys = [k for _, k in src]
-        slots: list[int] = []
-        if t != self.remote:
-            who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
-            room = self._room(t, len(src), who)
-            if room < len(src):
-                self._count(f"store_dropped_blocks.{self.names[t]}", len(src) - room)
-                src, keys = src[:room], keys[:room]
-            if not src:
-                return 0
-            slots = self.tiers[t].allocate(keys)
-            self._claim(t, slots, who[:room] if who is not None else None)
+        who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
+        room = self._room(t, len(src), who)
+        if room < len(src):
+            self._count(f"store_dropped_blocks.{self.names[t]}", len(src) - room)
+            src, keys = src[:room], keys[:room]
+        if not src:
+            return 0
+        slots = self.tiers[t].allocate(keys)
+        self._claim(t, slots, who[:room] if who is not None else None)
         self._pending[t].update(keys)
         self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
@@ -431,7 +418,7 @@ class TierController(Completion, Counting):
                     self.tenants.attach(t)
         return n
 
-    def open_tier(self, t: int, tier: SlotTier) -> None:
+    def open_tier(self, t: int, tier: Tier) -> None:
         """Put `tier` in place of the closed tier at index `t` (`tiers.closed.ClosedTier`: a
         persistent tier opened once the model's identity is known)."""
         old = self.tiers[t]
@@ -452,7 +439,7 @@ class TierController(Completion, Counting):
         return len(self._stores) + len(self._copies)
 
     def pinned_blocks(self) -> int:
-        return sum(t.pinned_blocks() for t in self.tiers[:self.nlocal])
+        return sum(t.pinned_blocks() for t in self.tiers)
 
     def describe(self) -> dict:
         return {"eviction": [t.eviction_name for t in self.tiers],

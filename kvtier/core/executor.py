@@ -7,15 +7,10 @@ in the *outside* (where blocks live outside the tiers) and how often they report
 - `kvtier.connector.kv_layout.KVCopier`: vLLM's KV cache (gather / scatter, on a GPU on a side
   stream ordered against the forward, one event per layer).
 
-Each tier's data plane declares its medium (`kvtier.tiers.handles.Medium`); an op is run by the
-handler of its (source medium, destination medium):
-
-    outside -> host     store: blocks into DRAM slots (the outside's job)
-    host    -> outside  load from DRAM
-    file    -> host     NVMe read into promotion slots or staging rows, verified, then -> outside
-    shared  -> host     shared-tier GET, verified, then -> outside
-    host    -> file     copy down: NVMe write, fdatasync, written behind (`WriteBehind`)
-    host    -> shared   copy to the fleet's server, written behind
+Each tier's data plane (`kvtier.tiers.contract.DataPlane`) declares its medium; an op is run by
+the handler of its (source medium, destination medium) in `kvtier.core.handlers.HANDLERS`: a
+load is (tier, OUTSIDE), a store (OUTSIDE, tier), a copy down (tier, tier), the last run behind
+the step by `CopiesDown` through the same table.
 
 Every failure is a per-block result (a miss, a load error the caller recomputes, a store not
 committed), logged once per cause and counted; nothing here raises into the caller's step.
@@ -27,16 +22,14 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-import torch
-
 from kvtier.core.failures import Failures
+from kvtier.core.handlers import HANDLERS, LoadRun, handler
 from kvtier.tiers.once import Once, cause
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, StoreOp
 from kvtier.core.staging import Staging
 from kvtier.core.write_behind import CopiesDown
 from kvtier.core.outside import Outside
-from kvtier.tiers.cpu_pool import copy_blocks
-from kvtier.tiers.handles import DoneHandle, IOResult, Medium
+from kvtier.tiers.contract import DataPlane, Medium
 from kvtier.tiers.io_hooks import fault_point
 
 log = logging.getLogger("kvtier.executor")
@@ -52,12 +45,12 @@ class Executor(Failures, Counting):
 
     LOAD_CHUNK_BYTES = 8 << 20   # copies of lower-tier loads run per chunk read (copies on the caller)
 
-    def __init__(self, outside: Outside | None, planes: Sequence[Any | None], block_bytes: int, *,
+    def __init__(self, outside: Outside | None, planes: Sequence[DataPlane | None], block_bytes: int, *,
                  tier_names: Sequence[str] = (), write_lag_steps: int = 0, rank: int = 0,
                  staging: Staging | None = None, report_cls: type[Report] = Report,
                  count: Callable[..., None] | None = None) -> None:
         self.outside = outside
-        self.planes: list[Any | None] = list(planes)
+        self.planes: list[DataPlane | None] = list(planes)
         self.block_bytes = block_bytes
         self.tier_names = list(tier_names)
         self.rank = rank
@@ -89,7 +82,7 @@ class Executor(Failures, Counting):
     def name(self, tier: int) -> str:
         return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
 
-    def plane_of(self, tier: int, medium: Medium | None = None) -> Any:
+    def plane_of(self, tier: int, medium: Medium | None = None) -> DataPlane:
         p = self.planes[tier] if tier < len(self.planes) else None
         if p is None:
             raise RuntimeError(f"no data plane for tier {self.name(tier)} in this process")
@@ -130,8 +123,7 @@ class Executor(Failures, Counting):
         copy_now = not (layered and self.outside.layered)
         jobs: list[tuple[int, Any]] = []   # (index of its op in _load_done, the copy)
         staged = sum(len(op.slots) for op in ops if self._needs_staging(op))
-        stage = self.staging.views(staged) if staged else []
-        row0 = 0
+        run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now)
         for op in ops:
             name = self.name(op.tier)
             oks = [False] * len(op.slots)
@@ -142,18 +134,7 @@ class Executor(Failures, Counting):
                 plane = self.plane_of(op.tier)
                 if op.via:
                     self.host_pool(op.via_tier, op.via)
-                if plane.medium is Medium.HOST:
-                    self.host_pool(op.tier, op.slots)
-                    jobs.append((at, self.outside.job(plane.rows, op.block_ids, op.slots,
-                                                      [plane.views[s] for s in op.slots])))
-                    oks = [True] * len(op.slots)
-                    if op.via:  # promoted from a lower DRAM tier: a memcpy into the upper tier's slots
-                        up = self.host_pool(op.via_tier)
-                        copy_blocks([up.views[s] for s in op.via], [plane.views[s] for s in op.slots],
-                                    self.block_bytes)
-                        self.result.stored[op.op_id] = oks
-                else:
-                    oks = self._read_lower(op, plane, jobs, at, stage, row0, copy_now)
+                oks = handler(plane.medium, Medium.OUTSIDE).load(self, op, plane, run, at)
             except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
                 self.once(("load", name) + cause(e), logging.WARNING,
                            "kvtier: load of %d blocks for %s from %s failed: %s (recomputed)",
@@ -161,7 +142,7 @@ class Executor(Failures, Counting):
                 if op.via:
                     self.result.stored[op.op_id] = [False] * len(op.slots)
             if self._needs_staging(op):
-                row0 += len(op.slots)
+                run.row0 += len(op.slots)
             self._load_done.append((op, name, oks))
         if jobs and not copy_now:
             self._sync_s = time.perf_counter() - t0   # reads + checksums, before the copies run
@@ -185,86 +166,21 @@ class Executor(Failures, Counting):
         return bool(self._load_done) or self._load_event is not None
 
     def _needs_staging(self, op: LoadOp) -> bool:
-        p = self.planes[op.tier] if op.tier < len(self.planes) else None
-        return (p is not None and p.medium is not Medium.HOST and not op.via and id(op) not in self._fetched
+        h = self._handler_of(op.tier, Medium.OUTSIDE)
+        return (h is not None and h.stages and not op.via and id(op) not in self._fetched
                 and not self.outside.direct_reads)
 
-    def _read_lower(self, op: LoadOp, plane: Any, jobs: list, at: int, stage: list, row0: int,
-                    copy_now: bool) -> list[bool]:
-        """A file or shared-tier load: read into the promotion slots `op.via`, rows of its own (read
-        ahead), the outside's own buffers, or staging rows; each block verified; then its copy into
-        the outside goes to `jobs`, or runs chunk by chunk as each chunk's reads land."""
-        n = len(op.slots)
-        shared = plane.medium is Medium.SHARED
-        if shared and (not op.keys or len(op.keys) != n):
-            raise RuntimeError("shared-tier load without keys")
-        if not shared and (op.checksums is None or len(op.checksums) != n):
-            raise RuntimeError("file load without expected checksums")
-        pre = self._fetched.pop(id(op), None)
-        direct = None
-        if pre is not None:  # read ahead (an asynchronous load)
-            host, rows, bufs, h = pre
-            reads = [(0, [False] * n, h)]
-        else:
-            if op.via:
-                pool = self.host_pool(op.via_tier)
-                host, rows, bufs = pool.rows, list(op.via), [pool.views[s] for s in op.via]
-            elif self.outside.direct_reads:
-                direct = self.outside.direct(op.block_ids)
-                host, rows, bufs = None, list(range(n)), direct
-            else:
-                host, rows, bufs = self.staging.rows(), list(range(row0, row0 + n)), stage[row0:row0 + n]
-            step = max(1, self.LOAD_CHUNK_BYTES // self.block_bytes) if copy_now else n
-            reads = []  # every chunk in flight at once: the engine's threads keep the disk / server busy
-            for lo in range(0, n, step):
-                hi = min(n, lo + step)
-                bad = [False] * (hi - lo)
-                if shared:
-                    reads.append((lo, bad, plane.get(op.keys[lo:hi], bufs[lo:hi])))
-                else:
-                    reads.append((lo, bad, plane.read(op.slots[lo:hi], bufs[lo:hi], op.checksums[lo:hi], bad,
-                                                      keys=op.keys[lo:hi] if op.keys else None)))
-        oks: list[bool] = []       # in the outside
-        read_oks: list[bool] = []  # read and verified (in the promotion slots `op.via`)
-        corrupt: list[int] = []
-        errors: list[str] = []
-        for lo, bad, h in reads:
-            r = h.wait()
-            read_oks.extend(r.ok)
-            ok = list(r.ok)
-            errors.extend(r.errors)
-            if shared:  # absent (the server evicted it) or failed verification (`bad`): a miss, reported
-                self.result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
-                self.result.bad.extend(op.keys[lo + i] for i, b in enumerate(r.bad) if b)
-            corrupt.extend(op.slots[lo + i] for i, b in enumerate(bad) if b)
-            good = [lo + i for i, ok in enumerate(r.ok) if ok]
-            if good and direct is None:
-                job = self.outside.job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
-                                       [bufs[i] for i in good])
-                if not copy_now:
-                    jobs.append((at, job))
-                else:  # this chunk now; a failed copy fails its blocks, the other chunks' reads go on
-                    try:
-                        self._copy_now([job])
-                    except Exception as e:  # noqa: BLE001 - load errors
-                        self._count("load_copy_failed")
-                        self.once(("load_copy", self.name(op.tier)) + cause(e), logging.ERROR,
-                                   "kvtier: copying %d blocks of %s into the KV failed: %s (load errors, "
-                                   "recomputed)", len(good), op.req_id, e)
-                        ok = [False] * len(ok)
-            oks.extend(ok)
-        if corrupt:
-            self.corrupt_blocks += len(corrupt)
-            self._count(f"corrupt_blocks.{self.name(op.tier)}", len(corrupt))
-            self.result.corrupt.setdefault(op.tier, []).extend(corrupt)
-            self.once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
-                       "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, self.name(op.tier),
-                       errors[:2])
-        if op.via:
-            self.result.stored[op.op_id] = read_oks
-        return oks
+    def _handler_of(self, tier: int, dst: Medium) -> Any:
+        """The handler that loads tier `tier`'s blocks, None when there is no plane or handler."""
+        p = self.planes[tier] if tier < len(self.planes) else None
+        return None if p is None else HANDLERS.get((p.medium, dst))
 
-    def _copy_now(self, jobs: list) -> None:
+    def take_read_ahead(self, op: LoadOp) -> tuple | None:
+        """The reads `load_async` started for `op` (host, rows, buffers, handle), once."""
+        return self._fetched.pop(id(op), None)
+
+    def copy_now(self, jobs: list) -> None:
+        """Run load copies into the outside now (timed: the load's copy seconds)."""
         t1 = time.perf_counter()
         try:
             self._queue_once(jobs, layered=False)
@@ -307,26 +223,9 @@ class Executor(Failures, Counting):
         rows of their own); `poll_async` runs the rest and reports each request once complete."""
         for op in ops:
             self._async.setdefault(op.req_id, []).append(op)
-            plane = self.planes[op.tier] if op.tier < len(self.planes) else None
-            if plane is not None and plane.medium is Medium.SHARED:
-                self._prefetch(op, plane)
-
-    def _prefetch(self, op: LoadOp, plane: Any) -> None:
-        n = len(op.keys or [])
-        try:
-            if op.via:
-                pool = self.host_pool(op.via_tier, op.via)
-                host, rows = pool.rows, list(op.via)
-            else:
-                host, rows = torch.empty((n, self.block_bytes), dtype=torch.uint8), list(range(n))
-            bufs = [host[r] for r in rows]
-            h = plane.get(op.keys, bufs)
-        except Exception as e:  # noqa: BLE001 - a miss, reported with the load
-            self.once(("remote_read",) + cause(e), logging.WARNING,
-                       "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
-            host, rows, bufs = None, [], []
-            h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
-        self._fetched[id(op)] = (host, rows, bufs, h)
+            h = self._handler_of(op.tier, Medium.OUTSIDE)
+            if h is not None and h.reads_ahead:
+                self._fetched[id(op)] = h.read_ahead(self, op, self.planes[op.tier])
 
     def poll_async(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads arrived (waiting up to `wait_s` for them): their
@@ -385,27 +284,17 @@ class Executor(Failures, Counting):
         (tier, slot) pairs whose store failed (a copy down from them must not run)."""
         failed: set[tuple[int, int]] = set()
         t0 = time.perf_counter()
-        planned: list[tuple[StoreOp, Any]] = []
+        by: dict[Any, list[StoreOp]] = {}
         for op in ops:
             try:
-                if tainted:
-                    raise RuntimeError("a load failed this step")
-                pool = self.host_pool(op.tier, op.slots)
-                planned.append((op, self.outside.job(pool.rows, op.block_ids, op.slots,
-                                                     [pool.views[s] for s in op.slots])))
+                p = self.plane_of(op.tier)
+                by.setdefault(handler(Medium.OUTSIDE, p.medium), []).append(op)
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
-                self._store_failed(op, e, tainted, failed)
-        if planned:
-            try:
-                fault_point("store_copy")
-                self.outside.sync(self.outside.store_async([j for _, j in planned]))
-            except Exception as e:  # noqa: BLE001
-                for op, _ in planned:
-                    self._store_failed(op, e, False, failed)
-                planned = []
+                self.store_failed(op, e, tainted, failed)
+        planned = [op for h, group in by.items() for op in h.store(self, group, tainted, failed)]
         dt = time.perf_counter() - t0
         by_tier: dict[str, int] = {}
-        for op, _ in planned:
+        for op in planned:
             self.result.stored[op.op_id] = [True] * len(op.slots)
             by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
         for name, n in by_tier.items():
@@ -414,7 +303,8 @@ class Executor(Failures, Counting):
             self._count(f"blocks_stored.{name}", n)
         return failed
 
-    def _store_failed(self, op: StoreOp, e: BaseException, tainted: bool, failed: set) -> None:
+    def store_failed(self, op: StoreOp, e: BaseException, tainted: bool, failed: set) -> None:
+        """A store op failed (not logged when the step is `tainted`): its slots go to `failed`."""
         if not tainted:
             self.once(("store", op.tier) + cause(e), logging.WARNING,
                        "kvtier: store of %d blocks to %s failed: %s", len(op.slots), self.name(op.tier), e)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from kvtier.core.plan import Report
 from kvtier.policies.base import NO_INFO, RequestInfo
-from kvtier.tiers.base import SlotTier
+from kvtier.tiers.contract import Tier
 
 log = logging.getLogger("kvtier.core.controller")
 
@@ -44,7 +44,7 @@ class StoreInFlight:
     info: RequestInfo = field(default_factory=lambda: NO_INFO)
     pos: list[int] | None = None      # chain position of each slot (the policies' insert order)
 
-    def commit(self, tier: SlotTier, good: list[int]) -> None:
+    def commit(self, tier: Tier, good: list[int]) -> None:
         """Commit slots (indices `good`) run by run of consecutive chain positions, each run with
         its own RequestInfo.start, so the eviction policy learns where each block sits."""
         slots, pos = self.slots, self.pos
@@ -134,7 +134,7 @@ class Completion:
 
     def _limit(self, t: int, n: int) -> None:
         tier = self.tiers[t]
-        if t == self.remote or n >= tier.capacity_blocks:
+        if n >= tier.capacity_blocks:
             return
         was = tier.capacity_blocks
         gone = tier.limit(n)
@@ -156,7 +156,7 @@ class Completion:
         del self._copies[op_id]
         tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
         sums = rank_sums(by_rank, len(cp.src), self.ranks)
-        if cp.tier == self.remote:
+        if tier.remote:  # the server names the blocks: known now, nothing to commit
             self._complete_put(cp, sums)
             return
         good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]

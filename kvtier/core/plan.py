@@ -78,6 +78,26 @@ class Report:
     bad: list[bytes] = field(default_factory=list)    # shared tier: those of `gone` that failed verification
     capacity: dict[int, int] = field(default_factory=dict)  # tier -> slots its data plane holds (when fewer)
 
+    @classmethod
+    def of_plan(cls, plan: Plan, ok: bool, ranks: int = 0) -> "Report":
+        """Every op of `plan` reported at once, done (`ok`: what moves nothing reports) or failed
+        (what cannot run: loads are load errors, stores and copies are not committed). `ranks`:
+        copies as each of that many ranks' report (0: this one's)."""
+        rep = cls()
+        for op in plan.loads:
+            rep.loaded[op.req_id] = ok
+            if op.via:
+                rep.stored[op.op_id] = [ok] * len(op.slots)
+        for op in plan.stores:
+            rep.stored[op.op_id] = [ok] * len(op.slots)
+        tag = 0 if ok else -1
+        for op in plan.copies:
+            if ranks:
+                rep.copied_ranks[op.op_id] = {r: [tag] * len(op.src_slots) for r in range(ranks)}
+            else:
+                rep.copied[op.op_id] = [tag] * len(op.src_slots)
+        return rep
+
     def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
         """Copy op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
         out = {op: dict(r) for op, r in self.copied_ranks.items()}

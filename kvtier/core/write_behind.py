@@ -15,10 +15,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Sequence
 
+from kvtier.core.handlers import handler
 from kvtier.tiers.once import cause
 from kvtier.core.plan import CopyOp
-from kvtier.tiers.cpu_pool import copy_blocks
-from kvtier.tiers.handles import Medium
 
 Done = tuple[list[tuple[Any, list[int]]], float, list[str]]   # ([(op, per-slot tags)], seconds, errors)
 
@@ -75,20 +74,20 @@ class WriteBehind:
 def _flush(nvme: Any, batch: list, failed_src: set[int], t0: float) -> Done:
     """The flusher thread: wait for a batch's writes, fdatasync once, per-op tags (-1: failed)."""
     try:
-        results = [(op, sums, h.wait()) for op, sums, h in batch]
-        if any(any(r.ok) for _, _, r in results):
+        results = [(op, h.wait()) for op, h in batch]
+        if any(any(r.ok) for _, r in results):
             nvme.sync()
     except Exception as e:  # noqa: BLE001 - the batch is not durable: reported, the sources stay
-        return [(op, [-1] * len(op.src_slots)) for op, _, _ in batch], time.perf_counter() - t0, [str(e)]
-    out = [(op, [c if ok and src not in failed_src else -1 for c, ok, src in zip(sums, r.ok, op.src_slots)])
-           for op, sums, r in results]
-    return out, time.perf_counter() - t0, [e for _, _, r in results for e in r.errors]
+        return [(op, [-1] * len(op.src_slots)) for op, _ in batch], time.perf_counter() - t0, [str(e)]
+    out = [(op, [c if ok and src not in failed_src else -1
+                 for c, ok, src in zip(r.tags or [0] * len(r.ok), r.ok, op.src_slots)]) for op, r in results]
+    return out, time.perf_counter() - t0, [e for _, r in results for e in r.errors]
 
 
 class CopiesDown:
-    """An executor's copies down (DRAM -> DRAM, file or shared tier), written behind: each op's
-    per-slot result (the block's tag, or -1: not durable, or its source failed this step) is
-    reported within `lag` steps (`reap`)."""
+    """An executor's copies down (DRAM -> DRAM, file or shared tier), run by the handlers of
+    `kvtier.core.handlers` and written behind: each op's per-slot result (the block's tag, or -1:
+    not durable, or its source failed this step) is reported within `lag` steps (`reap`)."""
 
     def __init__(self, ex: Any, lag_steps: int) -> None:
         self.ex = ex
@@ -99,66 +98,23 @@ class CopiesDown:
         return len(self.writes) + len(self.puts)
 
     def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
-        """DRAM -> file or shared tier, written behind: each op's per-slot result (the block's tag,
+        """DRAM -> DRAM, file or shared tier, each op by the handler of its (source medium,
+        destination medium) (`kvtier.core.handlers`): each op's per-slot result (the block's tag,
         or -1: not durable, or its source failed this step) is reported within `write_lag_steps`."""
         ex = self.ex
-        by: dict[Medium, list[CopyOp]] = {}
+        by: dict[Any, list[CopyOp]] = {}
         for op in ops:
-            plane = ex.planes[op.tier] if op.tier < len(ex.planes) else None
-            if plane is None:
-                self._copy_failed([op], RuntimeError(f"no data plane for tier {ex.name(op.tier)} in this process"))
+            try:
+                h = handler(ex.plane_of(op.src_tier).medium, ex.plane_of(op.tier).medium)
+            except Exception as e:  # noqa: BLE001 - no plane or no handler: this op is dropped
+                self.copy_failed([op], e)
                 continue
-            by.setdefault(plane.medium, []).append(op)
-        for op in by.get(Medium.HOST, []):
-            self._copy_host(op, failed)
-        if by.get(Medium.SHARED):
-            self._copy_behind(by[Medium.SHARED], failed, self.puts, shared=True)
-        if by.get(Medium.FILE):
-            self._copy_behind(by[Medium.FILE], failed, self.writes, shared=False)
+            by.setdefault(h, []).append(op)
+        for h in sorted(by, key=lambda h: h.order):
+            h.copy(self, by[h], failed)
 
-    def _copy_host(self, op: CopyOp, failed: set) -> None:
-        """DRAM -> DRAM (two DRAM tiers): a memcpy, done at once."""
-        ex = self.ex
-        try:
-            src, dst = ex.host_pool(op.src_tier, op.src_slots), ex.host_pool(op.tier, op.slots)
-            copy_blocks([dst.views[s] for s in op.slots], [src.views[s] for s in op.src_slots], ex.block_bytes)
-        except Exception as e:  # noqa: BLE001
-            self._copy_failed([op], e)
-            return
-        ex.result.copied[op.op_id] = [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots]
-        n = len(op.slots)
-        ex.count(f"bytes_stored.{ex.name(op.tier)}", n * ex.block_bytes)
-        ex.count(f"blocks_stored.{ex.name(op.tier)}", n)
-
-    def _copy_behind(self, ops: list[CopyOp], failed: set, behind: WriteBehind, shared: bool) -> None:
-        ex = self.ex
-        # a source slot whose store failed holds stale bytes: never written anywhere, not even to a
-        # slot the index will not take (`fsck --rebuild` indexes what the block headers say)
-        stale = [op for op in ops if any((op.src_tier, s) in failed for s in op.src_slots)]
-        if stale:
-            self._copy_failed(stale, None)
-        ops = [op for op in ops if op not in stale]
-        batch: list = []
-        try:
-            srcs = [[ex.host_pool(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
-            for op, views in zip(ops, srcs):  # every check before the first transfer is handed over
-                plane = ex.plane_of(op.tier)
-                if shared:
-                    h = plane.put(op.keys, views)
-                    batch.append((op, [0] * len(op.src_slots), h))
-                else:
-                    sums = [0] * len(op.slots)
-                    batch.append((op, sums, plane.write(op.slots, views, sums, keys=op.keys)))
-        except Exception as e:  # noqa: BLE001 - the copies not handed over are dropped
-            started = {id(b[0]) for b in batch}
-            self._copy_failed([op for op in ops if id(op) not in started], e)
-        if batch:
-            plane = ex.plane_of(batch[0][0].tier)
-            behind.submit(ex.steps, plane, batch, {s for t, s in failed})
-            if behind.lag == 0:
-                self.reap(wait=True)
-
-    def _copy_failed(self, ops: list[CopyOp], e: BaseException | None) -> None:
+    def copy_failed(self, ops: list[CopyOp], e: BaseException | None) -> None:
+        """Copies not started (`e`: why, logged once) or whose source is stale: all slots -1."""
         ex = self.ex
         if e is not None and ops:
             ex.once(("copy", ops[0].tier) + cause(e), logging.WARNING, "kvtier: copy of %d ops to %s not "

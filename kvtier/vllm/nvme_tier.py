@@ -34,7 +34,6 @@ class _Store:
     job_id: int
     keys: list[OffloadKey]
     slots: list[int]
-    sums: list[int]
     done: Future
     t0: float = field(default_factory=time.monotonic)
 
@@ -45,7 +44,6 @@ class _Load:
     keys: list[OffloadKey]          # the job's keys, in order
     slots: list[int]                # the slots read (keys found at submit)
     found: list[OffloadKey]         # their keys
-    bad: list[bool]
     handle: IOHandle | None
     t0: float = field(default_factory=time.monotonic)
 
@@ -89,9 +87,8 @@ class KvtierNvmeTier(KvtierSecondaryTier):
         if not slots:
             self.finish(job_id, True)
             return
-        sums = [0] * len(slots)
         try:
-            handle = self.data.write(slots, self.rows(chunks), sums, keys=keys)
+            handle = self.data.write(slots, self.rows(chunks), keys)
         except Exception as e:  # noqa: BLE001
             self.tier.abort(slots)
             self.failed("store", e)
@@ -99,7 +96,7 @@ class KvtierNvmeTier(KvtierSecondaryTier):
             return
         for k in keys:
             self._storing[k] = self._storing.get(k, 0) + 1
-        self._stores[job_id] = _Store(job_id, keys, slots, sums, self._flusher.submit(self._flush, handle))
+        self._stores[job_id] = _Store(job_id, keys, slots, self._flusher.submit(self._flush, handle))
 
     def _new_keys(self, job: TransferJob) -> tuple[list[OffloadKey], list[int]]:
         """The job's keys not resident nor being stored, with their primary chunks."""
@@ -156,7 +153,7 @@ class KvtierNvmeTier(KvtierSecondaryTier):
                 self.count("write_errors", len(bad))
                 self._once(("write",), logging.ERROR, "kvtier: secondary tier %s: %d chunks not written (%s); they "
                            "stay in the primary tier only", self.tier_type, len(bad), r.errors[:2])
-            good = [(s, c) for s, c, ok in zip(st.slots, st.sums, r.ok) if ok]
+            good = [(s, c) for s, c, ok in zip(st.slots, r.tags or [-1] * len(st.slots), r.ok) if ok]
             slots += [s for s, _ in good]
             sums += [c for _, c in good]
             good_of[st.job_id] = (not bad, r.nbytes)
@@ -191,30 +188,30 @@ class KvtierNvmeTier(KvtierSecondaryTier):
             self.failed("load", e)
             self.finish(job_id, False)
             return
-        bad = [False] * len(slots)
         handle = None
         if slots:
             try:
-                handle = self.data.read(slots, self.rows(chunks), self.tier.checksums(slots), bad, keys=found)
+                handle = self.data.read(slots, self.rows(chunks), found, self.tier.checksums(slots))
             except Exception as e:  # noqa: BLE001
                 self.tier.free_blocks(slots)
                 self.failed("load", e)
                 self.finish(job_id, False)
                 return
-        self._loads[job_id] = _Load(job_id, keys, slots, found, bad, handle)
+        self._loads[job_id] = _Load(job_id, keys, slots, found, handle)
 
     def _finish_load(self, ld: _Load) -> None:
         try:
             r = ld.handle.wait() if ld.handle is not None else IOResult(ok=[])
         except Exception as e:  # noqa: BLE001
             r = IOResult(ok=[False] * len(ld.slots), errors=[str(e)])
-        corrupt = [s for s, b in zip(ld.slots, ld.bad) if b]
+        bad = r.bad or [False] * len(ld.slots)
+        corrupt = [s for s, b in zip(ld.slots, bad) if b]
         if corrupt:   # quarantined while pinned: freed when the pins below are released
             self.tier.quarantine(corrupt, r.errors[0] if r.errors else "failed verification")
             self.count("corrupt_chunks", len(corrupt))
             self._once(("corrupt",), logging.ERROR, "kvtier: secondary tier %s: %d chunks failed verification "
                        "(not served, quarantined): %s", self.tier_type, len(corrupt), r.errors[:2])
-        self.count("read_errors", sum(1 for ok, b in zip(r.ok, ld.bad) if not ok and not b))
+        self.count("read_errors", sum(1 for ok, b in zip(r.ok, bad) if not ok and not b))
         good = [k for k, ok in zip(ld.found, r.ok) if ok]
         self.tier.free_blocks(ld.slots)
         if good:

@@ -100,7 +100,8 @@ class KvtierSharedTier(KvtierSecondaryTier):
             return
         try:
             bufs = self.rows(chunks)
-            handle = self.tier.get(keys, bufs) if load else self.tier.put(keys, bufs)
+            plane = self.tier.conn
+            handle = plane.read((), bufs, keys) if load else plane.write((), bufs, keys)
         except Exception as e:  # noqa: BLE001
             self.failed(what, e)
             self.finish(job_id, False)

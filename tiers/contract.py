@@ -1,0 +1,132 @@
+"""The tier contract: what the controller asks of every tier, and the executor of every data plane.
+
+`Tier` lists exactly the calls `kvtier.core.controller.TierController` makes; every tier
+implements all of it: the slot tiers (`base.SlotTier`: CPU, NVMe, a closed tier) and the shared
+tier (`redis.RedisTier`, `redis.SimRemoteTier`). A tier declares what it is (`remote`, `ready`)
+and answers the rest through its own methods, so the controller runs one path. `remote`
+declares server-owned membership: the server names blocks by key, holds no slot here, evicts on
+its own and is asked by `probe`; its answers to the slot calls follow from that (nothing to
+pin: `touch` / `free_blocks` do nothing; `allocate` gives no slot; room is never short; `find`
+finds no slot).
+
+`DataPlane` is the bytes side, one per tier in the process that moves them (`cpu_pool.CpuPool`,
+`nvme_data.NvmeData`, `redis_data.RedisData`): `read` / `write` blocks named by slots and keys
+into or out of given buffers, each returning a handle whose `IOResult` gives per-block outcomes
+(`ok`, `bad`: failed verification, `tags`: what a write sealed).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from kvtier.policies.base import NO_INFO, RequestInfo
+
+from .handles import IOHandle
+
+
+class Medium(enum.Enum):
+    """Where blocks are held: a tier's data plane (its `medium`), or the caller's blocks outside
+    the tiers. The executor's handlers are keyed by (source medium, destination medium)
+    (`kvtier.core.handlers`)."""
+
+    HOST = "DRAM slots"            # tiers.cpu_pool.CpuPool
+    FILE = "a file of slots"       # tiers.nvme_data.NvmeData
+    SHARED = "a shared server"     # tiers.redis_data.RedisData
+    OUTSIDE = "the caller's blocks"  # vLLM's KV cache, the CLI's buffers (kvtier.core.outside)
+
+
+class BlockView(NamedTuple):
+    """Read-only view of one block, the shape vLLM's KVCacheBlock offers."""
+
+    block_id: int
+    ref_cnt: int
+    block_hash: bytes | None
+    is_null: bool = False
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """A tier as the controller drives it (control plane only: it never touches bytes)."""
+
+    # ---- what it declares (tiers also declare `medium` and `verifies`, which drivers read)
+    name: str
+    remote: bool          # server-owned membership (see the module docstring)
+    ready: bool           # open: serves and takes blocks (`closed.ClosedTier`: not yet)
+    eviction: Any         # its eviction policy (None: the server's)
+
+    # ---- sizes and membership
+    @property
+    def capacity_blocks(self) -> int: ...
+    @property
+    def num_free_slots(self) -> int: ...
+    @property
+    def eviction_name(self) -> str: ...
+    @property
+    def resident(self) -> Mapping[bytes, int]: ...
+    def bind_counter(self, count: Callable[..., None]) -> None: ...
+    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int | None: ...
+    def known(self, key: bytes) -> bool: ...
+    def find(self, key: bytes) -> int | None: ...
+    def key_at(self, slot: int) -> bytes | None: ...
+    def get_block(self, block_id: int) -> BlockView: ...
+
+    # ---- pins, uses, loads
+    def touch(self, block_ids: Sequence[int]) -> None: ...
+    def free_blocks(self, block_ids: Sequence[int]) -> None: ...
+    def unpin_if(self, slot: int, key: bytes) -> bool: ...
+    def pinned_blocks(self) -> int: ...
+    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO,
+            keys: Sequence[bytes] | None = None) -> None: ...
+    def load_fields(self, slots: Sequence[int], keys: Sequence[bytes],
+                    verify: bool) -> tuple[list | None, list[bytes] | None]: ...
+
+    # ---- a block's life: allocate -> (written) -> commit / abort -> evict
+    def allocate(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[int]: ...
+    def commit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None: ...
+    def commit_written(self, slots: Sequence[int], sums: Sequence, info: RequestInfo = NO_INFO) -> None: ...
+    def abort(self, slots: Sequence[int]) -> None: ...
+    def free_slots(self, n: int) -> list[int]: ...
+    def evict(self, block_ids: Sequence[int]) -> list[bytes]: ...
+    def quarantine(self, slots: Sequence[int], why: str = "failed verification") -> int: ...
+    def limit(self, n: int) -> list[bytes]: ...
+    def note_written(self, keys: Sequence[bytes]) -> None: ...
+    def note_gone(self, keys: Sequence[bytes]) -> None: ...
+    def note_bad(self, keys: Sequence[bytes]) -> None: ...
+
+    # ---- the rest
+    def stats(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class DataPlane(Protocol):
+    """A tier's bytes in this process. Blocks are named by `slots` (a slot plane's address) and
+    `keys` (sealed into and checked against each block's header; the shared plane's address,
+    where `slots` are placeholders). A failure is a per-block outcome, never a raise from the
+    handle: `ok[i]` False, `bad[i]` True when the block was there but failed verification."""
+
+    medium: Medium
+
+    def read(self, slots: Sequence[int], dsts: Sequence[torch.Tensor], keys: Sequence[bytes] | None = None,
+             expect: Sequence | None = None) -> IOHandle:
+        """Into `dsts`; `expect[i]`: block i's tag (planes that verify against the index)."""
+        ...
+
+    def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor],
+              keys: Sequence[bytes] | None = None) -> IOHandle:
+        """From `srcs` (unchanged until the handle is done); the result's `tags[i]` is block i's
+        tag when the plane seals one."""
+        ...
+
+    def sync(self) -> None:
+        """Written blocks are durable (a file: fdatasync; DRAM, a server: nothing to do)."""
+        ...
+
+    def drain(self) -> None:
+        """Wait for every transfer in flight (before the buffers they touch are freed)."""
+        ...
+
+    def close(self) -> None: ...
