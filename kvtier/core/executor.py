@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from kvtier.core.deferred import Deferred
 from kvtier.core.failures import Failures
 from kvtier.core.once import Once, cause
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, StoreOp
@@ -42,7 +43,7 @@ from kvtier.tiers.io_hooks import fault_point
 log = logging.getLogger("kvtier.executor")
 
 
-class Executor(Failures, Counting):
+class Executor(Failures, Deferred, Counting):
     """Runs plans over the tiers' data planes (`planes[i]`: tier i's CpuPool, NvmeData or
     RedisData, or None where this process has none) and an outside.
 
@@ -80,6 +81,8 @@ class Executor(Failures, Counting):
         self._failed_done: set[str] = set()         # ... and once reported, kept for `take_failed_recving`
         self._fetched: dict[int, tuple] = {}       # id(op) -> (host rows, rows, buffers, handle): read ahead
         self._load_event = None
+        self._rows_event = None                    # accounted loads' last copies, maybe still reading host rows
+        self.deferred: tuple | None = None         # the last `store(defer=True)`: (planned, event, t0)
         self.layer_events: list | None = None     # a layered load's events, one per layer
         self._load_done: list[tuple[LoadOp, str, list[bool]]] = []
         self._sync_s = self._copy_s = 0.0
@@ -115,6 +118,7 @@ class Executor(Failures, Counting):
         if not ops:
             return
         self.finish_loads()  # the last copies may still read the staging rows handed out again here
+        self.settle_rows()
         try:
             self._load(ops, layered)
         except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
@@ -271,11 +275,15 @@ class Executor(Failures, Counting):
         finally:
             self._copy_s += time.perf_counter() - t1
 
-    def finish_loads(self) -> None:
+    def finish_loads(self, wait: bool = True) -> None:
         """Wait (the host) for the last load's copies; account them; a copy that failed, or that
-        cannot be confirmed, makes its blocks load errors."""
+        cannot be confirmed, makes its blocks load errors. `wait=False` (a step's hooks): copies
+        still running are accounted as queued (a device copy that fails later is a device error)
+        and the host rows they read are handed out again only after them (`settle_rows`)."""
         ev, self._load_event = self._load_event, None
         failed = None
+        if ev is not None and not wait and not self.outside.done(ev):
+            self._rows_event, ev = ev, None
         if ev is not None:
             try:
                 self.outside.sync(ev)
@@ -305,6 +313,7 @@ class Executor(Failures, Counting):
     def load_async(self, ops: Sequence[LoadOp]) -> None:
         """Start these requests' loads: shared-tier reads begin now (into their promotion slots or
         rows of their own); `poll_async` runs the rest and reports each request once complete."""
+        self.settle_rows()
         for op in ops:
             self._async.setdefault(op.req_id, []).append(op)
             plane = self.planes[op.tier] if op.tier < len(self.planes) else None
@@ -318,7 +327,7 @@ class Executor(Failures, Counting):
                 pool = self.host_pool(op.via_tier, op.via)
                 host, rows = pool.rows, list(op.via)
             else:
-                host, rows = torch.empty((n, self.block_bytes), dtype=torch.uint8), list(range(n))
+                host, rows = torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=self._pinned()), [*range(n)]
             bufs = [host[r] for r in rows]
             h = plane.get(op.keys, bufs)
         except Exception as e:  # noqa: BLE001 - a miss, reported with the load
@@ -379,10 +388,11 @@ class Executor(Failures, Counting):
         return len(self._async)
 
     # ---- stores and copies -------------------------------------------------------------------
-    def store(self, ops: Sequence[StoreOp], tainted: bool = False) -> set[tuple[int, int]]:
+    def store(self, ops: Sequence[StoreOp], tainted: bool = False, defer: bool = False) -> set[tuple[int, int]]:
         """outside -> DRAM slots, all in one batch (after the step's compute; a device: one sync).
         `tainted`: this step's loads failed, so what it computed is not stored. Returns the
-        (tier, slot) pairs whose store failed (a copy down from them must not run)."""
+        (tier, slot) pairs whose store failed (a copy down from them must not run). `defer`: a
+        device's copies are left running, in `deferred` (`kvtier.core.deferred`)."""
         failed: set[tuple[int, int]] = set()
         t0 = time.perf_counter()
         planned: list[tuple[StoreOp, Any]] = []
@@ -395,23 +405,22 @@ class Executor(Failures, Counting):
                                                      [pool.views[s] for s in op.slots])))
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
                 self._store_failed(op, e, tainted, failed)
+        ev = None
         if planned:
             try:
                 fault_point("store_copy")
-                self.outside.sync(self.outside.store_async([j for _, j in planned]))
+                ev = self.outside.store_async([j for _, j in planned])
+                if not defer:
+                    self.outside.sync(ev)
+                    ev = None
             except Exception as e:  # noqa: BLE001
                 for op, _ in planned:
                     self._store_failed(op, e, False, failed)
                 planned = []
-        dt = time.perf_counter() - t0
-        by_tier: dict[str, int] = {}
-        for op, _ in planned:
-            self.result.stored[op.op_id] = [True] * len(op.slots)
-            by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
-        for name, n in by_tier.items():
-            self._count(f"bytes_stored.{name}", n * self.block_bytes)
-            self._count(f"seconds_stored.{name}", dt)
-            self._count(f"blocks_stored.{name}", n)
+        if ev is not None:
+            self.deferred = (planned, ev, t0)
+            return failed
+        self.store_done(planned, time.perf_counter() - t0)
         return failed
 
     def _store_failed(self, op: StoreOp, e: BaseException, tainted: bool, failed: set) -> None:
@@ -473,6 +482,7 @@ class Executor(Failures, Counting):
         """Wait (bounded) for every copy in flight and report it; returns the batches left running
         (file, shared): their blocks are never reported, so never indexed."""
         self.finish_loads()
+        self.settle_rows()
         for *_, h in list(self._fetched.values()):  # reads ahead into DRAM slots: let them land
             try:
                 h.wait()
