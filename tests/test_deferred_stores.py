@@ -217,3 +217,38 @@ def test_every_host_range_a_copy_touches_lies_in_one_registration(monkeypatch):
     assert sorted(row_ranges) == sorted([2, 4, 9] * 2)          # each way: rows 2-3 | 4-6 | 9
     assert len(index_ranges) == 2                                # the store's and the load's indices
     w.close()
+
+
+def test_staging_rows_are_reused_only_after_the_copies_that_read_them(tmp_path):
+    """Two steps of NVMe loads through the same staging rows, the device not running between them:
+    the second step's reads overwrite the rows only after the first step's copies ran (the host
+    waits there, once), so both steps' blocks are the stored bytes."""
+    from kvtier.connector.nvme import NvmeControl
+    from kvtier.policies.lru import LRU
+
+    caches = flash_caches(blocks=NB)
+    orig = {n: t.clone() for n, t in caches.items()}
+    st = CountingStreams()
+    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, nvme_io="posix", copy_streams=st)
+    w.register_kv_caches(caches)
+    h = Hooks(w)
+    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
+    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))
+    keys = [b"k0", b"k1", b"k2", b"k3"]
+    h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2, 3], [1, 2, 3, 4])],
+                          copies=[CopyOp(2, [0, 1, 2, 3], [10, 11, 12, 13], keys)], **nv), [])
+    st.drain()
+    _, rep = h.step(KVTierMetadata(**nv), [])
+    sums = rep.copied[2]
+    for t in caches.values():
+        t.zero_()
+    h.step(KVTierMetadata(loads=[LoadOp("a", 1, [10, 11], [6, 7], sums[:2], keys=keys[:2])], **nv), list(caches))
+    assert st.syncs == 0
+    h.step(KVTierMetadata(loads=[LoadOp("b", 1, [12, 13], [8, 9], sums[2:], keys=keys[2:])], **nv), list(caches))
+    syncs = st.syncs
+    st.drain()
+    for n, t in caches.items():
+        assert torch.equal(t[6:10], orig[n][1:5])
+    assert syncs == 1                                # before the reads reused the staging rows
+    w.close()
+    ctl.close()

@@ -7,6 +7,7 @@ still running."""
 from __future__ import annotations
 
 import logging
+from typing import Sequence
 
 from kvtier.core.once import cause
 
@@ -32,9 +33,13 @@ class Deferred:
             self._store_failed(op, e, False, failed)
         return failed
 
-    def settle_rows(self) -> None:
+    def settle_rows(self, ops: Sequence | None = None) -> None:
         """Before host rows are handed out again: the copies that read them last completed (a
-        query; the host waits only for copies still running)."""
+        query; the host waits only for copies still running). With `ops` (loads), only when one
+        of them writes host rows (a lower tier's read into staging or promotion slots): a copy
+        from DRAM slots writes none."""
+        if ops is not None and not any(op.via or self._needs_staging(op) for op in ops):
+            return
         ev, self._rows_event = self._rows_event, None
         if ev is None or self.outside.done(ev):
             return

@@ -118,7 +118,7 @@ class Executor(Failures, Deferred, Counting):
         if not ops:
             return
         self.finish_loads()  # the last copies may still read the staging rows handed out again here
-        self.settle_rows()
+        self.settle_rows(ops)
         try:
             self._load(ops, layered)
         except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
