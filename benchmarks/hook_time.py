@@ -101,7 +101,7 @@ def child(args) -> dict:
     from kvtier.connector.worker import KVTierWorker
     nb, k, slots = 4 * args.blocks + 8, args.blocks, 4 * args.blocks
     out = {}
-    for path in ("device", "cpu"):
+    for path in args.paths.split(","):
         g = torch.Generator().manual_seed(0)
         phys = torch.randint(-100, 100, (LAYERS, nb, BLOCK_TOKENS, 2 * KV_HEADS, HEAD_DIM), generator=g,
                              dtype=torch.int16).view(torch.bfloat16)
@@ -164,6 +164,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--forward-ms", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds over the trees")
+    ap.add_argument("--paths", default="device,cpu", help="which paths to run: device, cpu or both")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -180,7 +181,7 @@ def main() -> int:
         for r in range(args.rounds):
             for name in (order if r % 2 == 0 else order[::-1]):
                 cmd = [sys.executable, __file__, "--child", "--blocks", str(args.blocks), "--steps", str(args.steps),
-                       "--warmup", str(args.warmup), "--forward-ms", str(args.forward_ms)]
+                       "--warmup", str(args.warmup), "--forward-ms", str(args.forward_ms), "--paths", args.paths]
                 res = subprocess.run(cmd, env=envs[name], capture_output=True, text=True, cwd=tmp)
                 if res.returncode:
                     print(res.stderr, file=sys.stderr)
@@ -190,7 +191,9 @@ def main() -> int:
           f"median ms per step over {args.steps} steps, {args.rounds} runs per tree (ABBA)")
     print(f"{'tree':<8} {'path':<7} {'start_load':>10} {'layer_waits':>11} {'save':>8} {'report':>8} {'total':>8}")
     for name, rs in runs.items():
-        for path in ("device", "cpu"):
+        print(f"{name:<8} totals per run: " + "; ".join(
+            ", ".join(f"{p} {r[p]['total']:.2f}" for p in r) for r in rs))
+        for path in args.paths.split(","):
             med = {k: statistics.median(r[path][k] for r in rs) for k in rs[0][path]}
             print(f"{name:<8} {path:<7} {med['start_load']:>10.3f} {med['layer_waits']:>11.3f} {med['save']:>8.3f} "
                   f"{med['report']:>8.3f} {med['total']:>8.3f}")
