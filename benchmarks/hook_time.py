@@ -15,7 +15,7 @@ Each tree given with `--tree NAME=DIR` (a checkout; the default is this one) run
 process, interleaved ABBA, so two versions are compared in one run:
 
     git archive main | (mkdir -p /tmp/base && tar -x -C /tmp/base)
-    python benchmarks/hook_time.py --tree main=/tmp/base --tree this=.
+    python benchmarks/hook_time.py --tree main=/tmp/base --tree this=.   # 4+4 blocks a step, 40 ms forward
 """
 
 from __future__ import annotations
@@ -159,10 +159,10 @@ def _package(tree: Path, tmp: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", action="append", default=[], help="NAME=DIR, a checkout to measure (repeatable)")
-    ap.add_argument("--blocks", type=int, default=8, help="blocks loaded and blocks stored per step (2 MiB each)")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--blocks", type=int, default=4, help="blocks loaded and blocks stored per step (2 MiB each)")
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--forward-ms", type=float, default=5.0)
+    ap.add_argument("--forward-ms", type=float, default=40.0)
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds over the trees")
     ap.add_argument("--paths", default="device,cpu", help="which paths to run: device, cpu or both")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
