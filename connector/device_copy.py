@@ -5,7 +5,9 @@ vLLM runs the forward on its current (compute) stream and calls `wait_for_save` 
 returns, without synchronizing; a load's blocks are read by attention layer by layer. So:
 
 - a store (KV -> host) runs on a side stream that first waits on the compute stream (the forward
-  wrote those blocks), and the host bytes are used only after the copy's event completed;
+  wrote those blocks); the compute stream's later work waits for the store's event (vLLM may hand
+  the blocks to another request in the next step), the host does not: the host bytes are used
+  only once the event is seen complete (`Streams.query`, polled in later steps);
 - a load (host -> KV) runs on the side stream after the compute stream's queued work (kernels of
   an earlier step may still read the blocks being overwritten), records one event per layer, and
   `wait_layer` makes the compute stream wait on that layer's event (no host-side wait).
@@ -13,8 +15,11 @@ returns, without synchronizing; a load's blocks are read by attention layer by l
 The copies are batched: blocks are gathered / scattered by index on the device through a device
 staging buffer laid out as the host rows are (all layers of a block, layer after layer), so one
 host<->device copy moves each run of consecutive rows and one kernel per layer moves the blocks;
-no per-block, per-layer views are kept. The stream and event calls go through a `Streams` object,
-so the ordering is testable on CPU tensors with a recording fake.
+no per-block, per-layer views are kept. Consecutive chunks reuse the staging buffer in stream order
+(no host wait). Every host buffer a copy touches is registered (pinned): the rows (the CPU pool,
+staging) and the block indices (`IndexRing`); a run of rows that crosses the end of one
+registration is split there, so no copy spans two. The stream and event calls go through a
+`Streams` object, so the ordering is testable on CPU tensors with a fake that runs copies later.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
+from kvtier.tiers.cpu_pool import host_buffer, registration_ends
+
 STAGING_BYTES = 64 << 20  # device staging per chunk of blocks (at least one block)
+INDEX_ENTRIES = 1 << 16   # the index ring's int64 entries (512 KiB, pinned once)
 
 
 class Streams(Protocol):
@@ -42,6 +50,9 @@ class Streams(Protocol):
 
     def sync(self, event: Any) -> None:
         """The host waits for `event`."""
+
+    def query(self, event: Any) -> bool:
+        """Whether `event` completed (the host does not wait)."""
 
     def run(self, fn: Any, *args: Any) -> Any:
         """Queue `fn(*args)` (device copies) on the stream in effect; a CUDA stream runs them in
@@ -72,6 +83,9 @@ class CudaStreams:
     def sync(self, event: Any) -> None:
         event.synchronize()
 
+    def query(self, event: Any) -> bool:
+        return event.query()
+
     def run(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
@@ -87,12 +101,81 @@ def row_runs(rows: Sequence[int]) -> list[tuple[int, int, int]]:
     return [tuple(x) for x in out]  # type: ignore[misc]
 
 
+def split_runs(host: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """`runs` of `host`'s rows cut where a host registration ends, so no copy spans two."""
+    rb = host.stride(0) * host.element_size()
+    out = []
+    for i, r0, n in runs:
+        start = host.data_ptr() + r0 * rb
+        done = 0
+        for end in registration_ends(start, n * rb):
+            k, part = divmod(end - start, rb)
+            if part:
+                raise RuntimeError(f"row {r0 + k} of a host buffer straddles two registrations")
+            out.append((i + done, r0 + done, k - done))
+            done = k
+        out.append((i + done, r0 + done, n - done))
+    return out
+
+
+class IndexRing:
+    """The block indices of the gathers and scatters, written into a registered (pinned) host ring
+    and copied to the device on the side stream (`Streams.run`). A part of the ring is written again
+    only once the copy that read it completed: its event is queried, and the host waits for it only
+    when the ring wrapped onto a copy still queued (a ring's worth of indices in flight)."""
+
+    def __init__(self, streams: Streams, device: torch.device, pin: bool | str, entries: int = INDEX_ENTRIES) -> None:
+        self.streams = streams
+        self.device = device
+        self.buf = host_buffer(entries * 8, pin, row_bytes=8, what="index ring")
+        self.host = self.buf.tensor.view(torch.int64)
+        self.pos = 0
+        self.inflight: list[tuple[int, int, Any]] = []   # (first, end, event after its copy)
+        self.trace: list[tuple[int, int]] | None = None   # host ranges copied (tests)
+
+    def to_device(self, ids: Sequence[int]) -> torch.Tensor:
+        """`ids` on the device, after the side stream's work so far (call on the side stream)."""
+        n = len(ids)
+        if n > self.host.numel():
+            raise RuntimeError(f"{n} block indices in one copy; the index ring holds {self.host.numel()}")
+        if self.pos + n > self.host.numel():
+            self.pos = 0
+        lo, hi = self.pos, self.pos + n
+        s = self.streams
+        keep = []
+        for a, b, ev in self.inflight:
+            if s.query(ev):
+                continue
+            if a < hi and lo < b:
+                s.sync(ev)
+                continue
+            keep.append((a, b, ev))
+        self.inflight = keep
+        src = self.host[lo:hi]
+        src.copy_(torch.as_tensor(ids, dtype=torch.int64))
+        if self.trace is not None:
+            self.trace.append((src.data_ptr(), n * 8))
+        dst = torch.empty(n, dtype=torch.int64, device=self.device)
+        s.run(_to_device, dst, src)
+        self.inflight.append((lo, hi, s.record()))
+        self.pos = hi
+        return dst
+
+    def close(self) -> None:
+        self.inflight = []
+        self.buf.close()
+
+
+def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
 class DeviceCopier:
     """Blocks of the device KV (`flat[l]`: [num_blocks, ...] uint8 per layer, a block's bytes in
     index order: `kv_layout.canonical_view`) <-> rows of a host tensor ([rows, block_bytes] uint8: layer 0's bytes of a block, then layer 1's, ...)."""
 
     def __init__(self, flat: Sequence[torch.Tensor], offsets: Sequence[int], streams: Streams,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int = STAGING_BYTES, pin: bool | str = "auto") -> None:
         self.flat = list(flat)
         self.offsets = list(offsets)
         self.block_bytes = self.offsets[-1]
@@ -100,6 +183,13 @@ class DeviceCopier:
         self.device = self.flat[0].device
         self.chunk = max(1, staging_bytes // self.block_bytes)
         self._staging: torch.Tensor | None = None
+        self.index = IndexRing(streams, self.device, pin)
+        self.trace: list[tuple[int, int]] | None = None   # host ranges copied, rows and indices (tests)
+
+    def traced(self) -> list[tuple[int, int]]:
+        """Start recording every host range a copy touches (address, bytes); returns the list."""
+        self.trace = self.index.trace = []
+        return self.trace
 
     def _stage(self, n: int) -> torch.Tensor:
         if self._staging is None:
@@ -110,17 +200,27 @@ class DeviceCopier:
         for i in range(0, len(block_ids), self.chunk):
             yield list(block_ids[i:i + self.chunk]), list(rows[i:i + self.chunk])
 
+    def _runs(self, host: torch.Tensor, rws: list[int]) -> list[tuple[int, int, int]]:
+        runs = split_runs(host, row_runs(rws))
+        if self.trace is not None:
+            rb = host.stride(0)
+            self.trace.extend((host.data_ptr() + r0 * rb, n * rb) for _, r0, n in runs)
+        return runs
+
     def store(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int]) -> Any:
-        """KV blocks -> host rows, after the forward; returns the event to `sync` before the host
-        bytes are used."""
+        """KV blocks -> host rows, after the forward; returns the event to poll (`query`) before
+        the host bytes are used. The compute stream's later work waits for it (not the host)."""
         s = self.streams
         s.fence()
         with self._settled(), s.side():
             for ids, rws in self._chunks(block_ids, rows):
-                s.run(self._gather, host, ids, rws)
-                if len(block_ids) > self.chunk:  # the staging buffer is reused by the next chunk
-                    s.sync(s.record())
-        return s.record()
+                s.run(self._gather, host, self.index.to_device(ids), self._runs(host, rws))
+            ev = s.record()
+        try:
+            s.compute_wait(ev)
+        except Exception:  # noqa: BLE001 - the host waits instead: the blocks are read before any reuse
+            s.sync(ev)
+        return ev
 
     def load(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int]) -> list[Any]:
         """Host rows -> KV blocks, after the work queued on the compute stream; returns one event
@@ -131,15 +231,13 @@ class DeviceCopier:
         with self._settled(), s.side():
             chunks = list(self._chunks(block_ids, rows))
             for c, (ids, rws) in enumerate(chunks):
-                s.run(self._stage_rows, host, ids, rws)
-                idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+                s.run(self._stage_rows, host, self._runs(host, rws))
+                idx = self.index.to_device(ids)
                 last = c == len(chunks) - 1
                 for li in range(len(self.flat)):
                     s.run(self._scatter, li, idx, len(ids))
                     if last:
                         events.append(s.record())
-                if not last:  # the staging buffer is reused by the next chunk
-                    s.sync(s.record())
         return events
 
     @contextlib.contextmanager
@@ -157,17 +255,16 @@ class DeviceCopier:
             raise
 
     # the copies themselves, queued on the side stream by `Streams.run`
-    def _gather(self, host: torch.Tensor, ids: list[int], rws: list[int]) -> None:
-        st = self._stage(len(ids))
-        idx = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+    def _gather(self, host: torch.Tensor, idx: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+        st = self._stage(idx.numel())
         for li, f in enumerate(self.flat):
             st[:, self.offsets[li]:self.offsets[li + 1]].copy_(f.index_select(0, idx).flatten(1))
-        for i, r0, n in row_runs(rws):
+        for i, r0, n in runs:
             host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
 
-    def _stage_rows(self, host: torch.Tensor, ids: list[int], rws: list[int]) -> None:
-        st = self._stage(len(ids))
-        for i, r0, n in row_runs(rws):
+    def _stage_rows(self, host: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+        st = self._stage(sum(n for _, _, n in runs))
+        for i, r0, n in runs:
             st[i:i + n].copy_(host[r0:r0 + n], non_blocking=True)
 
     def _scatter(self, li: int, idx: torch.Tensor, n: int) -> None:
@@ -176,3 +273,4 @@ class DeviceCopier:
 
     def close(self) -> None:
         self._staging = None
+        self.index.close()

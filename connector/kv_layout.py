@@ -240,7 +240,7 @@ class KVCopier:
         if streams is None and lay.device.type == "cuda" and cuda_available():  # pragma: no cover
             streams = CudaStreams(lay.device)
         if streams is not None:   # gathers / scatters each layer's canonical view, whatever its layout
-            self.device = DeviceCopier(lay.canon, lay.offsets, streams)
+            self.device = DeviceCopier(lay.canon, lay.offsets, streams, pin=pool.pinned)
         # [slot, layer, layer_bytes] views: a run of consecutive (block, slot) pairs is one
         # strided copy per layer (no per-block Python call)
         self.runs_ok = uniform and lay.device.type == "cpu" and dense and self.device is None
@@ -295,8 +295,8 @@ class KVCopier:
 
     # ---- a GPU: asynchronous, ordered by events ---------------------------------------------
     def store_async(self, jobs: Sequence[Job]) -> object | None:
-        """Enqueue KV -> host copies after the forward; returns the event to `sync` (or None:
-        the copies ran synchronously)."""
+        """Enqueue KV -> host copies after the forward; returns the event to poll (`done`) before
+        the host bytes are used (or None: the copies ran synchronously)."""
         if self.device is None:
             self.run(jobs, to_outside=False)
             return None
@@ -322,6 +322,10 @@ class KVCopier:
     def sync(self, event) -> None:
         if event is not None and self.device is not None:
             self.device.streams.sync(event)
+
+    def done(self, event) -> bool:
+        """Whether the copies before `event` completed (the host does not wait)."""
+        return event is None or self.device is None or self.device.streams.query(event)
 
     # ---- the host (CPU backend) and per-view copies -----------------------------------------
     def run(self, jobs: Sequence[Job], to_outside: bool) -> None:

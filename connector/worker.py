@@ -24,6 +24,7 @@ from kvtier.tiers.io_hooks import fault_point
 
 from .kv_layout import KVCopier, KVLayout
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
+from .pending_stores import PendingStores
 from .startup import fit_pool_slots
 
 log = logging.getLogger("kvtier.connector")
@@ -91,6 +92,7 @@ class KVTierWorker(Counting):
                 raise ValueError(f"kvtier: KV re-registered with {lay.block_bytes} B blocks, the CPU pool "
                                  f"holds {self.pools[0].block_bytes} B blocks")
             self.ex.finish_loads()
+            self.pending.drain(SHUTDOWN_FLUSH_TIMEOUT_S)
             self.layout = lay
             self.kv = self.ex.outside = KVCopier(lay, self.pools[0], self._copy_streams)
             log.info("kvtier worker: KV re-registered (%s); cpu pool kept, %d slots", lay.describe(),
@@ -113,6 +115,7 @@ class KVTierWorker(Counting):
                            staging=Staging(lay.block_bytes, self._pin), report_cls=KVTierWorkerMeta,
                            count=self._count)
         self.ex.fail_loads = self.fail_loads
+        self.pending = PendingStores(self.ex)   # stores whose device copies are still running
         log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
         if self._remote_fn is not None and self.remote is None and not self._remote_needs_identity:
             self._open_remote(self._remote_fn(lay.block_bytes, self._count))
@@ -163,6 +166,7 @@ class KVTierWorker(Counting):
             return
         from kvtier.tiers.nvme_data import NvmeData
         if self.nvme is not None:
+            self.pending.drain(SHUTDOWN_FLUSH_TIMEOUT_S)
             self.ex.reap(wait=True)
             self.nvme.close()
             self.nvme = None
@@ -267,8 +271,12 @@ class KVTierWorker(Counting):
         """After the forward: GPU -> CPU stores, then the copies down (written behind). A load of
         this step that failed taints the step: vLLM recomputes those blocks, but this forward
         already computed the blocks after them over their stale contents, so nothing of it is
-        stored."""
-        self.finish_loads()
+        stored. On a GPU nothing here waits on the host: the stores' copies are left running
+        (`PendingStores`: reported, and their copies down started, once a later poll sees their
+        event complete) and the loads are accounted as queued."""
+        if self.ex is not None:
+            self.ex.finish_loads(wait=False)
+            self.pending.poll()
         meta = self._meta
         if meta is None or not (meta.stores or meta.copies):
             return
@@ -283,8 +291,11 @@ class KVTierWorker(Counting):
         copies, meta.copies = meta.copies, []
         if self.store_rank != self.rank:  # another rank writes the same bytes to the file / shared tier
             copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.remote_tier)]
-        failed = self.ex.store(stores, tainted)
-        self.ex.copy(copies, failed)
+        failed = self.ex.store(stores, tainted, defer=True)
+        self.pending.add(self.ex.deferred)
+        if not self.pending.hold(copies, failed):
+            self.ex.copy(copies, failed)
+        self.pending.poll()
 
     # ---- the report --------------------------------------------------------------------
     @property
@@ -300,6 +311,9 @@ class KVTierWorker(Counting):
         in the first one. `finish=False` (recovering from a failure): the report as it stands."""
         if self.ex is None:
             return None
+        if finish:
+            self.ex.finish_loads(wait=False)
+            self.pending.poll()
         r = self.ex.step() if finish else self.ex.take_report()
         if self._capacity:
             r = r or KVTierWorkerMeta(rank=self.rank)
@@ -308,7 +322,11 @@ class KVTierWorker(Counting):
         return r
 
     def take_load_errors(self, finish: bool = True) -> set[int]:
-        return self.ex.take_load_errors(finish) if self.ex is not None else set()
+        if self.ex is None:
+            return set()
+        if finish:
+            self.ex.finish_loads(wait=False)
+        return self.ex.take_load_errors(False)
 
     # ---- failures: the safe answer when a step's work cannot run (connector/guard.py) ----------
     def fail_step_loads(self) -> None:
@@ -352,9 +370,10 @@ class KVTierWorker(Counting):
         if ex is None:
             return None
         limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
-        pending = len(ex.down.writes)
         t0 = time.monotonic()
-        late, late_puts = ex.drain(limit)
+        copying = self.pending.drain(limit)   # stores still copying: their copies down start now
+        pending = len(ex.down.writes)
+        late, late_puts = ex.drain(max(0.0, limit - (time.monotonic() - t0)))
         if late_puts:
             log.warning("kvtier: shutdown: %d shared-tier write batches still running; left behind", late_puts)
         final = ex.take_report()
@@ -368,7 +387,7 @@ class KVTierWorker(Counting):
             if n:  # durable on disk; indexed only if the scheduler gets this report
                 self._count("nvme_unreported_blocks", n)
         ex.close(wait=not (late or late_puts))
-        if late or late_puts:  # a write still reads the CPU pool (and the data file): leave them to exit
+        if late or late_puts or copying:  # a write still reads the CPU pool (a copy writes it): leave them
             return final
         for plane in (self.nvme, self.remote, ex.staging):
             if plane is not None:

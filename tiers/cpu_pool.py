@@ -11,6 +11,7 @@ batched `torch._foreach_copy_` otherwise.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import math
@@ -154,6 +155,27 @@ CUDA = CudaHostRegistry()
 _stats_lock = threading.Lock()
 _stats = {"pinned_bytes": 0, "pin_fallbacks": 0, "unregister_errors": 0}
 _warned: set[str] = set()  # the buffers (by `what`) whose pinning fallback was logged
+_bounds: list[int] = []    # sorted start and end addresses of every registration now (with repeats)
+
+
+def registration_ends(start: int, nbytes: int) -> list[int]:
+    """Addresses strictly inside [start, start + nbytes) where a host registration begins or ends:
+    a copy over the range is cut there so no copy spans two registrations."""
+    with _stats_lock:
+        lo = bisect.bisect_right(_bounds, start)
+        hi = bisect.bisect_left(_bounds, start + nbytes)
+        return sorted(set(_bounds[lo:hi]))
+
+
+def _track(ptr: int, size: int, add: bool) -> None:
+    with _stats_lock:
+        for a in (ptr, ptr + size):
+            if add:
+                bisect.insort(_bounds, a)
+            else:
+                i = bisect.bisect_left(_bounds, a)
+                if i < len(_bounds) and _bounds[i] == a:
+                    del _bounds[i]
 
 
 def host_memory_stats() -> dict:
@@ -193,6 +215,7 @@ def _unregister(reg, chunks: list[tuple[int, int]], mm: mmap.mmap | None, what: 
             why = reg.unregister(ptr)
         except Exception as e:  # noqa: BLE001 - a broken CUDA runtime at shutdown
             why = f"cudaHostUnregister raised {e!r}"
+        _track(ptr, size, add=False)
         if why is not None:
             _count(unregister_errors=1)
             log.warning("%s: %s at %#x (%d B)", what, why, ptr, size)
@@ -247,6 +270,7 @@ class HostBuffer:
                     "(slower GPU<->CPU copies)", self.what, self.size, off, n, why)
                 return False
             self.chunks.append((base + off, n))
+            _track(base + off, n, add=True)
             _count(pinned_bytes=n)
         return True
 

@@ -209,8 +209,8 @@ class TierController(Completion, Counting):
         tgt = self.promotion.target(op.tier, len(self.tiers))
         if tgt is None or tgt >= op.tier:
             return
-        who = info.tenant if op.tier == self.remote or self.tenants is None else \
-            self.tenants.owners(self.tiers[op.tier], op.slots)
+        src = self.tiers[op.tier]   # the server's blocks have no owner here: the requester is charged
+        who = info.tenant if src.remote or self.tenants is None else self.tenants.owners(src, op.slots)
         if any(self.holds(k, tgt) for k in keys) or self._room(tgt, len(keys), who) < len(keys):
             return
         slots = self.tiers[tgt].allocate(keys, info)

@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from kvtier.core.deferred import Deferred
 from kvtier.core.failures import Failures
 from kvtier.core.handlers import HANDLERS, LoadRun, handler
 from kvtier.tiers.once import Once, cause
@@ -35,7 +36,7 @@ from kvtier.tiers.io_hooks import fault_point
 log = logging.getLogger("kvtier.executor")
 
 
-class Executor(Failures, Counting):
+class Executor(Failures, Deferred, Counting):
     """Runs plans over the tiers' data planes (`planes[i]`: tier i's CpuPool, NvmeData or
     RedisData, or None where this process has none) and an outside.
 
@@ -73,6 +74,8 @@ class Executor(Failures, Counting):
         self._failed_done: set[str] = set()         # ... and once reported, kept for `take_failed_recving`
         self._fetched: dict[int, tuple] = {}       # id(op) -> (host rows, rows, buffers, handle): read ahead
         self._load_event = None
+        self._rows_event = None                    # accounted loads' last copies, maybe still reading host rows
+        self.deferred: tuple | None = None         # the last `store(defer=True)`: (planned, event, t0)
         self.layer_events: list | None = None     # a layered load's events, one per layer
         self._load_done: list[tuple[LoadOp, str, list[bool]]] = []
         self._sync_s = self._copy_s = 0.0
@@ -108,6 +111,7 @@ class Executor(Failures, Counting):
         if not ops:
             return
         self.finish_loads()  # the last copies may still read the staging rows handed out again here
+        self.settle_rows(ops)
         try:
             self._load(ops, layered)
         except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
@@ -187,11 +191,15 @@ class Executor(Failures, Counting):
         finally:
             self._copy_s += time.perf_counter() - t1
 
-    def finish_loads(self) -> None:
+    def finish_loads(self, wait: bool = True) -> None:
         """Wait (the host) for the last load's copies; account them; a copy that failed, or that
-        cannot be confirmed, makes its blocks load errors."""
+        cannot be confirmed, makes its blocks load errors. `wait=False` (a step's hooks): copies
+        still running are accounted as queued (a device copy that fails later is a device error)
+        and the host rows they read are handed out again only after them (`settle_rows`)."""
         ev, self._load_event = self._load_event, None
         failed = None
+        if ev is not None and not wait and not self.outside.done(ev):
+            self._rows_event, ev = ev, None
         if ev is not None:
             try:
                 self.outside.sync(ev)
@@ -221,6 +229,7 @@ class Executor(Failures, Counting):
     def load_async(self, ops: Sequence[LoadOp]) -> None:
         """Start these requests' loads: shared-tier reads begin now (into their promotion slots or
         rows of their own); `poll_async` runs the rest and reports each request once complete."""
+        self.settle_rows()
         for op in ops:
             self._async.setdefault(op.req_id, []).append(op)
             h = self._handler_of(op.tier, Medium.OUTSIDE)
@@ -278,10 +287,11 @@ class Executor(Failures, Counting):
         return len(self._async)
 
     # ---- stores and copies -------------------------------------------------------------------
-    def store(self, ops: Sequence[StoreOp], tainted: bool = False) -> set[tuple[int, int]]:
+    def store(self, ops: Sequence[StoreOp], tainted: bool = False, defer: bool = False) -> set[tuple[int, int]]:
         """outside -> DRAM slots, all in one batch (after the step's compute; a device: one sync).
         `tainted`: this step's loads failed, so what it computed is not stored. Returns the
-        (tier, slot) pairs whose store failed (a copy down from them must not run)."""
+        (tier, slot) pairs whose store failed (a copy down from them must not run). `defer`: a
+        device's copies are left running, in `deferred` (`kvtier.core.deferred`)."""
         failed: set[tuple[int, int]] = set()
         t0 = time.perf_counter()
         by: dict[Any, list[StoreOp]] = {}
@@ -291,16 +301,16 @@ class Executor(Failures, Counting):
                 by.setdefault(handler(Medium.OUTSIDE, p.medium), []).append(op)
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
                 self.store_failed(op, e, tainted, failed)
-        planned = [op for h, group in by.items() for op in h.store(self, group, tainted, failed)]
-        dt = time.perf_counter() - t0
-        by_tier: dict[str, int] = {}
-        for op in planned:
-            self.result.stored[op.op_id] = [True] * len(op.slots)
-            by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
-        for name, n in by_tier.items():
-            self._count(f"bytes_stored.{name}", n * self.block_bytes)
-            self._count(f"seconds_stored.{name}", dt)
-            self._count(f"blocks_stored.{name}", n)
+        planned: list = []
+        ev = None
+        for h, group in by.items():
+            done, e = h.store(self, group, tainted, failed, defer and len(by) == 1)
+            planned += done
+            ev = e if e is not None else ev
+        if ev is not None:
+            self.deferred = (planned, ev, t0)
+            return failed
+        self.store_done(planned, time.perf_counter() - t0)
         return failed
 
     def store_failed(self, op: StoreOp, e: BaseException, tainted: bool, failed: set) -> None:
@@ -363,6 +373,7 @@ class Executor(Failures, Counting):
         """Wait (bounded) for every copy in flight and report it; returns the batches left running
         (file, shared): their blocks are never reported, so never indexed."""
         self.finish_loads()
+        self.settle_rows()
         for *_, h in list(self._fetched.values()):  # reads ahead into DRAM slots: let them land
             try:
                 h.wait()

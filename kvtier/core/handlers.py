@@ -170,7 +170,7 @@ class SharedLoad(ReadLoad):
                 pool = ex.host_pool(op.via_tier, op.via)
                 host, rows = pool.rows, list(op.via)
             else:
-                host, rows = torch.empty((n, ex.block_bytes), dtype=torch.uint8), list(range(n))
+                host, rows = torch.empty((n, ex.block_bytes), dtype=torch.uint8, pin_memory=ex.pinned_rows()), [*range(n)]
             bufs = [host[r] for r in rows]
             h = plane.read(op.slots, bufs, op.keys)
         except Exception as e:  # noqa: BLE001 - a miss, reported with the load
@@ -185,8 +185,10 @@ class SharedLoad(ReadLoad):
 class HostStore:
     pair = (OUTSIDE, HOST)
 
-    def store(self, ex: Any, ops: Sequence[StoreOp], tainted: bool, failed: set[tuple[int, int]]) -> list[StoreOp]:
-        """All in one batch (a device: one sync); returns the ops stored, adds the failed slots."""
+    def store(self, ex: Any, ops: Sequence[StoreOp], tainted: bool, failed: set[tuple[int, int]],
+              defer: bool = False) -> tuple[list[tuple[StoreOp, Any]], Any]:
+        """All in one batch; returns the (op, job)s stored and, with `defer` on a device, the
+        event their copies complete at (else None: done); adds the failed slots."""
         planned: list[tuple[StoreOp, Any]] = []
         for op in ops:
             try:
@@ -197,15 +199,19 @@ class HostStore:
                                                    [pool.views[s] for s in op.slots])))
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
                 ex.store_failed(op, e, tainted, failed)
+        ev = None
         if planned:
             try:
                 fault_point("store_copy")
-                ex.outside.sync(ex.outside.store_async([j for _, j in planned]))
+                ev = ex.outside.store_async([j for _, j in planned])
+                if not defer:
+                    ex.outside.sync(ev)
+                    ev = None
             except Exception as e:  # noqa: BLE001
                 for op, _ in planned:
                     ex.store_failed(op, e, False, failed)
-                planned = []
-        return [op for op, _ in planned]
+                planned, ev = [], None
+        return planned, ev
 
 
 # ---- copies down: DRAM -> a lower tier -----------------------------------------------------------

@@ -34,6 +34,9 @@ class Outside(Protocol):
 
     def sync(self, event: Any) -> None: ...
 
+    def done(self, event: Any) -> bool:
+        """Whether the copies before `event` completed (the host does not wait)."""
+
 
 class Buffers:
     """The outside of a caller with a tensor per block id (`blocks[b]`, `block_bytes` each)."""
@@ -70,6 +73,9 @@ class Buffers:
 
     def sync(self, event) -> None:
         pass
+
+    def done(self, event) -> bool:
+        return True
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
