@@ -308,3 +308,38 @@ def test_shared_tier_encrypted(redis_server, direct):
     r = enc.get(pk, [torch.zeros(BB, dtype=torch.uint8)]).wait()
     assert r.ok == [False] and enc.counters["decrypt_failed_blocks"] == 1 and cl.exists(enc.ns.name(pk[0]))
     enc.close()
+
+
+# ---- the cost, in `kvtier bench` ----------------------------------------------------------------
+def test_bench_has_encrypted_rows_in_the_same_run(tmp_path, capsys, redis_server):
+    argv = ["bench", "--skip-cpu", "--sizes", "64KiB", "--total", "1MiB", "--repeat", "2", "--dir", str(tmp_path),
+            "--redis", redis_server.url]
+    rc, d = run_json(capsys, *argv)
+    rows = {r["what"]: r for r in d["rows"]}
+    assert rc == 0 and list(rows) == ["nvme spill (write)", "nvme restore (read)", "nvme spill encrypted",
+                                      "nvme restore encrypted", "shared put", "shared put encrypted", "shared get",
+                                      "shared get encrypted"]
+    for w in ("nvme spill", "nvme restore"):
+        assert rows[w + " encrypted"]["limit_gbps"] == rows[f"{w} ({'write' if 'spill' in w else 'read'})"]["ours_gbps"]
+    assert all(r["ratio"] > 0 and r["ours_gbps"] > 0 for r in d["rows"])
+    rc, d = run_json(capsys, *argv, "--skip-encrypted")
+    assert rc == 0 and not any("encrypted" in r["what"] for r in d["rows"])
+
+
+def test_flipped_ciphertext_is_detected_not_served(tmp_path, capsys):
+    cfg = write_cfg(tmp_path, f"{{key_file: {key_file(tmp_path, 'k1', K1)}}}")
+    assert run_json(capsys, "spill", "--config", cfg, "--blocks", "30", "--seed", "4")[0] == 0
+    data = next((tmp_path / "nvme").rglob("data.0"))
+    stride = 4096 + BB
+    with open(data, "r+b") as f:
+        for slot in (2, 11, 23):
+            f.seek(slot * stride + 4096 + 999)
+            b = f.read(1)
+            f.seek(slot * stride + 4096 + 999)
+            f.write(bytes([b[0] ^ 0x01]))
+    rc, r = run_json(capsys, "restore", "--config", cfg, "--verify")
+    r = r["result"]
+    assert rc == 1 and (r["restored"], r["corrupt"], r["decrypt_failed"], r["bad_served"]) == (27, 3, 3, 0)
+    # fsck needs no key: it checks every header (a sealed payload is checked by its GCM tag, on read)
+    rc, f = run_json(capsys, "fsck", "--config", write_cfg(tmp_path, None, "nokey.yaml"))
+    assert rc == 0, f

@@ -14,10 +14,11 @@ fingerprint hash of the directory. Hashing the payload with seeded xxh3_64 runs 
 speed; only the ~100-byte header goes through BLAKE2b (see docs/architecture.md for figures).
 
 An encrypted tier (`sealing.Sealer`) writes format 3: the payload is AES-256-GCM ciphertext
-(same length; the payload hash covers it), and the header carries the sealing record after
-the key. `check` verifies the stored bytes of either format (so fsck needs no key); `unseal`
-then refuses a block of the other format (a plaintext block on an encrypted tier, or the
-reverse) and decrypts a sealed one.
+(same length), the header carries the sealing record after the key, and its payload-hash field
+holds the GCM tag's first 8 bytes (so the header tag covers the ciphertext, with no second pass
+over it). `check` verifies the header of either format (a sealed payload is verified by its GCM
+tag: fsck needs no key, and checks headers only); `unseal` then refuses a block of the other
+format (a plaintext block on an encrypted tier, or the reverse) and decrypts a sealed one.
 """
 
 from __future__ import annotations
@@ -265,12 +266,12 @@ class BlockCodec:
         the payload's own memory), and that is what is stored."""
         if len(key) > MAX_KEY_BYTES - 8 - RECORD_BYTES:
             raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES - 8 - RECORD_BYTES}")
-        record = b""
-        if self.sealer is not None:
+        if self.sealer is not None:  # the payload's hash: its GCM tag's first 8 bytes (no second pass)
             record = self.sealer.seal_into(payload, out, key + self._aad)
-            payload = memoryview(out)[:len(payload)]
-        fixed = _HDR.pack(MAGIC, self.version, len(key), self.rank, len(payload), self.fp_hash,
-                          self.payload_hash(payload), 0)[:_TAGGED]
+            ph = struct.unpack_from("<Q", record, RECORD_BYTES - 16)[0]
+        else:
+            record, ph = b"", self.payload_hash(payload)
+        fixed = _HDR.pack(MAGIC, self.version, len(key), self.rank, len(payload), self.fp_hash, ph, 0)[:_TAGGED]
         tag = self._tag(fixed, key)
         n = _HDR.size
         hdr[:_TAGGED] = fixed
@@ -338,6 +339,10 @@ class BlockCodec:
         if length != len(payload):
             return f"block length {length}, expected {len(payload)}"
         ph = struct.unpack_from("<Q", bytes(hdr[_TAGGED - 8:_TAGGED]))[0]
+        if struct.unpack_from("<H", hdr, 8)[0] == SEALED_VERSION:  # its GCM tag: checked by `unseal`
+            at = _HDR.size + len(key) + 8 + RECORD_BYTES - 16
+            return None if bytes(hdr[at:at + 8]) == struct.pack("<Q", ph) else \
+                "sealing record does not match its header (swapped or corrupt)"
         if self.payload_hash(payload) != ph:
             return "payload does not match its hash (corrupt data)"
         return None
