@@ -343,3 +343,17 @@ def test_flipped_ciphertext_is_detected_not_served(tmp_path, capsys):
     # fsck needs no key: it checks every header (a sealed payload is checked by its GCM tag, on read)
     rc, f = run_json(capsys, "fsck", "--config", write_cfg(tmp_path, None, "nokey.yaml"))
     assert rc == 0, f
+
+
+def test_a_bad_key_fails_the_start_but_not_a_replay_without_data(tmp_path):
+    from kvtier.core.builder import build_tier
+    cfg = parse_config({"block_bytes": BB, "tiers": [
+        {"name": "cpu", "kind": "cpu", "capacity_blocks": 8},
+        {"name": "nvme", "kind": "nvme", "path": str(tmp_path / "n"), "capacity_blocks": 8,
+         "encryption": {"key_env": "KVTIER_TEST_UNSET_KEY"}}]}, check_env=False)
+    os.environ.pop("KVTIER_TEST_UNSET_KEY", None)
+    for data in ("full", "control"):
+        with pytest.raises(ConfigError, match=r"tiers\[nvme\].encryption: encryption key variable "
+                                              r"\$KVTIER_TEST_UNSET_KEY is not set"):
+            build_tier(cfg, 1, data)
+    build_tier(cfg, 1, "none").close()   # a replay without bytes needs no key

@@ -70,7 +70,8 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
                           cfg.block_bytes, closed)
     cap = t.blocks(cfg.block_bytes)
     fp = fingerprint or cfg.fingerprint()
-    sealer = tier_sealer(cfg, t)  # checked in every mode: a bad key fails the start, in one line
+    # checked with or without the data (the connector's scheduler): a bad key fails the start, in one line
+    sealer = tier_sealer(cfg, t) if data != "none" else None
     if t.kind == "redis":
         if data == "none":
             from kvtier.tiers.redis import SimRemoteTier
