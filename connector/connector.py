@@ -30,7 +30,7 @@ import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 
-from kvtier.core.builder import build_controller
+from kvtier.core.builder import build_controller, tier_sealer
 from kvtier.core.config import ConfigError
 from kvtier.tiers.once import Once
 from kvtier.tiers.contract import Medium
@@ -158,7 +158,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
             self.worker = KVTierWorker(None, cpu_tier=cpu, pin=cpu.pin if cpu is not None else "auto",
                                        nvme_io=nvme.io if nvme else "auto",
                                        nvme_io_threads=nvme.io_threads if nvme else 4,
-                                       nvme_direct=nvme.direct if nvme else "auto",
+                                       nvme_direct=nvme.direct if nvme else "auto", nvme_sealer=tier_sealer(cfg, nvme),
                                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
                                        ranks=_world_size(vllm_config), expected_block_bytes=bb or None,
                                        num_blocks=getattr(kv_cache_config, "num_blocks", None),

@@ -152,9 +152,10 @@ def remote_opener(t: Any, fingerprint: dict, rank: int):
     def open_(block_bytes: int, count, model: str | None = None):
         from kvtier.tiers.redis_conn import Namespace, RedisSettings
         from kvtier.tiers.redis_data import RedisData
+        from kvtier.tiers.sealing import sealer_of
         s = RedisSettings.of(t)
         fp = dict(fingerprint, model=model) if model else fingerprint
-        return RedisData(s, Namespace(fp, s.secret, rank), block_bytes, threads=t.io_threads,
+        return RedisData(s, Namespace(fp, s.secret, rank, sealer_of(t.encryption)), block_bytes, threads=t.io_threads,
                          count=count, name=t.name)
     return open_
 

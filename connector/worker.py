@@ -40,7 +40,7 @@ class KVTierWorker(Counting):
                  nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
                  nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1,
                  num_blocks: int | None = None, copy_streams=None, cpu_tier=None,
-                 store_rank: int | None = None, remote_needs_identity: bool = False) -> None:
+                 store_rank: int | None = None, remote_needs_identity: bool = False, nvme_sealer=None) -> None:
         """`cpu_tier`: the cpu tier's config (else `cpu_blocks_fn(block bytes)` slots).
         `remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
         rank, or None without a shared tier; with `remote_needs_identity` it is
@@ -60,6 +60,7 @@ class KVTierWorker(Counting):
         self._num_blocks = num_blocks
         self._copy_streams = copy_streams
         self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
+        self._nvme_sealer = nvme_sealer       # `sealing.Sealer`: the NVMe tier is encrypted
         self._lag = nvme_write_lag_steps
         self.rank = rank
         self.store_rank = rank if store_rank is None else store_rank  # NVMe file data.<it>, its checksums
@@ -173,7 +174,7 @@ class KVTierWorker(Counting):
         io, threads, direct = self._nvme_args
         try:
             self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
-                                 rank=self.store_rank)
+                                 rank=self.store_rank, sealer=self._nvme_sealer)
         except Exception as e:  # noqa: BLE001 - any failure to open is a tier unavailable, not a crash
             self._nvme_failed_at = now
             self._count("nvme_open_failed")

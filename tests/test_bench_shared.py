@@ -44,7 +44,8 @@ def test_bench_cli_redis_flag(redis_server):
                           "--sizes", "128KiB"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [r["what"] for r in d["rows"]] == ["shared put", "shared get"]
+    assert [r["what"] for r in d["rows"]] == ["shared put", "shared put encrypted", "shared get",
+                                              "shared get encrypted"]
     assert all(r["ratio"] > 0 and r["keys_left"] == 0 for r in d["rows"])
     assert any("shared tier" in n for n in d["notes"])
 

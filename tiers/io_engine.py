@@ -47,6 +47,7 @@ class IOEngine:
     """Moves blocks between buffers and aligned file offsets; returns IOHandles."""
 
     name = "abstract"
+    can_encrypt = True   # moves blocks through host memory, where `sealing` can encrypt them
 
     @property
     def description(self) -> str:

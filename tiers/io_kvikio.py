@@ -102,6 +102,7 @@ class KvikioEngine(IOEngine):
     """
 
     name = "kvikio"
+    can_encrypt = False  # device memory straight to the file: no host copy to encrypt
     MAX_ERROR_KINDS = 64  # distinct kinds kept in stats (all are counted in io_errors)
 
     def __init__(self, threads: int = 4) -> None:

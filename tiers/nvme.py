@@ -33,6 +33,7 @@ from .handles import IOHandle, IOResult
 from .io_engine import MAX_IO_BYTES
 from .nvme_control import NvmeControl
 from .nvme_data import NvmeData, check_space
+from .sealing import FAILED, Sealer
 
 log = logging.getLogger("kvtier.nvme")
 
@@ -50,12 +51,14 @@ class NvmeTier(NvmeControl):
     def __init__(self, name: str, path: str, capacity_blocks: int, block_bytes: int, eviction: EvictionPolicy,
                  io: str = "auto", fingerprint: dict | None = None, on_mismatch: str = "refuse",
                  with_data: bool = True, io_threads: int = 4, direct: bool | str = "auto",
-                 max_io_bytes: int = MAX_IO_BYTES, read_only: bool = False, allow_shrink: bool = False) -> None:
+                 max_io_bytes: int = MAX_IO_BYTES, read_only: bool = False, allow_shrink: bool = False,
+                 sealer: Sealer | None = None) -> None:
         if with_data and not read_only and capacity_blocks > 0 and block_bytes > 0:  # before the per-slot arrays
             check_space(name, path, capacity_blocks, block_bytes)
         self.with_data = with_data
         self.data: NvmeData | None = None
         self.io_errors = 0
+        self.decrypt_failed_blocks = 0             # of the blocks failing verification: not opening (`sealing`)
         self._written: dict[int, bool] = {}        # pending slot -> its last write succeeded
         self._inflight: dict[int, IOHandle] = {}   # pending slot -> write handle not yet waited
         self._durable: set[int] = set()            # slots an executor wrote and flushed, being committed
@@ -66,7 +69,7 @@ class NvmeTier(NvmeControl):
         try:
             self._recover()  # a refused shrink leaves the data file untouched
             self.data = NvmeData(self.dir, capacity_blocks, block_bytes, io, io_threads, direct, max_io_bytes,
-                                 name=name, read_only=read_only)
+                                 name=name, read_only=read_only, sealer=sealer)
             self._record_meta()
         except BaseException:
             self.close()
@@ -177,14 +180,17 @@ class NvmeTier(NvmeControl):
         def finish(r: IOResult) -> IOResult:
             bad = r.bad or [False] * len(slots)
             corrupt = [s for s, k, b in zip(slots, keys, bad) if b and self._key_of[s] == k]
-            if corrupt:
+            sealed = sum(FAILED in e for e in r.errors)
+            if corrupt and not (sealed and self.decrypt_failed_blocks):  # a wrong key: logged once
                 log.error("nvme tier %r: %d blocks failed verification in %s; %s: %s", self.name, len(corrupt),
                           self.data.path if self.data else self.path,
                           "not served (read-only: index unchanged)" if self.read_only else "quarantined",
                           r.errors[:3])
+            if corrupt:
                 n = self.quarantine([s for s in corrupt if self._state[s] == RESIDENT],
                                     r.errors[0] if r.errors else "failed verification")
                 self.corrupt_blocks += len(corrupt) - n
+                self.decrypt_failed_blocks += sealed
             self.io_errors += sum(1 for ok, b in zip(r.ok, bad) if not ok and not b)
             return r
 
@@ -222,6 +228,7 @@ class NvmeTier(NvmeControl):
     def stats(self) -> dict:
         d = super().stats()
         d.update({"engine": self.io_engine, "engine_reason": self.engine_reason, "io_errors": self.io_errors,
+                  "decrypt_failed_blocks": self.decrypt_failed_blocks,
                   "bytes_read": self.bytes_read, "bytes_written": self.bytes_written})
         if self.data is not None:
             d["io"] = self.data.engine.stats()

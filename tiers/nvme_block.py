@@ -12,6 +12,13 @@ fingerprint or namespace, or a block planted without the secret fails, and is a 
 The secret lives in ``secret`` (0600) next to the data: 32 random bytes then the 8-byte
 fingerprint hash of the directory. Hashing the payload with seeded xxh3_64 runs at memory
 speed; only the ~100-byte header goes through BLAKE2b (see docs/architecture.md for figures).
+
+An encrypted tier (`sealing.Sealer`) writes format 3: the payload is AES-256-GCM ciphertext
+(same length), the header carries the sealing record after the key, and its payload-hash field
+holds the GCM tag's first 8 bytes (so the header tag covers the ciphertext, with no second pass
+over it). `check` verifies the header of either format (a sealed payload is verified by its GCM
+tag: fsck needs no key, and checks headers only); `unseal` then refuses a block of the other
+format (a plaintext block on an encrypted tier, or the reverse) and decrypts a sealed one.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import struct
 
 import xxhash
 
+from .sealing import NOT_OURS, RECORD_BYTES, Sealer
+
 HEADER_BYTES = 4096
 
 
@@ -37,6 +46,7 @@ SECRET_FILE = "secret"
 _HDR = struct.Struct("<8sHHIQQQQ")   # magic, version, key_len, rank, length, fp_hash, payload_hash, tag
 _TAGGED = _HDR.size - 8              # the tag covers every field before it, then the key
 BLOCK_VERSION = 2
+SEALED_VERSION = 3                   # the payload is encrypted (`sealing`)
 MAX_KEY_BYTES = HEADER_BYTES - _HDR.size
 
 
@@ -228,12 +238,16 @@ def load_secret(dir_fd: int, dir_path: str, fp_hash: int | None, create: bool) -
 # ---- header --------------------------------------------------------------------------------
 class BlockCodec:
     """Seals and checks block headers for one directory (its secret and fingerprint hash) and
-    one rank's shard. `keys[i]` / `expect[i]`: the key and tag of block i of a batch."""
+    one rank's shard. `keys[i]` / `expect[i]`: the key and tag of block i of a batch. With a
+    `sealer` the payloads are encrypted: `seal` needs `out`, reads call `unseal`."""
 
-    def __init__(self, secret: bytes, fp_hash: int, rank: int = 0) -> None:
+    def __init__(self, secret: bytes, fp_hash: int, rank: int = 0, sealer: Sealer | None = None) -> None:
         self.secret = secret
         self.fp_hash = fp_hash
         self.rank = rank
+        self.sealer = sealer
+        self.version = SEALED_VERSION if sealer is not None else BLOCK_VERSION
+        self._aad = struct.pack("<QI", fp_hash, rank)
         self.seed = int.from_bytes(hashlib.blake2b(b"payload", key=secret, digest_size=8).digest(), "little")
         self._mac = hashlib.blake2b(key=secret, digest_size=8)  # keyed state, copied per tag
 
@@ -246,19 +260,40 @@ class BlockCodec:
         m.update(key)
         return int.from_bytes(m.digest(), "little")
 
-    def seal(self, hdr: memoryview, key: bytes, payload) -> int:
-        """Fill `hdr` (HEADER_BYTES) for `payload` under `key`; returns the tag."""
-        if len(key) > MAX_KEY_BYTES:
-            raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES}")
-        fixed = _HDR.pack(MAGIC, BLOCK_VERSION, len(key), self.rank, len(payload), self.fp_hash,
-                          self.payload_hash(payload), 0)[:_TAGGED]
+    def seal(self, hdr: memoryview, key: bytes, payload, out=None) -> int:
+        """Fill `hdr` (HEADER_BYTES) for `payload` under `key`; returns the tag. Encrypted: the
+        ciphertext goes to `out[:len(payload)]` (`out` holds TAG_BYTES more, scratch; it may be
+        the payload's own memory), and that is what is stored."""
+        if len(key) > MAX_KEY_BYTES - 8 - RECORD_BYTES:
+            raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES - 8 - RECORD_BYTES}")
+        if self.sealer is not None:  # the payload's hash: its GCM tag's first 8 bytes (no second pass)
+            record = self.sealer.seal_into(payload, out, key + self._aad)
+            ph = struct.unpack_from("<Q", record, RECORD_BYTES - 16)[0]
+        else:
+            record, ph = b"", self.payload_hash(payload)
+        fixed = _HDR.pack(MAGIC, self.version, len(key), self.rank, len(payload), self.fp_hash, ph, 0)[:_TAGGED]
         tag = self._tag(fixed, key)
         n = _HDR.size
         hdr[:_TAGGED] = fixed
         hdr[_TAGGED:n] = struct.pack("<Q", tag)
         hdr[n:n + len(key)] = key
         hdr[n + len(key):n + len(key) + 8] = bytes(8)
+        if record:
+            hdr[n + len(key) + 8:n + len(key) + 8 + RECORD_BYTES] = record
         return tag
+
+    def unseal(self, hdr, key: bytes, buf, out=None) -> str | None:
+        """After `check` passed: None when the block is of this tier's format, decrypted when
+        encrypted (`buf`: the stored payload then TAG_BYTES of scratch, writable; the plaintext
+        goes to `out`, default in place); else why not (starting with `sealing.FAILED`)."""
+        ver = struct.unpack_from("<H", hdr, 8)[0]
+        if ver != self.version:
+            return (f"{NOT_OURS}: an encrypted block, this tier has no encryption key" if self.sealer is None else
+                    f"{NOT_OURS}: a plaintext block, this tier is encrypted")
+        if self.sealer is None:
+            return None
+        at = _HDR.size + len(key) + 8
+        return self.sealer.open_into(bytes(hdr[at:at + RECORD_BYTES]), buf, key + self._aad, out)
 
     def parse(self, hdr) -> tuple[bytes, int, int] | str:
         """(key, length, tag) of a header whose tag is genuine, else why not."""
@@ -266,8 +301,8 @@ class BlockCodec:
         magic, ver, klen, rank, length, fph, _ph, tag = _HDR.unpack(b)
         if magic != MAGIC:
             return "no block header (bad magic)"
-        if ver != BLOCK_VERSION:
-            return f"block format {ver}, expected {BLOCK_VERSION}"
+        if ver not in (BLOCK_VERSION, SEALED_VERSION):
+            return f"block format {ver}, expected {BLOCK_VERSION} or {SEALED_VERSION}"
         if klen > MAX_KEY_BYTES:
             return f"key length {klen} out of range"
         key = bytes(hdr[_HDR.size:_HDR.size + klen])
@@ -279,10 +314,9 @@ class BlockCodec:
             return f"block of rank {rank}, this file is rank {self.rank}'s"
         return key, length, tag
 
-    @staticmethod
-    def header_size(key: bytes) -> int:
+    def header_size(self, key: bytes) -> int:
         """Bytes `seal` fills for `key` (a shared-tier value carries just these, then the payload)."""
-        return _HDR.size + len(key) + 8
+        return _HDR.size + len(key) + 8 + (RECORD_BYTES if self.sealer is not None else 0)
 
     def verify(self, hdr, key: bytes, payload) -> str | None:
         """`check` without an index to hold the tag (the shared tier): the header must be genuine."""
@@ -305,6 +339,10 @@ class BlockCodec:
         if length != len(payload):
             return f"block length {length}, expected {len(payload)}"
         ph = struct.unpack_from("<Q", bytes(hdr[_TAGGED - 8:_TAGGED]))[0]
+        if struct.unpack_from("<H", hdr, 8)[0] == SEALED_VERSION:  # its GCM tag: checked by `unseal`
+            at = _HDR.size + len(key) + 8 + RECORD_BYTES - 16
+            return None if bytes(hdr[at:at + 8]) == struct.pack("<Q", ph) else \
+                "sealing record does not match its header (swapped or corrupt)"
         if self.payload_hash(payload) != ph:
             return "payload does not match its hash (corrupt data)"
         return None

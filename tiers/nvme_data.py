@@ -22,6 +22,7 @@ from .io_engine import MAX_IO_BYTES
 from .io_engines import select_engine
 from .nvme_block import BlockCodec, load_secret, open_dir, slot_stride
 from .nvme_dir import ForeignDirectory, data_file, dir_owner, oserror
+from .sealing import Sealer
 
 log = logging.getLogger("kvtier.nvme")
 
@@ -56,7 +57,7 @@ class NvmeData:
 
     def __init__(self, directory: str, capacity_blocks: int, block_bytes: int, io: str = "auto",
                  io_threads: int = 4, direct: bool | str = "auto", max_io_bytes: int = MAX_IO_BYTES,
-                 name: str = "nvme", rank: int = 0, read_only: bool = False) -> None:
+                 name: str = "nvme", rank: int = 0, read_only: bool = False, sealer: Sealer | None = None) -> None:
         self.dir = directory
         self.name = name
         self.rank = rank
@@ -75,10 +76,13 @@ class NvmeData:
                 raise ForeignDirectory(_errno.EEXIST, f"nvme tier {name!r}: {directory} is not a kvtier "
                                        f"directory (no marker): refused, nothing in it changed", directory)
             secret, fp_hash = load_secret(self.dir_fd, directory, None, create=False)
-            self.codec = BlockCodec(secret, fp_hash, rank)
+            self.codec = BlockCodec(secret, fp_hash, rank, sealer)
             if not read_only:
                 check_space(name, directory, capacity_blocks, block_bytes, rank)
             self.engine, self.engine_reason = select_engine(io, io_threads, direct, max_io_bytes)
+            if sealer is not None and not self.engine.can_encrypt:
+                raise OSError(_errno.EINVAL, f"nvme tier {name!r}: encryption needs io: posix "
+                              f"({self.engine.description} moves blocks without a host copy)", directory)
             try:
                 self.file = self.engine.open(self.path, dir_fd=self.dir_fd, read_only=read_only)
             except OSError as e:
@@ -94,9 +98,9 @@ class NvmeData:
         except BaseException:
             self.close()
             raise
-        log.info("nvme tier %r (data plane): %s, %d slots x %d B (stride %d), engine %s (%s)%s", name, self.path,
+        log.info("nvme tier %r (data plane): %s, %d slots x %d B (stride %d), engine %s (%s)%s%s", name, self.path,
                  capacity_blocks, block_bytes, self.stride, self.engine.description, self.engine_reason,
-                 ", read-only" if read_only else "")
+                 ", read-only" if read_only else "", ", AES-256-GCM" if sealer is not None else "")
 
     def _offsets(self, slots: Sequence[int]) -> list[int]:
         return [s * self.stride for s in slots]

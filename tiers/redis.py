@@ -199,13 +199,13 @@ class _RemoteBase:
 class RedisTier(_RemoteBase):
     def __init__(self, name: str, settings: RedisSettings, fingerprint: dict, block_bytes: int,
                  ranks: int = 1, capacity_blocks: int = 0, data: bool = True, threads: int = 4,
-                 count: Callable[[str, float], None] | None = None) -> None:
+                 count: Callable[[str, float], None] | None = None, sealer=None) -> None:
         self.name = name
         self.settings = settings
         self.block_bytes = block_bytes
         self.ranks = max(1, ranks)
         self.capacity_blocks = capacity_blocks
-        self.ns = Namespace(fingerprint, settings.secret, rank=0)
+        self.ns = Namespace(fingerprint, settings.secret, rank=0, sealer=sealer)
         self.conn = RedisData(settings, self.ns, block_bytes, threads=threads if data else 1, count=count,
                               name=name)
         self.with_data = data

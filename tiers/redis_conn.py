@@ -183,13 +183,13 @@ def namespace_of(fingerprint: dict) -> str:
 class Namespace:
     """Key names and the value codec of one fingerprint; `rank` is the shard a worker writes."""
 
-    def __init__(self, fingerprint: dict, secret: str | None = None, rank: int = 0) -> None:
+    def __init__(self, fingerprint: dict, secret: str | None = None, rank: int = 0, sealer=None) -> None:
         self.ns = namespace_of(fingerprint)
         self.rank = rank
         self.authenticated = bool(secret)
         key = hashlib.blake2b(b"kvtier-shared/" + self.ns.encode() + b"/" + (secret or "").encode(),
                               digest_size=32).digest()
-        self.codec = BlockCodec(key, int(self.ns, 16), rank)
+        self.codec = BlockCodec(key, int(self.ns, 16), rank, sealer)  # sealer: values encrypted (`sealing`)
         self.prefix = f"{KEY_PREFIX}:{self.ns}:".encode()
 
     def name(self, key: bytes, rank: int | None = None) -> bytes:

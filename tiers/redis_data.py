@@ -30,6 +30,7 @@ import torch
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 from .contract import Medium
 from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text
+from .sealing import FAILED, NOT_OURS, RECORD_BYTES, TAG_BYTES
 
 log = logging.getLogger("kvtier.redis")
 
@@ -108,6 +109,25 @@ class _Reader:
                 digest.update(memoryview(self.buf)[self.lo:self.lo + k])
             self.lo += k
             n -= k
+
+
+def _unsealed(codec, v: bytes, h: int, k: bytes) -> tuple[str | None, bytes | bytearray, int]:
+    """(why not, buffer, offset) of a verified value's plaintext payload: decrypted when sealed."""
+    if codec.sealer is None:
+        return codec.unseal(memoryview(v)[:h], k, None), v, h
+    buf = bytearray(len(v) - h + TAG_BYTES)
+    buf[:len(v) - h] = memoryview(v)[h:]
+    return codec.unseal(memoryview(v)[:h], k, memoryview(buf)), buf, 0
+
+
+def _wrong_size(codec, k: bytes, n: int, bb: int) -> str:
+    """Why a value of `n` bytes is not a block of this tier: a value of the other format (sealed
+    or not: another reader's, left on the server) or a truncated or overlong one."""
+    h = codec.header_size(k)
+    if n == h + bb + (-RECORD_BYTES if codec.sealer is not None else RECORD_BYTES):
+        return (f"{NOT_OURS}: a plaintext value, this tier is encrypted" if codec.sealer is not None
+                else f"{NOT_OURS}: an encrypted value, this tier has no encryption key")
+    return "truncated value" if n < h + bb else "value too long"
 
 
 def _cause(why: str) -> str:
@@ -272,13 +292,15 @@ class RedisData:
                 ok.append(False)
                 continue
             h = codec.header_size(k)
-            why = ("truncated value" if len(v) != h + bb else
+            why = (_wrong_size(codec, k, len(v), bb) if len(v) != h + bb else
                    codec.verify(memoryview(v)[:h], k, memoryview(v)[h:]))
+            if why is None:  # the payload as plaintext (decrypted when sealed), or why not
+                why, plain, at = _unsealed(codec, v, h, k)
             if why is not None:
                 ok.append(False)
                 dropped.append((k, hashlib.sha1(v).hexdigest(), why))
                 continue
-            _copy_out(dst, v, h, bb)
+            _copy_out(dst, plain, at, bb)
             nbytes += bb
             ok.append(True)
         return self._tally(keys, ok, dropped, nbytes, missing)
@@ -290,10 +312,12 @@ class RedisData:
         value). A block that fails is a miss and its destination is left untouched. None: a
         cluster node redirected (MOVED / ASK): nothing counted, the caller reads another way."""
         codec, bb = self.ns.codec, self.block_bytes
+        sealed = codec.sealer is not None  # the scratch holds the ciphertext and room for its tag
         scratch = getattr(self._scratch, "t", None)
         if scratch is None:
-            scratch = self._scratch.t = torch.empty(bb, dtype=torch.uint8)
-        scratch_mv = _bytes_of(scratch)
+            scratch = self._scratch.t = torch.empty(bb + (TAG_BYTES if sealed else 0), dtype=torch.uint8)
+            self._scratch.p = torch.empty(bb, dtype=torch.uint8) if sealed else scratch  # the plaintext
+        scratch_mv, plain = _bytes_of(scratch), self._scratch.p
         ok: list[bool] = []
         dropped: list[tuple[bytes, str, str]] = []
         nbytes = missing = 0
@@ -325,20 +349,21 @@ class RedisData:
                     rd.skip(n, digest)
                     rd.skip(2)
                     ok.append(False)
-                    dropped.append((k, digest.hexdigest(), "truncated value" if n < h + bb else "value too long"))
+                    dropped.append((k, digest.hexdigest(), _wrong_size(codec, k, n, bb)))
                     continue
                 hdr = bytearray(h)
                 rd.into(memoryview(hdr))
-                rd.into(scratch_mv)
+                rd.into(scratch_mv[:bb])
                 rd.skip(2)
-                why = codec.verify(memoryview(hdr), k, scratch_mv)
+                why = (codec.verify(memoryview(hdr), k, scratch_mv[:bb])  # sealed: decrypted into `plain`
+                       or codec.unseal(hdr, k, scratch_mv, _bytes_of(plain) if sealed else None))
                 if why is not None:
                     ok.append(False)
                     digest = hashlib.sha1(hdr)
-                    digest.update(scratch_mv)
+                    digest.update(scratch_mv[:bb])
                     dropped.append((k, digest.hexdigest(), why))
                     continue
-                ctypes.memmove(dst.data_ptr(), scratch.data_ptr(), bb)  # verified: into the block
+                ctypes.memmove(dst.data_ptr(), plain.data_ptr(), bb)  # verified: into the block
                 nbytes += bb
                 ok.append(True)
         except _Redirected:
@@ -363,13 +388,21 @@ class RedisData:
         errors = [f"{k.hex()[:16]}: {why}" for k, _, why in dropped]
         bad: list[bool] = []
         if dropped:
+            ours = [(k, d) for k, d, why in dropped if not why.startswith(NOT_OURS)]
             self.count("corrupt_blocks", len(dropped))
+            sealed = sum(why.startswith(FAILED) for _, _, why in dropped)
+            if sealed:  # of those, the ones that did not open (`sealing`)
+                self.count("decrypt_failed_blocks", sealed)
             for _, _, why in dropped:
                 self._warn_once("bad:" + _cause(why), "kvtier: shared tier %s: a value failed verification (%s): "
-                                "not served, deleted on the server unless rewritten since, and a miss for "
-                                "later lookups (counted in corrupt_blocks; more of this cause not logged)",
-                                self.s.where, why)
-            self.drop_bad([(k, d) for k, d, _ in dropped])
+                                "not served, %s, and a miss for later lookups (counted in %s; more of this cause "
+                                "not logged)", self.s.where, why,
+                                "left on the server (another reader may hold its key)" if why.startswith(NOT_OURS)
+                                else "deleted on the server unless rewritten since",
+                                "corrupt_blocks and decrypt_failed_blocks" if why.startswith(FAILED)
+                                else "corrupt_blocks")
+            if ours:
+                self.drop_bad(ours)
             names = {k for k, _, _ in dropped}
             bad = [k in names and not o for k, o in zip(keys, ok)]
         self.count("bytes_read", nbytes)
@@ -413,8 +446,14 @@ class RedisData:
         payload = _bytes_of(src)
         if len(payload) != self.block_bytes:
             raise ValueError(f"shared tier: block of {len(payload)} bytes, block_bytes is {self.block_bytes}")
-        hdr = bytearray(self.ns.codec.header_size(key))
-        self.ns.codec.seal(memoryview(hdr), key, payload)
+        codec = self.ns.codec
+        hdr = bytearray(codec.header_size(key))
+        if codec.sealer is not None:  # the ciphertext is what is sent (one new buffer per value)
+            out = memoryview(bytearray(len(payload) + TAG_BYTES))
+            codec.seal(memoryview(hdr), key, payload, out)
+            payload = out[:len(payload)]
+        else:
+            codec.seal(memoryview(hdr), key, payload)
         return Parts((bytes(hdr), payload))
 
     def _put(self, keys: list[bytes], srcs: list[torch.Tensor]) -> IOResult:

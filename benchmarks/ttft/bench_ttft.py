@@ -218,6 +218,8 @@ def main() -> None:
     ap.add_argument("--redis", default=None, metavar="URL",
                     help="shared-tier server (default: a private redis-server for the run)")
     ap.add_argument("--no-shared", action="store_true", help="leave the kvtier-shared setting out")
+    ap.add_argument("--encrypted", action="store_true",
+                    help="add kvtier-nvme-enc: kvtier-nvme-cold on an encrypted NVMe tier (AES-256-GCM)")
     a = ap.parse_args()
     U.set_env()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -243,24 +245,42 @@ def main() -> None:
             server.close()
 
 
+def encrypted_stack(workdir: str) -> dict:
+    """kv_connector_extra_config for an encrypted NVMe tier: a YAML stack naming a fresh key file."""
+    key = os.path.join(workdir, "nvme.key")
+    with open(key, "wb") as f:
+        f.write(os.urandom(32))
+    os.chmod(key, 0o600)
+    y = os.path.join(workdir, "encrypted.yaml")
+    with open(y, "w") as f:
+        f.write("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 64}\n"
+                f"  - {{name: nvme, kind: nvme, path: {workdir}/unused, capacity_blocks: 64, io: posix, "
+                f"encryption: {{key_file: {key}}}}}\n")
+    return {"config": y}
+
+
 def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
     from vllm.config import KVTransferConfig
     stamp = time.time_ns()
     nvme_cpu = os.path.join(a.workdir, f"nvme-{stamp}")          # kvtier-cpu's write-through target
     nvme_cold = os.path.join(a.workdir, f"nvme-cold-{stamp}")    # written by a writer LLM, then reopened
 
+    nvme_enc = os.path.join(a.workdir, f"nvme-enc-{stamp}")      # ... the same, encrypted (--encrypted)
+    enc = encrypted_stack(a.workdir) if a.encrypted else {}
+
     # the NVMe directory for the cold setting: written through by an LLM that is then shut down
-    E.build("nvme-writer", U.kvtier_config(cpu_capacity_blocks=nblocks, nvme_path=nvme_cold,
-                                           nvme_capacity_blocks=nblocks), False)
-    E.generate("nvme-writer", prompt)
-    for _ in range(10):  # NVMe writes may be reported a step or more later: run steps until committed
-        if not pending_nvme_writes(nvme_cold):
-            break
-        time.sleep(0.2)
-        E.generate("nvme-writer", prompt)
-    else:
-        print("warning: the writer's NVMe writes are still unreported; kvtier-nvme-cold may miss", flush=True)
-    E.close("nvme-writer")
+    for writer, d, extra in [("nvme-writer", nvme_cold, {})] + ([("nvme-writer-enc", nvme_enc, enc)] if enc else []):
+        E.build(writer, U.kvtier_config(cpu_capacity_blocks=nblocks, nvme_path=d, nvme_capacity_blocks=nblocks,
+                                        **extra), False)
+        E.generate(writer, prompt)
+        for _ in range(10):  # NVMe writes may be reported a step or more later: run steps until committed
+            if not pending_nvme_writes(d):
+                break
+            time.sleep(0.2)
+            E.generate(writer, prompt)
+        else:
+            print(f"warning: {writer}'s NVMe writes are still unreported; its cold reader may miss", flush=True)
+        E.close(writer)
 
     shared_names: list[bytes] = []
     if url:  # the shared tier's values: written by a fleet member that is then shut down
@@ -283,7 +303,8 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
                               if k not in before and BLOCK_KEY.match(k))
         print(f"shared tier: {len(shared_names)} values on {url.split('@')[-1]} (want >= {want} blocks)", flush=True)
 
-    hits = ["vllm-prefix", "example-conn", "kvtier-cpu", "kvtier-nvme-cold"] + (["kvtier-shared"] if url else [])
+    hits = ["vllm-prefix", "example-conn", "kvtier-cpu", "kvtier-nvme-cold"] + (["kvtier-shared"] if url else []) \
+        + (["kvtier-nvme-enc"] if enc else [])
     E.build("recompute", None, False)
     E.build("vllm-prefix", None, True)
     E.build("example-conn", KVTransferConfig(
@@ -293,6 +314,9 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
                                           nvme_capacity_blocks=3 * nblocks), False)
     E.build("kvtier-nvme-cold", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, nvme_path=nvme_cold,
                                                 nvme_capacity_blocks=nblocks), False)
+    if enc:
+        E.build("kvtier-nvme-enc", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, nvme_path=nvme_enc,
+                                                   nvme_capacity_blocks=nblocks, **enc), False)
     if url:
         E.build("kvtier-shared", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, redis_url=url,
                                                  redis_timeout_s=10.0), False)
@@ -311,12 +335,14 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
 
     def drop_cache():
         drop_page_cache(nvme_cold, "data.0")
+        if enc:
+            drop_page_cache(nvme_enc, "data.0")
 
     res: dict[str, dict] = {k: {"reps_ms": [], "tokens": set()}
                             for k in hits + ["recompute", "kvtier-miss+store", "nvme-disk-read", "redis-raw-get"]}
     cold_bytes = 0  # bytes one cold pass loads from NVMe: its full blocks but the last (vLLM recomputes that)
     for k in hits:  # warm-up: computes and stores the prompt (nvme-cold: opens its files)
-        if k == "kvtier-nvme-cold":
+        if k in ("kvtier-nvme-cold", "kvtier-nvme-enc"):
             drop_cache()
         dt, _ = E.generate(k, prompt)
         res[k]["first_pass_ms"] = round(dt * 1e3, 1)
@@ -335,7 +361,7 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
             order = order + (pair if rep % 2 == 0 else pair[::-1])
         line = []
         for k in order:
-            if k == "kvtier-nvme-cold":
+            if k in ("kvtier-nvme-cold", "kvtier-nvme-enc"):
                 drop_cache()
             llm, p = ("kvtier-cpu", fresh) if k == "kvtier-miss+store" else (k, fresh if k == "recompute" else prompt)
             dt, tok = E.generate(llm, p)
@@ -371,7 +397,7 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
     print(f"\nTTFT, median ms (prompt {a.tokens} tokens, {dtype}, block {BLOCK}; hits {a.reps} interleaved repeats, "
           f"misses {min(a.reps, a.recompute_reps)}); 'paired' = median of per-repeat differences from the base")
     print(f"{'setting':<19}{'ttft_ms':>9}{'base':>13}{'paired':>9}{'p25..p75 of paired':>22}  token")
-    rows = [(k, "vllm-prefix") for k in hits] + [("nvme-disk-read", None), ("redis-raw-get", None), ("recompute", None),
+    rows = [(k, "vllm-prefix") for k in hits] + ([("kvtier-nvme-enc", "kvtier-nvme-cold")] if enc else []) + [("nvme-disk-read", None), ("redis-raw-get", None), ("recompute", None),
                                                   ("kvtier-miss+store", "recompute")]
     for k, base in rows:
         r = res[k]

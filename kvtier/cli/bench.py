@@ -17,6 +17,9 @@ from kvtier.cli.common import print_result
 from kvtier.tiers.units import format_size, parse_size
 
 
+ENC_LIMIT = "the plain tier's {what}, same run (AES-256-GCM vs none)"
+
+
 def bench_cpu(block_bytes: int, total: int, repeat: int) -> list[dict]:
     from kvtier.policies.lru import LRU
     from kvtier.tiers.cpu import CpuTier
@@ -65,11 +68,11 @@ def bench_cpu(block_bytes: int, total: int, repeat: int) -> list[dict]:
              "ratio": get_r, "limit": lim}]
 
 
-def bench_nvme(directory: str, block_bytes: int, total: int, repeat: int) -> list[dict]:
+def bench_nvme(directory: str, block_bytes: int, total: int, repeat: int, encrypted: bool = False) -> list[dict]:
     from kvtier.cli.bench_nvme import run_nvme_bench
 
     n = max(1, total // block_bytes)
-    r = run_nvme_bench(directory, block_bytes, n, repeats=repeat)
+    r = run_nvme_bench(directory, block_bytes, n, repeats=repeat, encrypted=encrypted)
     rows = []
     for what, ours, limit, ratio in (
             ("nvme spill (write)", "spill_GBps", "limit_write_GBps", "spill_ratio_per_repeat_median"),
@@ -78,6 +81,12 @@ def bench_nvme(directory: str, block_bytes: int, total: int, repeat: int) -> lis
                      "ratio": r[ratio],
                      "limit": f"O_DIRECT sequential {'write' if 'write' in limit else 'read'}, same bytes, same run",
                      "engine": r.get("engine")})
+    for what, ours, plain, ratio in (
+            ("nvme spill encrypted", "spill_encrypted_GBps", "spill_GBps", "spill_encrypted_ratio"),
+            ("nvme restore encrypted", "restore_encrypted_GBps", "restore_GBps", "restore_encrypted_ratio")):
+        if ours in r:
+            rows.append({"what": what, "block_bytes": block_bytes, "ours_gbps": r[ours], "limit_gbps": r[plain],
+                         "ratio": r[ratio], "limit": ENC_LIMIT.format(what=what.split()[1]), "engine": r.get("engine")})
     return rows
 
 
@@ -116,14 +125,15 @@ def run_bench(args: argparse.Namespace) -> dict:
                       "destination buffers)")
         with _bench_dir(directory, total, max(sizes)) as d:
             for bb in sizes:
-                rows += bench_nvme(d, bb, total, args.repeat)
+                rows += bench_nvme(d, bb, total, args.repeat, encrypted=not getattr(args, "skip_encrypted", False))
         notes.append(f"nvme files in a temporary directory under {directory or tempfile.gettempdir()}, removed after")
     from kvtier.cli.bench_shared import bench_shared, shared_settings
     rs = shared_settings(args)
     if rs is not None:
         threads = getattr(args, "redis_threads", 4)
         for bb in sizes:
-            rows += bench_shared(rs, bb, total, args.repeat, threads)
+            rows += bench_shared(rs, bb, total, args.repeat, threads,
+                                 encrypted=not getattr(args, "skip_encrypted", False))
         notes.append(f"shared tier: {rs.where}, {threads} pipelines of <= {rs.batch_bytes >> 20} MiB in flight; "
                      f"its keys deleted after ({sum(r['keys_left'] for r in rows if 'keys_left' in r)} left)")
     return {"repeat": args.repeat, "total_bytes": total, "rows": rows, "notes": notes}
@@ -173,9 +183,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_text(d: dict) -> str:
     lines = [f"kvtier bench (median of {d['repeat']}, {format_size(d['total_bytes'])} per run)",
-             f"{'what':<22}{'block':>10}{'ours GB/s':>12}{'limit GB/s':>12}{'ratio':>8}  limit"]
+             f"{'what':<24}{'block':>10}{'ours GB/s':>12}{'limit GB/s':>12}{'ratio':>8}  limit"]
     for row in d["rows"]:
-        lines.append(f"{row['what']:<22}{format_size(row['block_bytes']):>10}{row['ours_gbps']:>12.2f}"
+        lines.append(f"{row['what']:<24}{format_size(row['block_bytes']):>10}{row['ours_gbps']:>12.2f}"
                      f"{row['limit_gbps']:>12.2f}{row['ratio']:>8.2f}  {row['limit']}")
     for note in d.get("notes", []):
         lines.append(f"note: {note}")

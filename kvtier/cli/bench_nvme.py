@@ -3,7 +3,9 @@
 limit: plain O_DIRECT sequential pwritev then preadv of the same total bytes in 8 MiB
 chunks (1 thread and `threads` threads; the best is the limit). ours: NvmeTier spill
 (write + commit: fdatasync + LMDB) and restore (read + xxh3 verify) of `num_blocks` blocks
-from page-aligned CPU buffers. Medians over `repeats`; GB/s = 1e9 bytes/s.
+from page-aligned CPU buffers. Medians over `repeats`; GB/s = 1e9 bytes/s. `encrypted`: the
+same spill and restore on an encrypted tier (AES-256-GCM, `tiers/sealing.py`) right after the
+plain one in every repeat, and its ratio to the plain tier's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvtier.offline.blockgen import block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.io_engines import ALIGN, MAX_IO_BYTES, round_up
 from kvtier.tiers.nvme import NvmeTier
+from kvtier.tiers.sealing import Sealer
 
 
 def _raw(path: str, src: memoryview, dst: memoryview, chunk: int, threads: int,
@@ -63,7 +66,7 @@ def _raw(path: str, src: memoryview, dst: memoryview, chunk: int, threads: int,
 
 def run_nvme_bench(directory: str | None, block_bytes: int, num_blocks: int, threads: int = 4,
                    repeats: int = 3, batch_blocks: int | None = None, io: str = "posix",
-                   max_io_bytes: int = MAX_IO_BYTES) -> dict:
+                   max_io_bytes: int = MAX_IO_BYTES, encrypted: bool = False) -> dict:
     """Measure limit vs NvmeTier spill/restore; returns a dict of GB/s, ratios and settings.
 
     `batch_blocks`: blocks per write()+commit() call (default: all of them in one batch).
@@ -87,8 +90,42 @@ def run_nvme_bench(directory: str | None, block_bytes: int, num_blocks: int, thr
     srcs = list(src.view(num_blocks, block_bytes).unbind(0))
     dsts = list(dst.view(num_blocks, block_bytes).unbind(0))
     keys = [block_key(7, i) for i in range(num_blocks)]
-    lim_w, lim_r, sp, rs = [], [], [], []
+    lim_w, lim_r, sp, rs, sp_enc, rs_enc = [], [], [], [], [], []
     engine = None
+
+    def tier_run(sealer) -> tuple[float, float]:
+        """(spill GB/s, restore GB/s) of a fresh tier, the restored bytes checked."""
+        nonlocal engine
+        tdir = os.path.join(directory, "tier")
+        shutil.rmtree(tdir, ignore_errors=True)
+        tier = NvmeTier("bench", tdir, num_blocks, block_bytes, LRU(num_blocks), io=io,
+                        io_threads=threads, max_io_bytes=max_io_bytes, sealer=sealer)
+        engine = tier.io_engine
+        try:
+            t0 = time.perf_counter()
+            all_slots = []
+            for i in range(0, num_blocks, batch):
+                slots = tier.allocate(keys[i:i + batch])
+                res = tier.write(slots, srcs[i:i + batch]).wait()
+                if not res.all_ok:
+                    raise RuntimeError(f"bench write failed: {res.errors[:3]}")
+                tier.commit(slots)
+                all_slots += slots
+            w = total / (time.perf_counter() - t0) / 1e9
+            t0 = time.perf_counter()
+            for i in range(0, num_blocks, batch):
+                res = tier.read(all_slots[i:i + batch], dsts[i:i + batch]).wait()
+                if not res.all_ok:
+                    raise RuntimeError(f"bench read failed: {res.errors[:3]}")
+            r = total / (time.perf_counter() - t0) / 1e9
+            if not torch.equal(src, dst):
+                raise RuntimeError("bench: restored bytes differ from the spilled bytes")
+            dst.zero_()
+            return w, r
+        finally:
+            tier.close()
+            shutil.rmtree(tdir, ignore_errors=True)
+
     try:
         for _ in range(repeats):
             best_w = best_r = 0.0
@@ -99,34 +136,13 @@ def run_nvme_bench(directory: str | None, block_bytes: int, num_blocks: int, thr
             lim_w.append(best_w / 1e9)
             lim_r.append(best_r / 1e9)
 
-            tdir = os.path.join(directory, "tier")
-            shutil.rmtree(tdir, ignore_errors=True)
-            tier = NvmeTier("bench", tdir, num_blocks, block_bytes, LRU(num_blocks), io=io,
-                            io_threads=threads, max_io_bytes=max_io_bytes)
-            engine = tier.io_engine
-            try:
-                t0 = time.perf_counter()
-                all_slots = []
-                for i in range(0, num_blocks, batch):
-                    slots = tier.allocate(keys[i:i + batch])
-                    res = tier.write(slots, srcs[i:i + batch]).wait()
-                    if not res.all_ok:
-                        raise RuntimeError(f"bench write failed: {res.errors[:3]}")
-                    tier.commit(slots)
-                    all_slots += slots
-                sp.append(total / (time.perf_counter() - t0) / 1e9)
-                t0 = time.perf_counter()
-                for i in range(0, num_blocks, batch):
-                    res = tier.read(all_slots[i:i + batch], dsts[i:i + batch]).wait()
-                    if not res.all_ok:
-                        raise RuntimeError(f"bench read failed: {res.errors[:3]}")
-                rs.append(total / (time.perf_counter() - t0) / 1e9)
-                if not torch.equal(src, dst):
-                    raise RuntimeError("bench: restored bytes differ from the spilled bytes")
-                dst.zero_()
-            finally:
-                tier.close()
-                shutil.rmtree(tdir, ignore_errors=True)
+            w, r = tier_run(None)
+            sp.append(w)
+            rs.append(r)
+            if encrypted:
+                w, r = tier_run(Sealer(os.urandom(32)))
+                sp_enc.append(w)
+                rs_enc.append(r)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     med = statistics.median
@@ -140,6 +156,11 @@ def run_nvme_bench(directory: str | None, block_bytes: int, num_blocks: int, thr
     out["spill_ratio_per_repeat_median"] = round(med(a / b for a, b in zip(sp, lim_w)), 3)
     out["restore_ratio_per_repeat_median"] = round(med(a / b for a, b in zip(rs, lim_r)), 3)
     out["raw"] = {"limit_write": lim_w, "limit_read": lim_r, "spill": sp, "restore": rs}
+    if encrypted:  # the encrypted tier against the plain one, per repeat
+        out.update({"spill_encrypted_GBps": round(med(sp_enc), 3), "restore_encrypted_GBps": round(med(rs_enc), 3),
+                    "spill_encrypted_ratio": round(med(a / b for a, b in zip(sp_enc, sp)), 3),
+                    "restore_encrypted_ratio": round(med(a / b for a, b in zip(rs_enc, rs)), 3)})
+        out["raw"].update({"spill_encrypted": sp_enc, "restore_encrypted": rs_enc})
     return out
 
 
@@ -155,10 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-blocks", type=int, default=None)
+    p.add_argument("--encrypted", action="store_true", help="also an encrypted tier, against the plain one")
     a = p.parse_args(argv)
     bb = parse_size(a.block_bytes)
     n = max(1, parse_size(a.total) // bb)
-    print(json.dumps(run_nvme_bench(a.dir, bb, n, a.threads, a.repeats, a.batch_blocks)))
+    print(json.dumps(run_nvme_bench(a.dir, bb, n, a.threads, a.repeats, a.batch_blocks, encrypted=a.encrypted)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ pipelined SET of `bytes` values / GET of the same number of values of the same s
 + payload), in pipelines of `batch_bytes`, best of one thread and `threads` threads.
 Interleaved per repeat (limit SET, ours put, limit GET, ours get); ratio = the median of the
 per-repeat ratios of times (limit / ours); GB/s counts payload bytes. Every key written is
-deleted after the size's last repeat (`keys_left` says how many were not).
+deleted after the size's last repeat (`keys_left` says how many were not). `encrypted`: rows
+'shared put/get encrypted', a data plane sealing with AES-256-GCM (`tiers/sealing.py`) timed
+right after the plain one in every repeat, its ratio taken against the plain tier's.
 """
 
 from __future__ import annotations
@@ -49,18 +51,23 @@ def _raw_pipelines(client, names: list[bytes], vals: list[bytes] | None, per: in
     return time.perf_counter() - t0
 
 
-def bench_shared(settings, block_bytes: int, total: int, repeat: int, threads: int = 4) -> list[dict]:
-    """Rows 'shared put' and 'shared get' for one block size (see the module doc)."""
+def bench_shared(settings, block_bytes: int, total: int, repeat: int, threads: int = 4,
+                 encrypted: bool = False) -> list[dict]:
+    """Rows 'shared put' and 'shared get' (and their encrypted rows) for one block size (see the module doc)."""
     from kvtier.tiers.redis_conn import Namespace, connect
     from kvtier.tiers.redis_data import RedisData
+    from kvtier.tiers.sealing import Sealer
 
     n = max(1, total // block_bytes)
     token = os.urandom(6).hex()
     ns = Namespace({"kvtier-bench": token, "block_bytes": block_bytes}, settings.secret)
     data = RedisData(settings, ns, block_bytes, threads=threads, name="bench")
+    ens = Namespace({"kvtier-bench": token, "block_bytes": block_bytes, "sealed": True}, settings.secret, 0,
+                    Sealer(os.urandom(32))) if encrypted else None
+    sealed = RedisData(settings, ens, block_bytes, threads=threads, name="bench-sealed") if encrypted else None
     raw = connect(settings, plain=True)
     keys = [i.to_bytes(8, "big") + os.urandom(8) for i in range(n)]
-    names = [ns.name(k) for k in keys]
+    names = [ns.name(k) for k in keys] + ([ens.name(k) for k in keys] if encrypted else [])
     raw_names = [f"kvt:bench-raw:{token}:{i}".encode() for i in range(n)]
     g = torch.Generator().manual_seed(block_bytes)
     src = torch.randint(0, 256, (n, block_bytes), dtype=torch.uint8, generator=g)
@@ -75,13 +82,13 @@ def bench_shared(settings, block_bytes: int, total: int, repeat: int, threads: i
         data.close()
         raise RuntimeError(f"shared bench: {settings.where} does not answer: {why}")
 
-    def put() -> None:
-        r = data.write((), srcs, keys).wait()
+    def put(d=data) -> None:
+        r = d.write((), srcs, keys).wait()
         if not r.all_ok:
             raise RuntimeError(f"shared bench: put failed: {r.errors[:2]}")
 
-    def get() -> None:
-        r = data.read((), dsts, keys).wait()
+    def get(d=data) -> None:
+        r = d.read((), dsts, keys).wait()
         if not r.all_ok:
             raise RuntimeError(f"shared bench: get missed or failed ({sum(not o for o in r.ok)} of {n}; "
                                f"server evicted? lower --total): {r.errors[:2]}")
@@ -89,20 +96,31 @@ def bench_shared(settings, block_bytes: int, total: int, repeat: int, threads: i
     def raw_best(v) -> float:
         return min(_raw_pipelines(raw, raw_names, v, per, t, pool) for t in sorted({1, threads}))
 
-    T: dict[str, list[float]] = {k: [] for k in ("raw_set", "put", "raw_get", "get")}
+    T: dict[str, list[float]] = {k: [] for k in ("raw_set", "put", "put_enc", "raw_get", "get", "get_enc")}
     try:
         raw_best(vals), put(), raw_best(None), get()  # warm-up: connections, server allocations
         if not torch.equal(src, dst):
             raise RuntimeError("shared bench: bytes read differ from the bytes written")
+        if sealed is not None:
+            dst.zero_()
+            put(sealed), get(sealed)
+            if not torch.equal(src, dst):
+                raise RuntimeError("shared bench: bytes decrypted differ from the bytes written")
         for _ in range(repeat):
             T["raw_set"].append(raw_best(vals))  # each its own best: timed inside
             T["put"].append(_timed(put))
+            if sealed is not None:
+                T["put_enc"].append(_timed(lambda: put(sealed)))
             T["raw_get"].append(raw_best(None))
             T["get"].append(_timed(get))
+            if sealed is not None:
+                T["get_enc"].append(_timed(lambda: get(sealed)))
     finally:
         left = _delete(raw, names + raw_names)
         pool.shutdown()
         data.close()
+        if sealed is not None:
+            sealed.close()
         raw.close()
     med = statistics.median
     payload = n * block_bytes
@@ -113,6 +131,13 @@ def bench_shared(settings, block_bytes: int, total: int, repeat: int, threads: i
                      "ratio": med(a / b for a, b in zip(T[lim], T[ours])),
                      "limit": LIMIT.format(op=op, t=threads), "keys_left": left,
                      "raw_s": {"ours": T[ours], "limit": T[lim]}})
+        if encrypted:  # the encrypted data plane against the plain one
+            enc = ours + "_enc"
+            rows.append({"what": what + " encrypted", "block_bytes": block_bytes, "blocks": n,
+                         "ours_gbps": payload / med(T[enc]) / 1e9, "limit_gbps": payload / med(T[ours]) / 1e9,
+                         "ratio": med(a / b for a, b in zip(T[ours], T[enc])),
+                         "limit": f"the plain tier's {op} path, same run (AES-256-GCM vs none)", "keys_left": left,
+                         "raw_s": {"ours": T[enc], "limit": T[ours]}})
     return rows
 
 

@@ -73,7 +73,7 @@ def open_nvme_read_only(cfg: StackConfig, with_data: bool = True, as_stored: boo
     allocated beyond one I/O engine (works on a live server's directory). `as_stored` (the
     index alone): open it under the fingerprint, block size and capacity it was written with
     (e.g. by the vLLM connector, whose fingerprint names the model), not the config's."""
-    from kvtier.core.builder import make_eviction
+    from kvtier.core.builder import make_eviction, tier_sealer
     from kvtier.tiers.nvme import NvmeTier
     from kvtier.tiers.nvme_control import NvmeControl
     t = nvme_tier_config(cfg)
@@ -90,7 +90,7 @@ def open_nvme_read_only(cfg: StackConfig, with_data: bool = True, as_stored: boo
                            fingerprint=fp, on_mismatch=t.on_fingerprint_mismatch, read_only=True)
     return NvmeTier(t.name, t.path, cap, cfg.block_bytes, make_eviction(cfg, t, cap), io=t.io,
                     fingerprint=cfg.fingerprint(), on_mismatch=t.on_fingerprint_mismatch,
-                    io_threads=t.io_threads, read_only=True, with_data=with_data)
+                    io_threads=t.io_threads, read_only=True, with_data=with_data, sealer=tier_sealer(cfg, t))
 
 
 def stored_layout(path: str) -> dict | None:

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-threads", type=int, default=4, help="the data plane's pipelines in flight (io_threads)")
     p.add_argument("--skip-redis", action="store_true")
     p.add_argument("--skip-cpu", action="store_true")
+    p.add_argument("--skip-encrypted", action="store_true",
+                   help="no encrypted nvme / shared rows (AES-256-GCM tiers against the plain ones, same run)")
 
     p = sub.add_parser("workload", help="write a generated Mooncake-format trace (kvtier.offline.workloads)")
     p.add_argument("shape", choices=["agent", "chat", "rag", "api", "mix", "tenants"],

@@ -37,7 +37,9 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
     def text(d: dict) -> str:
         s = (f"restored {d['restored']} blocks ({format_size(d['bytes'])}) from {d['tier']} in {d['seconds']:.2f} s: "
-             f"{d['gbps']:.2f} GB/s; corrupt (detected, not served): {d['corrupt']}; missing: {d['missing']}")
+             f"{d['gbps']:.2f} GB/s; corrupt (detected, not served): {d['corrupt']}"
+             + (f" ({d['decrypt_failed']} did not decrypt: wrong key)" if d.get("decrypt_failed") else "")
+             + f"; missing: {d['missing']}")
         if d["verify"]:
             seeds = ", ".join(map(str, d["seeds"]))
             s += (f"; verified against the regenerated spill data (seed{'s' if len(d['seeds']) > 1 else ''} "
@@ -123,6 +125,7 @@ def restore(nvme: Any, seed: int | None, verify: bool, args: Any = None, batch: 
         problem = (f"{missing} of the manifest's {len(listed)} blocks are missing from the index "
                    f"(evicted or lost) and {r['corrupt']} failed verification")
     unrecorded = sum(1 for d in expected.values() if d is None)
+    r["decrypt_failed"] = int(nvme.stats().get("decrypt_failed_blocks", 0))
     return _result(verify, problem, True, **r, missing=missing, expected=len(expected), unrecorded=unrecorded,
                    seed=seed if seed is not None else (seeds[-1] if len(seeds) == 1 else None), seeds=seeds,
                    **base)
@@ -155,6 +158,7 @@ def restore_shared(shared: Any, seed: int | None, verify: bool, args: Any = None
     return _result(verify, problem if verify else None, True,
                    **{**r, "corrupt": int(stats.get("corrupt_blocks", 0))},
                    missing=int(stats.get("missing_blocks", 0)), expected=len(expected), seed=seed, seeds=[seed],
+                   decrypt_failed=int(stats.get("decrypt_failed_blocks", 0)),
                    **base)
 
 

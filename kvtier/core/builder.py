@@ -70,6 +70,8 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
                           cfg.block_bytes, closed)
     cap = t.blocks(cfg.block_bytes)
     fp = fingerprint or cfg.fingerprint()
+    # checked with or without the data (the connector's scheduler): a bad key fails the start, in one line
+    sealer = tier_sealer(cfg, t) if data != "none" else None
     if t.kind == "redis":
         if data == "none":
             from kvtier.tiers.redis import SimRemoteTier
@@ -77,7 +79,7 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
         from kvtier.tiers.redis import RedisTier
         from kvtier.tiers.redis_conn import RedisSettings
         return RedisTier(t.name, RedisSettings.of(t), fp, cfg.block_bytes, ranks=ranks, capacity_blocks=cap,
-                         data=data == "full", threads=t.io_threads)
+                         data=data == "full", threads=t.io_threads, sealer=sealer)
     eviction = make_eviction(cfg, t, cap)
     if t.kind == "cpu":
         from kvtier.tiers.cpu import CpuTier
@@ -89,8 +91,20 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
                                on_mismatch=t.on_fingerprint_mismatch)
         from kvtier.tiers.nvme import NvmeTier
         return NvmeTier(t.name, t.path, cap, cfg.block_bytes, eviction, io=t.io, fingerprint=fp,
-                        on_mismatch=t.on_fingerprint_mismatch, with_data=data == "full", io_threads=t.io_threads)
+                        on_mismatch=t.on_fingerprint_mismatch, with_data=data == "full", io_threads=t.io_threads,
+                        sealer=sealer)
     raise ValueError(f"tier {t.name!r}: kind {t.kind!r} is not a storage tier")
+
+
+def tier_sealer(cfg: StackConfig, t: TierConfig | None) -> Any:
+    """The `sealing.Sealer` of tier `t`'s `encryption` (None without); a bad key is a ConfigError."""
+    from kvtier.tiers.sealing import BadKey, sealer_of
+    if t is None:
+        return None
+    try:
+        return sealer_of(t.encryption)
+    except BadKey as e:
+        raise ConfigError(f"{cfg.source}: tiers[{t.name}].encryption: {e}") from None
 
 
 def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None = None,

@@ -89,6 +89,27 @@ def _check_params(params: dict[str, Any], registries) -> None:
                                      f"got {type(v).__name__} {v!r}")
 
 
+class KeySource(_Model):
+    """Where an AES-256 key comes from: a file (0600; 32 raw bytes or 64 hex digits) or a variable."""
+
+    key_file: str | None = None
+    key_env: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> "KeySource":
+        if (self.key_file is None) == (self.key_env is None):
+            raise ValueError("give key_file or key_env (one of them)")
+        if self.key_file:
+            self.key_file = expand_path(self.key_file)
+        return self
+
+
+class EncryptionConfig(KeySource):
+    """A persistent tier's encryption at rest (`tiers/sealing.py`); `read_keys`: old keys still read."""
+
+    read_keys: list[KeySource] = Field(default_factory=list, max_length=16)
+
+
 class TierConfig(_Model):
     name: str
     kind: Literal["gpu", "cpu", "nvme", "redis"]
@@ -113,6 +134,7 @@ class TierConfig(_Model):
     pool_size: int = Field(default=16, ge=1, le=1024)           # connections per client
     batch_bytes: int = 16 << 20        # values per pipeline round trip
     secret: str | None = None          # the fleet's shared block secret ("${KVTIER_SHARED_SECRET}")
+    encryption: EncryptionConfig | None = None   # nvme, redis: AES-256-GCM at rest
     # per-tier policy overrides
     eviction: str | None = None
     admission: str | None = None
@@ -172,6 +194,8 @@ class TierConfig(_Model):
             raise ValueError(f"tier {self.name!r}: give capacity (e.g. 2GiB) or capacity_blocks")
         if self.capacity is not None and self.capacity_blocks is not None:
             raise ValueError(f"tier {self.name!r}: give capacity or capacity_blocks, not both")
+        if self.encryption is not None and self.kind not in ("nvme", "redis"):
+            raise ValueError(f"tier {self.name!r}: encryption is for the persistent tiers (nvme, redis)")
         if isinstance(self.capacity, str) and self.kind not in ("cpu", "nvme"):
             raise ValueError(f"tier {self.name!r}: a share ({self.capacity}) is for cpu and nvme tiers; "
                              f"give a {self.kind} tier a size")

@@ -17,9 +17,9 @@ from kvtier.core.config import ConfigError, StackConfig, parse_config
 
 # kvtier's YAML keys each tier kind takes from the secondary tier's dict
 NVME_KEYS = ("path", "capacity", "capacity_blocks", "io", "io_threads", "direct", "on_fingerprint_mismatch",
-             "eviction")
+             "eviction", "encryption")
 SHARED_KEYS = ("url", "cluster", "username", "password", "tls_ca", "timeout_s", "connect_timeout_s", "pool_size",
-               "batch_bytes", "secret", "io_threads")
+               "batch_bytes", "secret", "io_threads", "encryption")
 OWN_KEYS = ("name", "namespace", "model_identity")   # ours, not a YAML tier key
 
 
