@@ -255,18 +255,18 @@ def test_shared_tier_encrypted(redis_server, direct):
     data = [block_data(9, i, BB) for i in range(6)]
     rd = _plane(redis_server.url, Sealer(K1))
     rd.direct_reads = direct
-    assert rd.put(keys, data).wait().all_ok
+    assert rd.write((), data, keys).wait().all_ok
     cl = redis_server.client()
     stored = b"".join(cl.get(rd.ns.name(k)) for k in keys)
     assert not any(d.numpy().tobytes()[o:o + 32] in stored for d in data for o in (0, BB // 2))
     out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
-    assert rd.get(keys, out).wait().all_ok and all(torch.equal(a, b) for a, b in zip(out, data))
+    assert rd.read((), out, keys).wait().all_ok and all(torch.equal(a, b) for a, b in zip(out, data))
     rd.close()
     # a wrong key: misses, a counter, the destination untouched, the values left for their readers
     wrong = _plane(redis_server.url, Sealer(K2))
     wrong.direct_reads = direct
     out = [torch.full((BB,), 7, dtype=torch.uint8) for _ in keys]
-    r = wrong.get(keys, out).wait()
+    r = wrong.read((), out, keys).wait()
     assert r.ok == [False] * 6 and all(r.bad) and all(torch.equal(o, torch.full((BB,), 7, dtype=torch.uint8)) for o in out)
     assert wrong.counters["decrypt_failed_blocks"] == 6 and "bad_deleted_blocks" not in wrong.counters
     assert all(cl.exists(wrong.ns.name(k)) for k in keys)
@@ -275,7 +275,7 @@ def test_shared_tier_encrypted(redis_server, direct):
     rot = _plane(redis_server.url, Sealer(K2, [K1]))
     rot.direct_reads = direct
     out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
-    assert rot.get(keys, out).wait().all_ok and all(torch.equal(a, b) for a, b in zip(out, data))
+    assert rot.read((), out, keys).wait().all_ok and all(torch.equal(a, b) for a, b in zip(out, data))
     # a value moved under another key's name, its header forged with the fleet's secret: refused
     # by the GCM tag, counted, deleted
     codec = rot.ns.codec
@@ -287,7 +287,7 @@ def test_shared_tier_encrypted(redis_server, direct):
     forger.seal(memoryview(fh), keys[1], memoryview(v)[h:], memoryview(bytearray(BB + 16)))
     cl.set(rot.ns.name(keys[1]), bytes(fh) + v[h:])
     out = [torch.full((BB,), 7, dtype=torch.uint8) for _ in keys[:2]]
-    r = rot.get(keys[:2], out).wait()
+    r = rot.read((), out, keys[:2]).wait()
     assert r.ok == [True, False] and torch.equal(out[1], torch.full((BB,), 7, dtype=torch.uint8))
     assert rot.counters["decrypt_failed_blocks"] == 1 and rot.counters["bad_deleted_blocks"] == 1
     assert not cl.exists(rot.ns.name(keys[1]))
@@ -296,16 +296,16 @@ def test_shared_tier_encrypted(redis_server, direct):
     plain = _plane(redis_server.url, None)
     plain.direct_reads = direct
     out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys[2:]]
-    r = plain.get(keys[2:], out).wait()
+    r = plain.read((), out, keys[2:]).wait()
     assert r.ok == [False] * 4 and plain.counters["decrypt_failed_blocks"] == 4
     assert all(cl.exists(plain.ns.name(k)) for k in keys[2:])   # another reader's: left on the server
     # ... nor does an encrypted reader take a plaintext value (nor delete it)
     pk = [f"plain-{direct}".encode()]
-    assert plain.put(pk, data[:1]).wait().all_ok
+    assert plain.write((), data[:1], pk).wait().all_ok
     plain.close()
     enc = _plane(redis_server.url, Sealer(K1))
     enc.direct_reads = direct
-    r = enc.get(pk, [torch.zeros(BB, dtype=torch.uint8)]).wait()
+    r = enc.read((), [torch.zeros(BB, dtype=torch.uint8)], pk).wait()
     assert r.ok == [False] and enc.counters["decrypt_failed_blocks"] == 1 and cl.exists(enc.ns.name(pk[0]))
     enc.close()
 

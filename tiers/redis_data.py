@@ -29,6 +29,7 @@ import torch
 
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 from .contract import Medium
+from .resp_reader import Redirected, RespReader
 from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text
 from .sealing import FAILED, NOT_OURS, RECORD_BYTES, TAG_BYTES
 
@@ -52,63 +53,6 @@ def _copy_out(dst: torch.Tensor, v: bytes, off: int, n: int) -> None:
         ctypes.memmove(dst.data_ptr(), ctypes.cast(ctypes.c_char_p(v), ctypes.c_void_p).value + off, n)
     else:
         _bytes_of(dst)[:] = memoryview(v)[off:off + n]
-
-
-class _Redirected(Exception):
-    """A cluster node answered MOVED / ASK."""
-
-
-class _Reader:
-    """RESP replies off a socket: lines through a small buffer, bulk payloads `recv_into` the
-    caller's memory (what is already buffered first)."""
-
-    def __init__(self, sock) -> None:
-        self.sock = sock
-        self.buf = bytearray(1 << 16)
-        self.lo = self.hi = 0
-
-    def _fill(self) -> None:
-        if self.lo == self.hi:
-            self.lo = self.hi = 0
-        elif self.hi == len(self.buf):
-            self.buf[:self.hi - self.lo] = self.buf[self.lo:self.hi]
-            self.lo, self.hi = 0, self.hi - self.lo
-        n = self.sock.recv_into(memoryview(self.buf)[self.hi:])
-        if not n:
-            raise ConnectionError("connection closed by the server")
-        self.hi += n
-
-    def line(self) -> bytes:
-        while True:
-            i = self.buf.find(b"\r\n", self.lo, self.hi)
-            if i >= 0:
-                out = bytes(self.buf[self.lo:i])
-                self.lo = i + 2
-                return out
-            if self.hi - self.lo > 4096:
-                raise ConnectionError("reply line too long")
-            self._fill()
-
-    def into(self, mv: memoryview) -> None:
-        n = min(len(mv), self.hi - self.lo)
-        mv[:n] = self.buf[self.lo:self.lo + n]
-        self.lo += n
-        while n < len(mv):
-            got = self.sock.recv_into(mv[n:])
-            if not got:
-                raise ConnectionError("connection closed by the server")
-            n += got
-
-    def skip(self, n: int, digest=None) -> None:
-        """Read past `n` bytes (fed to `digest` when given)."""
-        while n > 0:
-            if self.lo == self.hi:
-                self._fill()
-            k = min(n, self.hi - self.lo)
-            if digest is not None:
-                digest.update(memoryview(self.buf)[self.lo:self.lo + k])
-            self.lo += k
-            n -= k
 
 
 def _unsealed(codec, v: bytes, h: int, k: bytes) -> tuple[str | None, bytes | bytearray, int]:
@@ -325,7 +269,7 @@ class RedisData:
         try:
             conn = pool.get_connection()
             conn.send_packed_command(conn.pack_commands([("GET", self.ns.name(k)) for k in keys]))
-            rd = _Reader(conn._sock)
+            rd = RespReader(conn._sock)
             for k, dst in zip(keys, dsts):
                 line = rd.line()
                 if line == b"_":  # RESP3's null
@@ -333,7 +277,7 @@ class RedisData:
                     ok.append(False)
                     continue
                 if line.startswith((b"-MOVED", b"-ASK")):
-                    raise _Redirected()
+                    raise Redirected()
                 if line[:1] == b"-":
                     raise ConnectionError(f"server error: {line[1:].decode(errors='replace')[:80]}")
                 if line[:1] != b"$":
@@ -366,7 +310,7 @@ class RedisData:
                 ctypes.memmove(dst.data_ptr(), plain.data_ptr(), bb)  # verified: into the block
                 nbytes += bb
                 ok.append(True)
-        except _Redirected:
+        except Redirected:
             conn.disconnect()  # the rest of the replies are unread
             return None
         except Exception as e:
