@@ -27,6 +27,7 @@ from kvtier.connector.nvme import NvmeControl
 from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.core.controller import TierController
 from kvtier.policies import PROMOTION
+from kvtier.connector.config import load_settings
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier
@@ -48,7 +49,7 @@ def run(lag: int, blocks: int, forward_s: float, decode_steps: int, d: str, rep:
     cpu = SlotTier("cpu", blocks * 2, bb, EVICTION.get("lru")(blocks * 2))
     nv = NvmeControl("nvme", d, blocks * 4, bb, EVICTION.get("lru")(blocks * 4), {"model": "stall"})
     s = KVTierScheduler(TierController([cpu, nv], block_tokens=BT, promotion=PROMOTION.get("inclusive")()))
-    w = KVTierWorker(lambda _: blocks * 2, pin=False, nvme_write_lag_steps=lag)
+    w = KVTierWorker(load_settings({"cpu_capacity_blocks": blocks * 2, "pin": False, "nvme_write_lag_steps": lag}))
     g = torch.Generator().manual_seed(rep)
     kv = {f"l{i}": torch.randint(-100, 100, (nb, 2, BT, KVH, HD), generator=g, dtype=torch.int16)
           .view(torch.bfloat16) for i in range(LAYERS)}

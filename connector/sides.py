@@ -156,11 +156,8 @@ def start_scheduler_side(sched: KVTierScheduler, vllm_config: Any, cfg: Any) -> 
 def worker_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, fp: dict) -> KVTierWorker:
     rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
     srank = store_rank(vllm_config, rank, kv_cache_config)
-    shared, cpu, nvme = tier_of(cfg, "redis"), tier_of(cfg, "cpu"), tier_of(cfg, "nvme")
-    return KVTierWorker(None, cpu_tier=cpu, pin=cpu.pin if cpu is not None else "auto",
-                        nvme_io=nvme.io if nvme else "auto", nvme_io_threads=nvme.io_threads if nvme else 4,
-                        nvme_direct=nvme.direct if nvme else "auto",
-                        nvme_write_lag_steps=cfg.serving.nvme_write_lag_steps, rank=rank,
-                        ranks=world_size(vllm_config), expected_block_bytes=shape.block_bytes or None,
-                        num_blocks=getattr(kv_cache_config, "num_blocks", None), store_rank=srank,
-                        remote_needs_identity=True, remote_fn=remote_opener(shared, fp, srank) if shared else None)
+    shared = tier_of(cfg, "redis")
+    return KVTierWorker(cfg, rank=rank, ranks=world_size(vllm_config), store_rank=srank,
+                        expected_block_bytes=shape.block_bytes or None,
+                        num_blocks=getattr(kv_cache_config, "num_blocks", None),
+                        remote_fn=remote_opener(shared, fp, srank) if shared else None, remote_needs_identity=True)

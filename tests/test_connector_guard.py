@@ -11,6 +11,7 @@ from kvtier.connector.guard import hook
 from kvtier.core.once import Once
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 from test_connector_scheduler import Req, make, run_step, store_request  # noqa: E402
 
 
@@ -145,8 +146,7 @@ def test_a_smaller_pool_limits_the_schedulers_tier(monkeypatch):
     bb = 2 * 2 * 4 * 8 * 4
     monkeypatch.setattr(kvtier.core.fit, "memory_headroom", lambda: 1 << 30)
     monkeypatch.setattr(kvtier.core.fit, "available_memory", lambda: (1 << 30) + 10 * bb)
-    from kvtier.core.config import TierConfig
-    w = KVTierWorker(lambda _bb: 8, pin=False, cpu_tier=TierConfig(name="cpu", kind="cpu", capacity="50%"))
+    w = KVTierWorker(worker_settings(cpu_capacity="50%"))
     w.register_kv_caches(caches)
     assert w.pools[0].num_slots == 5
     s, tier = make(cap=8)

@@ -14,7 +14,7 @@ from kvtier.tiers.base import SlotTier
 from kvtier.tiers.gpu import BlockPoolContext
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sched_util import scheduler  # noqa: E402
+from parts_util import scheduler  # noqa: E402
 
 bp = pytest.importorskip("vllm.v1.core.block_pool")
 ku = pytest.importorskip("vllm.v1.core.kv_cache_utils")

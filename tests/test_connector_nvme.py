@@ -14,7 +14,7 @@ from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sched_util import scheduler  # noqa: E402
+from parts_util import scheduler, worker_settings  # noqa: E402
 from test_connector_scheduler import BT, Req  # noqa: E402
 
 NB, H, D2 = 16, 2, 64
@@ -34,7 +34,7 @@ def sched(path, cap=8, ranks=1):
 
 
 def worker(seed, lag=0, rank=0):
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_direct="auto", nvme_write_lag_steps=lag, rank=rank)
+    w = KVTierWorker(worker_settings(8, nvme_direct="auto", nvme_write_lag_steps=lag), rank=rank)
     c = caches(seed)
     w.register_kv_caches(c)
     return w, c

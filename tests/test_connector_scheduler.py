@@ -15,7 +15,7 @@ from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier, RESIDENT
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sched_util import scheduler  # noqa: E402
+from parts_util import scheduler  # noqa: E402
 
 BT = 4  # tokens per block
 

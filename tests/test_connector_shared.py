@@ -4,6 +4,8 @@ asynchronously: the request waits, its blocks arrive in a later step), a value g
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -15,6 +17,9 @@ from kvtier.connector.scheduler import KVTierScheduler, SchedulerOptions
 from kvtier.connector.worker import KVTierWorker
 from kvtier.tiers.redis_conn import Namespace, RedisSettings
 from kvtier.tiers.redis_data import RedisData
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 
 NB, H, BS, D2, L = 32, 2, 32, 64, 2
 BB = L * H * BS * D2 * 4
@@ -38,7 +43,7 @@ def _instance(url: str, tag: str, async_loads: bool):
                         options=SchedulerOptions(async_shared_loads=async_loads))
     t = cfg.tiers[1]
     fp = cfg.fingerprint()
-    w = KVTierWorker(lambda bb: 16, pin=False, nvme_write_lag_steps=0,
+    w = KVTierWorker(worker_settings(16, nvme_write_lag_steps=0),
                      remote_fn=lambda bb, count: RedisData(RedisSettings.of(t), Namespace(fp), bb, count=count))
     caches = _caches()
     w.register_kv_caches(caches)

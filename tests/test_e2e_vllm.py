@@ -93,12 +93,15 @@ def _noise(buf):
     return (torch.randn(buf.numel() // 4, generator=g) * 3).view(torch.uint8)
 
 
-def test_load_failure_recomputes(model_dir, prompts, baseline):
+def test_load_failure_recomputes(model_dir, prompts, baseline, monkeypatch):
+    from kvtier.tiers import io_hooks
+
     llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64))
     try:
         s, w = _parts()
         assert U.generate(llm, prompts, MAX_TOKENS) == baseline
-        w.worker.fail_loads = True
+        monkeypatch.setattr(io_hooks.HOOKS, "counts", {})
+        monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))   # every load fails
         out = U.generate(llm, prompts, MAX_TOKENS)
         assert out == baseline                       # vLLM recomputed the blocks we failed to load
         assert s.sched.totals.get("load_failed_requests", 0) == len(prompts)

@@ -15,6 +15,7 @@ import torch
 from kvtier.connector.parallel import replicated, shards, store_rank
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 from test_connector_nvme import _ranks_step, caches, sched  # noqa: E402
 from test_connector_scheduler import BT, Req  # noqa: E402
 
@@ -42,8 +43,7 @@ def _workers(seed, c):
     from kvtier.connector.worker import KVTierWorker
     out = []
     for rank in range(2):
-        w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, rank=rank, ranks=2,
-                         store_rank=store_rank(c, rank))
+        w = KVTierWorker(worker_settings(8, nvme_write_lag_steps=0), rank=rank, ranks=2, store_rank=store_rank(c, rank))
         kv = caches(seed)     # the same latent KV on both ranks
         w.register_kv_caches(kv)
         out.append((w, kv))
