@@ -101,6 +101,21 @@ def test_partial_accept_and_not_chosen():
     assert s.totals["n_leases_not_chosen"] == 1
 
 
+def test_an_allocation_short_of_the_hit_is_recomputed():
+    """vLLM accepted a 4-block hit but its block table holds 2 blocks: nothing loads, the accepted
+    blocks are load errors vLLM recomputes, the lease goes (was: the lease went and vLLM was told
+    nothing, so it took the blocks as computed)."""
+    s, tier = make()
+    store_request(s, Req("a", list(range(17))))
+    r = Req("b", list(range(17)))
+    assert s.lookup(r, 0) == 16
+    s.on_alloc(r, [[7, 8]], 16)
+    meta = s.build_meta([])
+    assert not meta.loads and meta.failed_loads == {"b": [7, 8]}
+    assert s.leases.pinned() == 0 and sum(tier._ref) == 0
+    assert s.totals["alloc_mismatch"] == 1
+
+
 def test_lookup_after_local_hit_starts_there():
     s, _ = make()
     store_request(s, Req("a", list(range(17))))

@@ -28,12 +28,6 @@ NVME_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    U.set_env()
-    return U.build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     """Prompts served again under each fault; fresh ones for the store fault (nothing to store
     when every block is already there)."""
