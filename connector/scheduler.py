@@ -463,6 +463,11 @@ class KVTierScheduler:
     def nvme_tiers(self) -> list[SlotTier]:
         return [t for t in self.tiers if t.medium is Medium.FILE]
 
+    def drain_within(self, seconds: float) -> None:
+        """SIGTERM: lazy offload writes behind for at most `seconds` more (called from a signal handler)."""
+        if self.lazy is not None:
+            self.lazy.drain.stop_in(seconds)
+
     def report_shutdown(self) -> None:
         """At shutdown, once the workers' last reports are in: what lazy offload left unwritten."""
         if self.lazy is not None:
