@@ -18,6 +18,7 @@ import time
 import torch
 
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connector.config import load_settings
 from kvtier.connector.worker import KVTierWorker
 
 
@@ -31,7 +32,7 @@ def caches(layout: str, layers: int, blocks: int, heads: int, tokens: int, conte
 
 def measure(layout: str, n: int, scattered: bool, repeat: int, args) -> dict:
     kv = caches(layout, args.layers, args.kv_blocks, args.heads, args.tokens, args.content)
-    w = KVTierWorker(lambda bb: n, pin=False)
+    w = KVTierWorker(load_settings({"cpu_capacity_blocks": n, "pin": False}))
     w.register_kv_caches(kv)
     g = torch.Generator().manual_seed(0)
     if scattered:

@@ -23,7 +23,9 @@ from vllm.v1.core import kv_cache_utils as ku
 from vllm.v1.core.block_pool import BlockPool
 
 from kvtier.connector.metadata import KVTierWorkerMeta
-from kvtier.connector.scheduler import KVTierScheduler
+from kvtier.connector.scheduler import KVTierScheduler, SchedulerOptions
+from kvtier.core.controller import TierController
+from kvtier.policies import PROMOTION
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier
 from kvtier.tiers.gpu import BlockPoolContext
@@ -47,14 +49,15 @@ def run(rounds: int = 266, gpu_blocks: int = 512, cpu_blocks: int = 32, budget: 
     rng = random.Random(seed)
     pool = BlockPool(num_gpu_blocks=gpu_blocks, enable_caching=True, hash_block_size=BT)
     tier = SlotTier("cpu", cpu_blocks, 64, EVICTION.get("lru")(cpu_blocks))
-    s = KVTierScheduler([tier], BT, offload="lazy", max_blocks_per_step=budget)
+    s = KVTierScheduler(TierController([tier], block_tokens=BT, promotion=PROMOTION.get("inclusive")()),
+                        options=SchedulerOptions(offload="lazy", max_blocks_per_step=budget))
     s.bind_gpu(BlockPoolContext(pool))
     weights = [1.0 / (i + 1) for i in range(prefixes)]
     stored: set[bytes] = set()
     requested = computed = n = 0
 
     def step(scheduled: list) -> None:
-        meta = s.build_meta(scheduled)
+        meta = s.build_meta([(q, n, None if ids is None else [ids]) for q, n, ids in scheduled])
         for op in meta.stores:
             stored.update(k for k, _ in s.lazy.ops.get(op.op_id, ()))
         s.on_worker_meta(KVTierWorkerMeta(stored={op.op_id: [True] * len(op.slots) for op in meta.stores}))
@@ -77,14 +80,14 @@ def run(rounds: int = 266, gpu_blocks: int = 512, cpu_blocks: int = 32, budget: 
             pool.cache_full_blocks(req, blocks, len(hit), len(hashes), BT, 0)
             ids = [b.block_id for b in blocks]
             s.lookup(req, 0)
-            s.on_alloc(req, ids, 0)
+            s.on_alloc(req, [ids], 0)
             requested += len(hashes)
             computed += len(hashes) - len(hit)     # a GPU residency each: vLLM computes the block there
             running.append((req, blocks))
         for _ in range(steps):
             step([(req.request_id, req.num_tokens, None) for req, _ in running])
         for req, blocks in running:
-            s.on_finished(req.request_id, [b.block_id for b in blocks])
+            s.on_finished(req.request_id, [[b.block_id for b in blocks]])
             pool.free_blocks(reversed(blocks))
     for _ in range(1000):                          # idle steps until the write-behind is done
         if not s.has_pending_push_work():

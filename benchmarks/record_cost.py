@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvtier.connector.metadata import KVTierWorkerMeta  # noqa: E402
 from kvtier.connector.recorder import TraceRecorder  # noqa: E402
-from kvtier.connector.scheduler import KVTierScheduler  # noqa: E402
+from kvtier.connector.scheduler import KVTierScheduler, SchedulerOptions  # noqa: E402
+from kvtier.core.controller import TierController  # noqa: E402
 from kvtier.policies import EVICTION  # noqa: E402
 from kvtier.tiers.base import SlotTier  # noqa: E402
 
@@ -53,7 +54,7 @@ def build(n_prefix: int, blocks: int) -> tuple[KVTierScheduler, list[list[bytes]
     cpu = SlotTier("cpu", cap, BB, EVICTION.get("lru")(cap))
     sfx = (0).to_bytes(4, "big")
     cpu.commit(cpu.allocate([k + sfx for ks in prefixes for k in ks]))
-    return KVTierScheduler([cpu], BT, store=False, promote=False), prefixes
+    return KVTierScheduler(TierController([cpu], block_tokens=BT), options=SchedulerOptions(store=False)), prefixes
 
 
 def one_round(s: KVTierScheduler, prefixes: list[list[bytes]], requests: int, tag: str) -> tuple[list, list]:
@@ -66,8 +67,8 @@ def one_round(s: KVTierScheduler, prefixes: list[list[bytes]], requests: int, ta
         t0 = time.perf_counter()
         got = s.lookup(r, 0)
         assert got == blocks * BT, got     # every block a hit: the hooks do their whole work
-        s.on_alloc(r, ids, got)
-        meta = s.build_meta([(r.request_id, n_tok, ids)])
+        s.on_alloc(r, [ids], got)
+        meta = s.build_meta([(r.request_id, n_tok, [ids])])
         s.on_worker_meta(KVTierWorkerMeta(loaded={op.req_id: True for op in meta.loads}))
         t1 = time.perf_counter()
         s.on_finished(r.request_id)

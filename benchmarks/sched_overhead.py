@@ -26,7 +26,8 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from kvtier.connector.metadata import KVTierWorkerMeta  # noqa: E402
-from kvtier.connector.scheduler import KVTierScheduler  # noqa: E402
+from kvtier.connector.scheduler import KVTierScheduler, SchedulerOptions  # noqa: E402
+from kvtier.core.controller import TierController  # noqa: E402
 from kvtier.policies import EVICTION  # noqa: E402
 from kvtier.tiers.base import SlotTier  # noqa: E402
 
@@ -62,7 +63,7 @@ def build(tier: str, n: int, tmp: str) -> KVTierScheduler:
         put = ks if tier == "cpu" else ks[: n // 2]   # both: first half CPU, second half NVMe
         cpu.commit(cpu.allocate(put))
     # promotion off: a repeat must find the same tiers (promotion would move NVMe hits to the CPU)
-    return KVTierScheduler(tiers, BT, store=False, promote=False)
+    return KVTierScheduler(TierController(tiers, block_tokens=BT), options=SchedulerOptions(store=False))
 
 
 def run(tier: str, n: int, repeats: int) -> dict:
@@ -76,9 +77,9 @@ def run(tier: str, n: int, repeats: int) -> dict:
             t0 = time.perf_counter()
             got = s.lookup(r, 0)
             t1 = time.perf_counter()
-            s.on_alloc(r, ids, got)
+            s.on_alloc(r, [ids], got)
             t2 = time.perf_counter()
-            meta = s.build_meta([(r.request_id, n * BT + 1, ids)])
+            meta = s.build_meta([(r.request_id, n * BT + 1, [ids])])
             t3 = time.perf_counter()
             assert got == n * BT and sum(len(op.slots) for op in meta.loads) == n, (got, len(meta.loads))
             phases["get_num_new_matched_tokens"].append(t1 - t0)

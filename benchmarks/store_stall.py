@@ -25,6 +25,9 @@ import torch
 
 from kvtier.connector.nvme import NvmeControl
 from kvtier.connector.scheduler import KVTierScheduler
+from kvtier.core.controller import TierController
+from kvtier.policies import PROMOTION
+from kvtier.connector.config import load_settings
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier
@@ -45,8 +48,8 @@ def run(lag: int, blocks: int, forward_s: float, decode_steps: int, d: str, rep:
     nb = blocks + 2
     cpu = SlotTier("cpu", blocks * 2, bb, EVICTION.get("lru")(blocks * 2))
     nv = NvmeControl("nvme", d, blocks * 4, bb, EVICTION.get("lru")(blocks * 4), {"model": "stall"})
-    s = KVTierScheduler([cpu, nv], BT)
-    w = KVTierWorker(lambda _: blocks * 2, pin=False, nvme_write_lag_steps=lag)
+    s = KVTierScheduler(TierController([cpu, nv], block_tokens=BT, promotion=PROMOTION.get("inclusive")()))
+    w = KVTierWorker(load_settings({"cpu_capacity_blocks": blocks * 2, "pin": False, "nvme_write_lag_steps": lag}))
     g = torch.Generator().manual_seed(rep)
     kv = {f"l{i}": torch.randint(-100, 100, (nb, 2, BT, KVH, HD), generator=g, dtype=torch.int16)
           .view(torch.bfloat16) for i in range(LAYERS)}
@@ -54,10 +57,10 @@ def run(lag: int, blocks: int, forward_s: float, decode_steps: int, d: str, rep:
     r = _req(f"r{rep}", blocks * BT + 1)
     s.lookup(r, 0)
     ids = list(range(nb - 1))
-    s.on_alloc(r, ids, 0)
+    s.on_alloc(r, [ids], 0)
     stall = 0.0
     for i in range(decode_steps + 1):
-        meta = s.build_meta([(r.request_id, r.num_tokens, ids)] if i == 0 else [])
+        meta = s.build_meta([(r.request_id, r.num_tokens, [ids])] if i == 0 else [])
         w.bind(meta)
         w.start_load()
         time.sleep(forward_s)                   # the forward

@@ -87,7 +87,6 @@ def drain_at_sigterm(sched_of: Callable[[], Any], timeout_s: float | None, teard
 
     def cb() -> None:
         s = sched_of()
-        lazy = s.lazy if s is not None else None
-        if lazy is not None:
-            lazy.drain.stop_in(left)
+        if s is not None:
+            s.drain_within(left)
     return on_sigterm(cb)

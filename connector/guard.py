@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.tiers.once import cause
 
-from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of, group0_ids
+from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorTransferResults
@@ -60,7 +60,7 @@ class SafeAnswers:
     def _hook_failed(self, name: str, e: BaseException) -> None:
         part = self.sched if self.sched is not None else self.worker
         if part is not None:
-            part._count(f"hook_errors.{name}")
+            part.count(f"hook_errors.{name}")
         self._once(("hook", name) + cause(e), logging.ERROR,
                    "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
                    "(counted in hook_errors; later failures of this kind are logged at DEBUG)",
@@ -99,12 +99,12 @@ class SafeAnswers:
 
     def _lookup_failed(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self.sched is not None:
-            self.sched.ctrl.release(request.request_id)
+            self.sched.release(request.request_id)
         return 0, False
 
     def _alloc_failed(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.sched is not None:
-            self.sched.fail_alloc(request, group0_ids(block_ids_of(blocks)), num_external_tokens)
+            self.sched.fail_alloc(request, block_ids_of(blocks), num_external_tokens)
 
     def _sources_failed(self, request: "Request", num_external_tokens: int) -> dict:
         return super().get_external_cache_hit_sources(request, num_external_tokens)
@@ -114,5 +114,5 @@ class SafeAnswers:
 
     def _finish_failed(self, request: "Request", block_ids: list[int]) -> tuple[bool, None]:
         if self.sched is not None:
-            self.sched.ctrl.release(request.request_id)
+            self.sched.release(request.request_id)
         return False, None

@@ -65,11 +65,11 @@ class PersistentTiers:
                 opened.append(tier.summary())
         except Exception as e:  # noqa: BLE001 - a directory in use, another fingerprint, ...
             self.failed = True
-            sched.ctrl.count("persistent_open_failed")
+            sched.count("persistent_open_failed")
             log.error("kvtier: persistent tiers stay closed: opening them failed (%s: %s)", type(e).__name__, e)
             return False
         self.closed = []
-        sched.model_identity = ident.value
+        sched.persistent_open(ident.value)
         log.info("kvtier: persistent tiers open %.1f s after start: %s; model %s (%s)",
                  time.monotonic() - self.t0, "; ".join(opened), ident.value, ident.how)
         return True

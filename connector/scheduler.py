@@ -1,12 +1,14 @@
 """Scheduler side of the connector: a thin adapter from vLLM's scheduler hooks to the controller.
 
-It tracks what vLLM tells about each request (block hashes -> keys, GPU block ids, how far its
-blocks were offered to the store) and turns hooks into `TierController` calls:
+It tracks what vLLM tells about each request (block hashes -> keys, each KV-cache group's block
+ids, how far its blocks were offered to the store) and turns hooks into `TierController` calls:
 `get_num_new_matched_tokens` -> `acquire` (a lease), `update_state_after_alloc` -> `load`,
 `build_connector_meta` -> `store` for the blocks computed this step (or the lazy walk of the GPU
 free queue) and `take_plan`, `update_connector_output` -> `complete`, finish -> `release`.
-Every placement decision is the controller's (`kvtier.core.controller`). The API is plain (request
-ids, block hashes, block ids) so tests and offline drivers use it without vLLM.
+Every model runs one path: the group rules (`connector/hybrid.py`) say which blocks a hit loads
+and a step stores; a one-group model is their one-group case. Every placement decision is the
+controller's (`kvtier.core.controller`). The API is plain (request ids, block hashes, block ids
+per group) so tests and offline drivers use it without vLLM.
 """
 
 from __future__ import annotations
@@ -18,79 +20,80 @@ from typing import Any, Iterable, Sequence
 from kvtier.core.controller import PENDING, TierController
 from kvtier.tiers.once import Once, cause
 from kvtier.tiers.contract import Medium
-from kvtier.core.keys import GROUP_ID_BYTES
-from kvtier.policies import PROMOTION
-from kvtier.policies.base import AdmissionPolicy, PromotionPolicy, RequestInfo
+from kvtier.policies.base import RequestInfo
 from kvtier.tiers.base import SlotTier
 
-from .hybrid import HybridRules
+from .hybrid import GroupRules
 from .lazy_offload import LazyOffload
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 
 log = logging.getLogger("kvtier.connector")
+
+Tables = Sequence[Sequence[int]]   # block ids per KV-cache group (vLLM's `KVCacheBlocks.get_block_ids()`)
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """store: store computed blocks at all. offload: "eager" stores each full block in the step
+    that computes it; "lazy" walks the GPU free queue (`bind_gpu`) from its LRU head, at most
+    `max_blocks_per_step` blocks a step, and stores the blocks kvtier lacks before vLLM reuses
+    them (one-group models with prefix caching; else eager). async_shared_loads: a hit that
+    reaches the shared tier loads asynchronously."""
+    store: bool = True
+    offload: str = "eager"
+    max_blocks_per_step: int | None = 64
+    async_shared_loads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.offload not in ("eager", "lazy"):
+            raise ValueError(f"kvtier connector: offload must be 'eager' or 'lazy', got {self.offload!r}")
 
 
 @dataclass
 class _Req:
     req_id: str
     request: Any                    # vLLM Request (duck-typed: block_hashes, num_tokens)
-    keys: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)   # group 0, chain order (own tracking)
-    stored_upto: int = 0            # chain positions below this were offered to the store
+    keys: list[bytes] = field(default_factory=list)      # the first group's keys, chain order
+    tables: list[list[int]] = field(default_factory=list)  # each group's block ids
+    done: list[int] = field(default_factory=list)        # blocks offered to the store, per group
     hit_blocks: int = 0             # leading blocks found (vLLM's own cache + kvtier), at lookup
     asked: int = 0                  # blocks looked up in the tiers, at the last lookup
+    hit: int = 0                    # tokens the last lookup found
     load_tier_blocks: dict[int, int] = field(default_factory=dict)
-    load_async: bool = False        # the lease reaches the shared tier: vLLM loads it asynchronously
+    load_async: bool = False        # vLLM loads the hit asynchronously (shared tier, several groups)
     load_start: int = 0             # chain position where the planned load starts
-    tables: list[list[int]] = field(default_factory=list)  # hybrid: each group's block ids
-    done: list[int] = field(default_factory=list)          # hybrid: blocks offered to the store, per group
-    plan: list[tuple[int, int]] = field(default_factory=list)  # hybrid: (group, block index) the hit loads
+    plan: list[tuple[int, int]] = field(default_factory=list)  # (group, block index) the hit loads
 
 
 class KVTierScheduler:
-    def __init__(self, tiers: Sequence[SlotTier] | None = None, block_tokens: int = 1, group_id: int = 0,
-                 store: bool = True, lease_timeout_s: float = 300.0, offload: str = "eager",
-                 max_blocks_per_step: int | None = 64, promote: bool | PromotionPolicy | None = True,
-                 admission: Sequence[AdmissionPolicy | None] | None = None, ranks: int = 1,
-                 demotion: str = "write_through", controller: TierController | None = None,
-                 async_shared_loads: bool = True, hybrid: HybridRules | None = None) -> None:
-        """Either a built `controller` (`kvtier.core.builder`) or `tiers` (top first; an NVMe tier is
-        an `NvmeControl`) and policies to build one. `promote`: a PromotionPolicy, True
-        (inclusive) or False/None (serve in place).
-
-        offload: "eager" stores each full block in the step that computes it; "lazy" walks the
-        GPU free queue (`bind_gpu`) from its LRU head, at most `max_blocks_per_step` blocks a
-        step, and stores the blocks kvtier lacks before vLLM reuses them.
-        """
-        if offload not in ("eager", "lazy"):
-            raise ValueError(f"kvtier connector: offload must be 'eager' or 'lazy', got {offload!r}")
-        if controller is None:
-            if promote is True:
-                promote = PROMOTION.get("inclusive")()
-            controller = TierController(tiers or [], block_tokens=block_tokens, admission=admission,
-                                        promotion=promote or None, demotion=demotion,
-                                        lease_timeout_s=lease_timeout_s, ranks=ranks)
+    def __init__(self, controller: TierController, rules: GroupRules | None = None,
+                 options: SchedulerOptions = SchedulerOptions(), recorder: Any = None,
+                 model_identity: str | None = None) -> None:
+        """`controller`: the tier stack (`kvtier.core.builder.build_controller`). `rules`: the
+        model's KV-cache groups (default: one full-attention group of the controller's blocks).
+        `recorder`: a TraceRecorder (serving.record_trace) or None. `model_identity`: sent to
+        the workers (None until the persistent tiers open, `persistent_open`)."""
         self.ctrl = controller
         self.tiers = self.ctrl.tiers
-        self.block_tokens = block_tokens
-        self.store_enabled = store and bool(self.tiers)
-        self.offload = offload
-        self.max_blocks_per_step = max_blocks_per_step if max_blocks_per_step and max_blocks_per_step > 0 else None
+        self.block_tokens = controller.block_tokens
+        self.rules = rules or GroupRules.one_group(self.block_tokens)
+        self.options = options
+        self.store_enabled = options.store and bool(self.tiers)
+        self.offload = "eager"                 # "lazy" once bound to a GPU pool it can walk
+        mb = options.max_blocks_per_step
+        self.max_blocks_per_step = mb if mb and mb > 0 else None
         self.nvme = next((i for i, t in enumerate(self.tiers) if t.medium is Medium.FILE), None)
         self.nvme_dir: str | None = self.tiers[self.nvme].dir if self.nvme is not None else None
-        self.gpu = None                      # SchedulerContext (bind_gpu)
-        self.lazy: LazyOffload | None = None  # offload "lazy" once bound to the GPU pool
-        self._suffix = group_id.to_bytes(GROUP_ID_BYTES, "big", signed=False)
+        self.lazy: LazyOffload | None = None   # offload "lazy" once bound to the GPU pool
         self._reqs: dict[str, _Req] = {}
-        self.async_shared_loads = async_shared_loads and self.ctrl.remote is not None
-        self.recorder = None                   # TraceRecorder (serving.record_trace), set by the connector
-        self.hybrid = hybrid                   # several KV-cache groups (connector/hybrid.py), or None
+        self.async_shared_loads = options.async_shared_loads and self.ctrl.remote is not None
+        self.recorder = recorder
         self._boundaries: dict = {}
         self._async_step: list[str] = []       # requests whose asynchronous load this step plans
         self._failed_loads: dict[str, list[int]] = {}  # accepted by vLLM, not planned: load errors
         self._once = Once(log)
         self._async_inflight: set[str] = set()  # ... until the workers report it done
-        self.model_identity: str | None = None  # sent to the workers once the persistent tiers are open
+        self.model_identity = model_identity
 
     @property
     def leases(self):
@@ -101,7 +104,7 @@ class KVTierScheduler:
         """The controller's counters (one set for the whole scheduler side)."""
         return self.ctrl.totals
 
-    def _count(self, key: str, v: float = 1) -> None:
+    def count(self, key: str, v: float = 1) -> None:
         self.ctrl.count(key, v)
 
     def take_interval_stats(self) -> KVTierStats | None:
@@ -113,13 +116,11 @@ class KVTierScheduler:
         rid = request.request_id
         r = self._reqs.get(rid)
         if r is None:
-            r = self._reqs[rid] = _Req(rid, request)
+            r = self._reqs[rid] = _Req(rid, request, done=self.rules.new_done())
         else:
             r.request = request
         hashes = request.block_hashes
-        if len(r.keys) < len(hashes):
-            sfx = self._suffix
-            r.keys.extend(bytes(h) + sfx for h in hashes[len(r.keys):])
+        r.keys.extend(self.rules.chain_keys(hashes, len(r.keys), len(hashes)))
         return r
 
     def _info(self, r: _Req, start: int) -> RequestInfo:
@@ -130,119 +131,89 @@ class KVTierScheduler:
 
     # ---- lookup / lease ----------------------------------------------------------------
     def lookup(self, request: Any, num_computed_tokens: int) -> int | None:
-        """Tokens beyond `num_computed_tokens` the tiers can load; leases the matched blocks.
+        """Tokens beyond `num_computed_tokens` the tiers can load, the one hit length every group
+        serves; leases the matched blocks.
 
         Idempotent per request and range: asking again returns the same count and pins nothing
         new. At least one token is always left to compute. None: the shared tier is being asked
         (vLLM asks again next step; the scheduler never waits on the network).
         """
         r = self._track(request)
-        if self.hybrid is not None:
-            return self._lookup_groups(r, num_computed_tokens)
         bt = self.block_tokens
         start = num_computed_tokens // bt
-        end = min(len(r.keys), (request.num_tokens - 1) // bt)
-        if start >= end or num_computed_tokens % bt:
+        end = min(len(request.block_hashes) * self.rules.hash_tokens, request.num_tokens - 1) // bt
+        r.asked = max(0, end - start) if not num_computed_tokens % bt else 0
+        if not r.asked:
             self.ctrl.count("n_lookups")
             self.ctrl.release(r.req_id)
-            r.asked = 0
             return 0
-        r.asked = end - start
-        lease = self.ctrl.acquire(r.req_id, r.keys[start:end], start, wait=False)
-        if lease is PENDING:
+        hit = self._lease(r, num_computed_tokens, end)
+        if hit is PENDING:
             return None
-        n = lease.num_blocks if lease is not None else 0
-        r.hit_blocks = start + n
-        r.load_async = self.async_shared_loads and n > 0 and any(t == self.ctrl.remote for t, _ in lease.blocks)
-        return n * bt
+        n, plan, shared = hit
+        r.plan, r.hit, r.hit_blocks, r.load_start = plan, n, start + n // bt, start
+        r.load_async = n > 0 and (not self.rules.chain or self.async_shared_loads and shared)
+        return n
 
-    def _lookup_groups(self, r: _Req, local: int) -> int:
-        """A hybrid model: the one hit length every group serves; leases each group's blocks."""
+    def _lease(self, r: _Req, local: int, end: int) -> tuple[int, list[tuple[int, int]], bool] | Any:
+        """(the hit's tokens, the (group, block index) it loads, whether the shared tier serves
+        some), or PENDING. A chain leases its present prefix, the shared tier asked too; several
+        groups lease exactly the blocks every group needs from the local tiers."""
+        start = local // self.block_tokens
+        if self.rules.chain:
+            lease = self.ctrl.acquire(r.req_id, r.keys[start:end], start, wait=False)
+            if lease is PENDING:
+                return PENDING
+            if lease is None:
+                return 0, [], False
+            gid = self.rules.groups[0].gid
+            return (lease.num_blocks * self.block_tokens, [(gid, start + j) for j in range(lease.num_blocks)],
+                    any(t == self.ctrl.remote for t, _ in lease.blocks))
         q = r.request
-        n, plan, keys = self.hybrid.lookup(q.block_hashes, local, q.num_tokens,
-                                           lambda k: self.ctrl.find(k) is not None)
-        r.asked = max(0, (q.num_tokens - 1) // self.block_tokens - local // self.block_tokens)
+        n, plan, keys = self.rules.lookup(q.block_hashes, local, q.num_tokens, lambda k: self.ctrl.find(k) is not None)
         if not n:
             self.ctrl.count("n_lookups")
             self.ctrl.release(r.req_id)
-            return 0
+            return 0, [], False
         if self.ctrl.acquire_keys(r.req_id, keys) is None:
-            return 0
-        r.plan, r.hit_blocks, r.load_start = plan, (local + n) // self.block_tokens, local // self.block_tokens
-        r.load_async = True  # vLLM takes a hybrid model's load failures per request: asynchronous loads only
-        return n
+            return 0, [], False
+        return n, plan, False
 
-    def on_alloc_groups(self, request: Any, tables: Sequence[Sequence[int]] | None, num_external_tokens: int) -> None:
-        """A hybrid model's `update_state_after_alloc`: each group's block ids; the planned blocks
-        load into the ones vLLM allocated for them (any missing: the hit is recomputed)."""
+    def loads_async(self, request_id: str) -> bool:
+        """Whether vLLM loads the request's matched prefix asynchronously (the request waits,
+        other requests run, no step waits on the network or on a hybrid model's load)."""
+        r = self._reqs.get(request_id)
+        return r is not None and r.load_async
+
+    def on_alloc(self, request: Any, tables: Tables | None, num_external_tokens: int) -> None:
+        """vLLM allocated the request's blocks (`tables`: each group's block ids) and accepted
+        `num_external_tokens` from us: the planned blocks load into the ones vLLM allocated for
+        them (any missing: the accepted tokens are reported as load errors, recomputed)."""
         r = self._track(request)
         if tables is not None:
             r.tables = [list(t) for t in tables]
         if num_external_tokens <= 0:
-            if self.ctrl.release(r.req_id):
-                self._count("n_leases_not_chosen")
-            self.ctrl.count_request(r.asked, 0)
-            r.asked = 0
-            return
-        dsts = self.hybrid.destinations(r.plan, r.tables)
-        lease = self.ctrl.leases.leases.get(r.req_id)
-        if dsts is None or lease is None or len(dsts) != lease.num_blocks:
-            self._count("hybrid_alloc_mismatch")
-            self._once(("hybrid_alloc",), logging.WARNING, "kvtier: request %s: vLLM's blocks differ from the "
-                       "planned hit (%d blocks planned): recomputed", r.req_id, len(r.plan))
-            self.fail_alloc(request, r.tables[0] if r.tables else None, num_external_tokens)
-            return
-        ops = self.ctrl.load(r.req_id, len(dsts), dsts, self._info(r, r.load_start), tokens=num_external_tokens)
-        self.ctrl.count_request(r.asked, num_external_tokens // self.block_tokens)
-        r.asked = 0
-        r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
-        self._wait_for(r, ops)
-        self._init_done(r)
-        upto = r.load_start * self.block_tokens + num_external_tokens
-        for g in self.hybrid.groups:  # what was loaded is not stored again
-            r.done[g.gid] = max(r.done[g.gid], upto // g.block_tokens)
-
-    def _init_done(self, r: _Req) -> None:
-        if not r.done:
-            r.done = [0] * (1 + max(g.gid for g in self.hybrid.groups))
-
-    def loads_async(self, request_id: str) -> bool:
-        """Whether the request's matched prefix reaches the shared tier: vLLM then loads it
-        asynchronously (the request waits, other requests run, no step waits on the network)."""
-        r = self._reqs.get(request_id)
-        return r is not None and r.load_async
-
-    def on_alloc(self, request: Any, block_ids: Sequence[int] | None, num_external_tokens: int) -> None:
-        """vLLM allocated the request's blocks and accepted `num_external_tokens` from us."""
-        r = self._track(request)
-        if block_ids is not None:
-            r.block_ids = list(block_ids)
-        if num_external_tokens <= 0:
             if self.ctrl.release(r.req_id):   # not chosen (MultiConnector) or nothing to load
-                self._count("n_leases_not_chosen")
+                self.count("n_leases_not_chosen")
             self.ctrl.count_request(r.asked, 0)
             r.asked = 0  # counted once: vLLM calls again (0 tokens) when it schedules a loaded request
             return
-        lease = self.ctrl.leases.leases.get(r.req_id)
-        nb = num_external_tokens // self.block_tokens
-        if lease is None or nb <= 0 or block_ids is None:
-            log.warning("kvtier: request %s accepted %d external tokens without a lease", r.req_id,
-                        num_external_tokens)
-            self.ctrl.release(r.req_id)
+        plan = self.rules.accepted(r.plan, r.load_start, num_external_tokens)
+        dsts = self.rules.destinations(plan, r.tables)
+        if not dsts or self.ctrl.leased(r.req_id) < len(dsts):
+            self.count("alloc_mismatch")
+            self._once(("alloc_mismatch",), logging.WARNING, "kvtier: request %s: vLLM's blocks differ from "
+                       "the planned hit (%d blocks planned, %d tokens accepted): recomputed", r.req_id,
+                       len(r.plan), num_external_tokens)
+            self.fail_alloc(request, r.tables, num_external_tokens)
             return
-        gpu = list(block_ids[lease.start:lease.start + min(nb, lease.num_blocks)])
-        if len(gpu) < min(nb, lease.num_blocks):
-            log.warning("kvtier: request %s has %d blocks, load needs %d", r.req_id, len(gpu), nb)
-            self.ctrl.release(r.req_id)
-            return
-        ops = self.ctrl.load(r.req_id, nb, gpu, self._info(r, lease.start))
-        self._wait_for(r, ops)
-        n = sum(len(op.slots) for op in ops)
-        self.ctrl.count_request(r.asked, n)
+        covered = min(num_external_tokens, r.hit)
+        ops = self.ctrl.load(r.req_id, len(dsts), dsts, self._info(r, r.load_start), tokens=covered)
+        self.ctrl.count_request(r.asked, covered // self.block_tokens)
         r.asked = 0
         r.load_tier_blocks = {op.tier: len(op.slots) for op in ops}
-        r.load_start = lease.start
-        r.stored_upto = max(r.stored_upto, lease.start + n)
+        self._wait_for(r, ops)
+        self.rules.mark_loaded(r.done, r.load_start * self.block_tokens + covered)
 
     def _wait_for(self, r: _Req, ops: Sequence) -> None:
         """The request waits for its asynchronous load: the workers report it done (or failed)."""
@@ -265,12 +236,37 @@ class KVTierScheduler:
         return out
 
     # ---- the per-step plan -------------------------------------------------------------
-    def build_meta(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]],
+    def on_step(self, so: Any) -> KVTierMetadata:
+        """vLLM's `SchedulerOutput`: each scheduled request's block ids (vLLM's exact tables when
+        it offers them, 0.32+) and the Mamba states it hands over this step; then `build_meta`."""
+        if self.recorder is not None:   # the prefill speed the trace states (plan's cost model)
+            self.recorder.scheduled(so)
+        nst = so.num_scheduled_tokens
+        scheduled: list[tuple[str, int, Any]] = []
+        for nr in so.scheduled_new_reqs:
+            self.update_block_ids(nr.req_id, nr.block_ids or (), True)
+            scheduled.append((nr.req_id, nr.num_computed_tokens + nst.get(nr.req_id, 0), None))
+        cr = so.scheduled_cached_reqs
+        resumed = getattr(cr, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cr.req_ids):
+            nb = cr.new_block_ids[i]
+            if nb is not None or rid in resumed:
+                self.update_block_ids(rid, nb or (), rid in resumed)
+            scheduled.append((rid, cr.num_computed_tokens[i] + nst.get(rid, 0), None))
+        bstate = getattr(so, "kv_connector_block_state", None)
+        boundaries = {}
+        if bstate is not None:
+            scheduled = [(rid, n, bstate.get_block_ids(rid)) for rid, n, _ in scheduled]
+            boundaries = dict(getattr(bstate, "boundary_state_offloads", None) or {})
+        return self.build_meta(scheduled, boundaries)
+
+    def build_meta(self, scheduled: Iterable[tuple[str, int, Tables | None]],
                    boundaries: dict | None = None) -> KVTierMetadata:
-        """`scheduled`: (request id, tokens computed once this step runs, its group-0 block ids or
-        None to use the ids tracked from on_alloc/update_block_ids)."""
+        """`scheduled`: (request id, tokens computed once this step runs, each group's block ids
+        or None to use the ids tracked from on_alloc/update_block_ids). `boundaries`: the Mamba
+        states vLLM hands over this step, per request."""
         scheduled = list(scheduled)
-        self._boundaries = boundaries or {}   # hybrid: Mamba states vLLM hands over this step
+        self._boundaries = boundaries or {}
         if scheduled and self.lazy is not None:
             self.lazy.drain.busy()
         try:  # a failure here (e.g. the NVMe index cannot be written) costs this step's stores only
@@ -281,7 +277,7 @@ class KVTierScheduler:
                 else:
                     self._plan_stores(scheduled)
         except Exception as e:  # noqa: BLE001
-            self._count("store_plan_failed")
+            self.count("store_plan_failed")
             self._once(("store_plan",) + cause(e), logging.ERROR,
                        "kvtier: planning this step's stores failed (%s: %s); they are skipped (future misses)",
                        type(e).__name__, e, exc_info=e)
@@ -303,7 +299,7 @@ class KVTierScheduler:
             meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
 
     # ---- failures: the safe answer (connector/guard.py) ------------------------------------
-    def fail_alloc(self, request: Any, block_ids: Sequence[int] | None, num_external_tokens: int) -> None:
+    def fail_alloc(self, request: Any, tables: Tables | None, num_external_tokens: int) -> None:
         """`update_state_after_alloc` failed after vLLM accepted `num_external_tokens` from us: the
         lease goes, and the blocks vLLM expects loaded are reported as load errors (recomputed)."""
         rid = request.request_id
@@ -316,7 +312,8 @@ class KVTierScheduler:
             self._async_step.append(rid)
         nb = num_external_tokens // self.block_tokens
         first = int(getattr(request, "num_computed_tokens", 0) or 0) // self.block_tokens
-        self._failed_loads[rid] = list(block_ids[first:first + nb]) if block_ids else []
+        ids = tables[0] if tables else None
+        self._failed_loads[rid] = list(ids[first:first + nb]) if ids else []
 
     def fail_plan(self) -> KVTierMetadata:
         """`build_connector_meta` failed: send this step's loads as load errors (vLLM accepted them
@@ -333,59 +330,45 @@ class KVTierScheduler:
         self._name_nvme(meta)
         return meta
 
-    def update_block_ids(self, req_id: str, new_ids: Sequence[int], replace: bool,
-                         tables: Sequence[Sequence[int]] | None = None) -> None:
-        """The request's block ids (group 0), or with `tables` every group's (a hybrid model)."""
+    def update_block_ids(self, req_id: str, tables: Tables, replace: bool) -> None:
+        """New block ids of every group (appended), or the whole tables (`replace`: resumed)."""
         r = self._reqs.get(req_id)
         if r is None:
             return
-        if tables is not None:
-            if replace or not r.tables:
-                r.tables = [list(t) for t in tables]
-            else:
-                for t, new in zip(r.tables, tables):
-                    t.extend(new)
-            return
-        if replace:
-            r.block_ids = list(new_ids)
+        if replace or not r.tables:
+            r.tables = [list(t) for t in tables]
         else:
-            r.block_ids.extend(new_ids)
+            for t, new in zip(r.tables, tables):
+                t.extend(new)
 
-    def _plan_stores(self, scheduled: Iterable[tuple[str, int, Sequence[int] | None]]) -> None:
-        bt = self.block_tokens
-        for rid, computed_after, block_ids in scheduled:
+    def _plan_stores(self, scheduled: Iterable[tuple[str, int, Tables | None]]) -> None:
+        """Each group's blocks full once this step runs (a sliding window's too: vLLM drops them
+        at the next step) and the Mamba states vLLM hands over."""
+        for rid, computed_after, tables in scheduled:
             r = self._reqs.get(rid)
             if r is None:
                 continue
-            if self.hybrid is not None:
-                self._plan_stores_groups(r, computed_after, block_ids)
-                continue
-            if block_ids is None:
-                block_ids = r.block_ids
+            if tables is not None:
+                r.tables = [list(t) for t in tables]
             self._track(r.request)
-            full = min(len(r.keys), computed_after // bt, len(block_ids))
-            lo = r.stored_upto
-            if full <= lo:
-                continue
-            r.stored_upto = full
-            self.ctrl.store(r.keys[lo:full], block_ids[lo:full], self._info(r, lo))
-
-    def _plan_stores_groups(self, r: _Req, computed_after: int, tables: Any) -> None:
-        """A hybrid model: each attention group's blocks full once this step runs (a sliding
-        window's too: vLLM drops them at the next step) and the Mamba states vLLM hands over."""
-        if tables is not None:
-            r.tables = [list(t) for t in tables]
-        self._init_done(r)
-        pairs = self.hybrid.stores(r.request.block_hashes, computed_after, r.tables, r.done,
-                                   self._boundaries.get(r.req_id, ()))
-        if pairs:
-            self.ctrl.store([k for k, _ in pairs], [b for _, b in pairs], self._info(r, 0))
+            pairs, first = self.rules.stores(r.request.block_hashes, computed_after, r.tables, r.done,
+                                             self._boundaries.get(rid, ()))
+            if pairs:
+                self.ctrl.store([k for k, _ in pairs], [b for _, b in pairs], self._info(r, first))
 
     def has_pending_push_work(self) -> bool:
         """Lazy offload still has finished requests' blocks to write behind (connector/lazy_offload.py)."""
         return self.lazy is not None and self.lazy.pending()
 
     # ---- worker results ----------------------------------------------------------------
+    def on_output(self, connector_output: Any) -> None:
+        """vLLM's `KVConnectorOutput` of a step: the workers' report."""
+        if self.recorder is not None:
+            self.recorder.step_done()
+        wm = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(wm, KVTierWorkerMeta):
+            self.on_worker_meta(wm)
+
     def on_worker_meta(self, wm: KVTierWorkerMeta | None) -> None:
         if wm is None:
             return
@@ -396,18 +379,18 @@ class KVTierScheduler:
         for rid, ok in wm.loaded.items():  # a failed load: vLLM recomputes those blocks; offer them again
             r = self._reqs.get(rid)
             if not ok and r is not None:
-                r.stored_upto = min(r.stored_upto, r.load_start)
+                self.rules.offer_again(r.done, r.load_start * self.block_tokens)
         self.ctrl.complete(wm)
 
     # ---- end of a request --------------------------------------------------------------
-    def on_finished(self, req_id: str, block_ids: Sequence[int] | None = None) -> tuple[bool, dict | None]:
+    def on_finished(self, req_id: str, tables: Tables | None = None) -> tuple[bool, dict | None]:
         """(delay freeing its GPU blocks, params): delayed while an asynchronous load still writes
         them (vLLM frees them when the workers report the load received). Lazy offload queues its
-        full blocks (`block_ids`, group 0) to be written behind."""
+        full blocks (`tables`, each group's block ids) to be written behind."""
         r = self._reqs.pop(req_id, None)
-        if r is not None and block_ids and self.store_enabled and self.lazy is not None:
+        if r is not None and tables and tables[0] and self.store_enabled and self.lazy is not None:
             self._track(r.request)
-            self.lazy.write_behind(r.keys, block_ids)
+            self.lazy.write_behind(r.keys, tables[0])
         if r is not None and self.recorder is not None:
             q = r.request
             n_in = int(getattr(q, "num_prompt_tokens", 0) or 0)
@@ -420,15 +403,26 @@ class KVTierScheduler:
         self.ctrl.release(req_id)
         return False, None
 
+    def release(self, req_id: str) -> None:
+        """The request's lease goes (a failed hook's safe answer)."""
+        self.ctrl.release(req_id)
+
     def on_preempted(self, req_id: str) -> None:
         self.ctrl.release(req_id)
         r = self._reqs.get(req_id)
         if r is not None:
-            r.block_ids = []
+            r.tables = []
 
     # ---- introspection -----------------------------------------------------------------
     def pinned_blocks(self) -> int:
         return self.ctrl.pinned_blocks()
+
+    def leased_blocks(self) -> int:
+        return int(self.ctrl.leases.pinned())
+
+    def tenant_gauges(self) -> dict:
+        """Bytes each tenant holds per tier (`kvtier.core.tenants`); empty without tenants."""
+        return self.ctrl.tenants.gauges() if self.ctrl.tenants is not None else {}
 
     def stats(self) -> dict:
         d = self.ctrl.stats()
@@ -436,11 +430,23 @@ class KVTierScheduler:
                   "pending_nvme_writes": d["pending_copies"]})
         return d
 
-    def bind_gpu(self, ctx: Any) -> None:
-        """vLLM's GPU block pool (`kvtier.tiers.gpu`): lazy offload walks its free queue."""
-        self.gpu = ctx
-        if self.offload == "lazy":
-            self.lazy = LazyOffload(self.ctrl, ctx, self._count)
+    def bind_gpu(self, ctx: Any, hashed: bool = True) -> None:
+        """vLLM's GPU block pool (`kvtier.tiers.gpu`): what vLLM hashes the requests' blocks by;
+        lazy offload walks its free queue for hashed blocks (it needs vLLM's prefix caching)."""
+        hash_tokens = getattr(getattr(ctx, "pool", None), "hash_block_size", None)
+        if hash_tokens:
+            self.rules.hash_tokens = int(hash_tokens)
+        if self.options.offload != "lazy":
+            return
+        if not self.rules.chain:
+            log.warning("kvtier: offload 'lazy' stores what vLLM keeps cached, which has no sliding-window "
+                        "block: with %d KV-cache groups blocks are stored eagerly", len(self.rules.groups))
+        elif not hashed:
+            log.warning("kvtier: offload 'lazy' needs prefix caching (hashed blocks in the GPU free "
+                        "queue); it is off, so blocks are stored eagerly")
+        else:
+            self.offload = "lazy"
+            self.lazy = LazyOffload(self.ctrl, ctx, self.count)
 
     def open_tier(self, t: int, tier: SlotTier) -> None:
         """A persistent tier opened after start (`TierController.open_tier`)."""
@@ -448,5 +454,25 @@ class KVTierScheduler:
         if t == self.nvme:
             self.nvme_dir = tier.dir
 
+    def persistent_open(self, model_identity: str) -> None:
+        """The persistent tiers are open under `model_identity`: the workers are told from the next step."""
+        self.model_identity = model_identity
+
+    def nvme_tiers(self) -> list[SlotTier]:
+        return [t for t in self.tiers if t.medium is Medium.FILE]
+
+    def drain_within(self, seconds: float) -> None:
+        """SIGTERM: lazy offload writes behind for at most `seconds` more (called from a signal handler)."""
+        if self.lazy is not None:
+            self.lazy.drain.stop_in(seconds)
+
+    def report_shutdown(self) -> None:
+        """At shutdown, once the workers' last reports are in: what lazy offload left unwritten."""
+        if self.lazy is not None:
+            self.lazy.report_shutdown()
+
     def close(self) -> None:
+        """The trace, then the NVMe index and its directory lock."""
+        if self.recorder is not None:
+            self.recorder.close()
         self.ctrl.close()

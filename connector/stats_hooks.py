@@ -27,7 +27,7 @@ log = logging.getLogger("kvtier.connector")
 
 
 class StatsHooks:
-    """A part of `KVTierConnector`: its `sched` or `worker`, `_last_gauges`, `_stats_at`."""
+    """A part of `KVTierConnector`: its `sched` or `worker`, `recorder`, `_last_gauges`, `_stats_at`."""
 
     @hook()
     def get_kv_connector_stats(self) -> KVTierStats | None:
@@ -80,11 +80,11 @@ class StatsHooks:
             except RuntimeError:   # changed size while copied (the scheduler thread): the next beat
                 return
             try:
-                for t in self._nvme_tiers():
+                for t in self.sched.nvme_tiers():
                     write_stats(t.dir, totals)
                 write_server_state(self._server_state(totals, final))
             except Exception as e:  # noqa: BLE001 - what inspect reads never fails a start, a step or a stop
-                self.sched.ctrl.count("state_write_errors")
+                self.sched.count("state_write_errors")
                 self._once(("server_state",) + cause(e), logging.WARNING,
                            "kvtier: the server's state for kvtier inspect not written: %s", e)
 
@@ -101,7 +101,7 @@ class StatsHooks:
         cfg = self.config
         kinds = {t.name: t.kind for t in cfg.storage_tiers()}
         fp = getattr(self, "fingerprint", {}) or {}
-        rec = self.sched.recorder
+        rec = self.recorder
         return {"stopped": time.time() if final else None, "config": cfg.source,
                 "geometry": {"block_tokens": self.block_tokens, "block_bytes": cfg.block_bytes,
                              "model": fp.get("model"), "dtype": fp.get("dtype"),
@@ -115,9 +115,6 @@ class StatsHooks:
                 "record_trace": rec.path if rec is not None and rec.active else None, "totals": totals,
                 **({"tenants": self.sched.ctrl.tenants.stats(totals)} if self.sched.ctrl.tenants is not None else {})}
 
-    def _nvme_tiers(self) -> list:
-        return [t for t in self.sched.tiers if t.medium is Medium.FILE] if self.sched is not None else []
-
     def _gauges(self) -> dict[str, float]:
         """Occupancy of each local tier and blocks held by leases (the shared tier's server keeps
         its own)."""
@@ -126,9 +123,8 @@ class StatsHooks:
             if not t.remote:
                 out[f"gauge_resident_blocks.{t.name}"] = int(t.num_used)
                 out[f"gauge_capacity_blocks.{t.name}"] = int(t.capacity_blocks)
-        out["gauge_leased_blocks"] = int(self.sched.leases.pinned())
-        if self.sched.ctrl.tenants is not None:   # bytes each tenant holds per tier (kvtier.core.tenants)
-            out.update(self.sched.ctrl.tenants.gauges())
+        out["gauge_leased_blocks"] = self.sched.leased_blocks()
+        out.update(self.sched.tenant_gauges())   # bytes each tenant holds per tier (kvtier.core.tenants)
         return out
 
     @classmethod

@@ -16,12 +16,15 @@ from typing import Any
 
 import torch
 
+from kvtier.core.builder import tier_sealer
+from kvtier.core.config import StackConfig
 from kvtier.core.executor import Executor
 from kvtier.tiers.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.io_hooks import fault_point
 
+from .config import tier_of
 from .kv_layout import KVCopier, KVLayout
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
 from .pending_stores import PendingStores
@@ -36,12 +39,12 @@ NVME_REOPEN_S = 30.0             # an NVMe data file that failed to open is trie
 class KVTierWorker(Counting):
     IDLE_WAIT_S = 1.0   # a step with nothing but asynchronous loads waits this long for them at most
 
-    def __init__(self, cpu_blocks_fn, pin: str | bool = "auto", expected_block_bytes: int | None = None,
-                 nvme_io: str = "auto", nvme_io_threads: int = 4, nvme_direct: bool | str = "auto",
-                 nvme_write_lag_steps: int = 4, rank: int = 0, remote_fn=None, ranks: int = 1,
-                 num_blocks: int | None = None, copy_streams=None, cpu_tier=None,
-                 store_rank: int | None = None, remote_needs_identity: bool = False, nvme_sealer=None) -> None:
-        """`cpu_tier`: the cpu tier's config (else `cpu_blocks_fn(block bytes)` slots).
+    def __init__(self, cfg: StackConfig, rank: int = 0, ranks: int = 1, store_rank: int | None = None,
+                 expected_block_bytes: int | None = None, num_blocks: int | None = None, remote_fn=None,
+                 remote_needs_identity: bool = False, copy_streams=None) -> None:
+        """`cfg`: the stack's settings: its cpu tier sizes the pool (and `pin`s it), its nvme tier's
+        `io`, `io_threads` and `direct` open the NVMe data file, `serving.nvme_write_lag_steps`;
+        its tier names name the counters until the scheduler's first step does.
         `remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
         rank, or None without a shared tier; with `remote_needs_identity` it is
         `remote_fn(block_bytes, count, model)`, opened at the first step whose metadata names the
@@ -51,17 +54,20 @@ class KVTierWorker(Counting):
         with these streams (tests). `store_rank`: whose shard this worker's blocks are (default
         its own rank); 0 on every rank when the ranks hold the same KV (MLA under tensor
         parallelism): only rank 0 writes the NVMe file and the shared tier, every rank reads them."""
-        self._cpu_tier = cpu_tier
-        self._cpu_blocks_fn = cpu_blocks_fn
+        self._cpu_tier = tier_of(cfg, "cpu")
+        if self._cpu_tier is None:
+            raise ValueError("kvtier worker: the config has no cpu tier")
+        nvme = tier_of(cfg, "nvme")
+        self._tier_names = [t.name for t in cfg.storage_tiers()]
         self._remote_fn = remote_fn
         self._remote_needs_identity = remote_needs_identity
-        self._pin = pin
+        self._pin = self._cpu_tier.pin
         self._expected = expected_block_bytes
         self._num_blocks = num_blocks
         self._copy_streams = copy_streams
-        self._nvme_args = (nvme_io, nvme_io_threads, nvme_direct)
-        self._nvme_sealer = nvme_sealer       # `sealing.Sealer`: the NVMe tier is encrypted
-        self._lag = nvme_write_lag_steps
+        self._nvme_args = (nvme.io, nvme.io_threads, nvme.direct) if nvme is not None else ("auto", 4, "auto")
+        self._nvme_sealer = tier_sealer(cfg, nvme)   # `sealing.Sealer`: the NVMe tier is encrypted
+        self._lag = cfg.serving.nvme_write_lag_steps
         self.rank = rank
         self.store_rank = rank if store_rank is None else store_rank  # NVMe file data.<it>, its checksums
         self._ranks = ranks                   # workers on this host, each with its own pool
@@ -78,7 +84,6 @@ class KVTierWorker(Counting):
         self.disabled = False                 # register_kv_caches failed: every load fails, nothing stored
         self._lost: set[str] = set()          # waiting requests failed without an executor: reported done
         self._capacity: dict[int, int] = {}   # reported once: the pool's size
-        self.fail_loads = False               # test hook: every load fails
 
     # ---- setup -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -100,10 +105,7 @@ class KVTierWorker(Counting):
                      self.pools[0].num_slots)
             return
         self.layout = lay
-        from kvtier.core.config import TierConfig
-        tier = self._cpu_tier or TierConfig(name="cpu", kind="cpu",
-                                            capacity_blocks=self._cpu_blocks_fn(lay.block_bytes))
-        n, warning = fit_pool_slots(tier, lay.block_bytes, self._ranks)
+        n, warning = fit_pool_slots(self._cpu_tier, lay.block_bytes, self._ranks)
         if warning:
             log.warning("%s", warning)
             self._count("cpu_pool_shrunk", 1)
@@ -111,11 +113,10 @@ class KVTierWorker(Counting):
         pool = CpuPool(n, lay.block_bytes, self._pin)
         self.pools = [pool]
         self.kv = KVCopier(lay, pool, self._copy_streams)
-        self.ex = Executor(self.kv, [pool], lay.block_bytes, tier_names=["cpu", "nvme"], write_lag_steps=self._lag,
+        self.ex = Executor(self.kv, [pool], lay.block_bytes, tier_names=self._tier_names, write_lag_steps=self._lag,
                            rank=self.rank,
                            staging=Staging(lay.block_bytes, self._pin), report_cls=KVTierWorkerMeta,
                            count=self._count)
-        self.ex.fail_loads = self.fail_loads
         self.pending = PendingStores(self.ex)   # stores whose device copies are still running
         log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
         if self._remote_fn is not None and self.remote is None and not self._remote_needs_identity:
@@ -139,7 +140,6 @@ class KVTierWorker(Counting):
             return
         ex = self.ex
         ex.begin_step()   # a new step: its stores are tainted only by its own failed loads
-        ex.fail_loads = self.fail_loads
         if meta.tier_names:
             ex.tier_names = list(meta.tier_names)
         n = max(len(meta.tier_names or ()), 1 + max([i for i in (meta.remote_tier, meta.nvme_tier) if i is not None],

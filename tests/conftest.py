@@ -65,3 +65,16 @@ def redis_factory():
     yield start
     for s in made:
         s.close()
+
+
+# -- vLLM end-to-end (tests/vllm_util.py): a tiny random model built at test time, no downloads.
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama for the module, vLLM's test environment set (a module that needs
+    another model defines its own `model_dir`)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vllm_util
+    vllm_util.set_env()
+    return vllm_util.build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))

@@ -11,6 +11,7 @@ from kvtier.connector.guard import hook
 from kvtier.tiers.once import Once
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 from test_connector_scheduler import Req, make, run_step, store_request  # noqa: E402
 
 
@@ -73,9 +74,9 @@ def test_failed_alloc_reports_the_accepted_blocks_as_load_errors():
     r.num_computed_tokens = 0
     assert s.lookup(r, 0) == 16
     assert s.leases.pinned() == 4
-    s.fail_alloc(r, [7, 8, 9, 10, 11], 16)     # update_state_after_alloc raised after vLLM accepted 16
+    s.fail_alloc(r, [[7, 8, 9, 10, 11]], 16)     # update_state_after_alloc raised after vLLM accepted 16
     assert s.leases.pinned() == 0 and sum(tier._ref) == 0
-    meta = s.build_meta([("b", 18, [7, 8, 9, 10, 11])])
+    meta = s.build_meta([("b", 18, [[7, 8, 9, 10, 11]])])
     assert meta.failed_loads == {"b": [7, 8, 9, 10]}   # the worker reports them: vLLM recomputes
     assert not meta.loads
     assert s.build_meta([]).failed_loads == {}          # once
@@ -86,11 +87,11 @@ def test_failed_plan_fails_loads_and_releases_every_pin():
     store_request(s, Req("a", list(range(18))))
     r = Req("b", list(range(18)))
     assert s.lookup(r, 0) == 16
-    s.on_alloc(r, [7, 8, 9, 10, 11], 16)
+    s.on_alloc(r, [[7, 8, 9, 10, 11]], 16)
     c = Req("c", list(range(100, 118)))            # new blocks to store in the same step
     s.lookup(c, 0)
-    s.on_alloc(c, [20, 21, 22, 23, 24], 0)
-    s._plan_stores([("c", 18, [20, 21, 22, 23, 24])])
+    s.on_alloc(c, [[20, 21, 22, 23, 24]], 0)
+    s._plan_stores([("c", 18, [[20, 21, 22, 23, 24]])])
     assert s.ctrl.has_plan()
     meta = s.fail_plan()                            # build_connector_meta raised
     assert meta.failed_loads == {"b": [7, 8, 9, 10]} and not meta.loads and not meta.stores
@@ -145,15 +146,14 @@ def test_a_smaller_pool_limits_the_schedulers_tier(monkeypatch):
     bb = 2 * 2 * 4 * 8 * 4
     monkeypatch.setattr(kvtier.core.fit, "memory_headroom", lambda: 1 << 30)
     monkeypatch.setattr(kvtier.core.fit, "available_memory", lambda: (1 << 30) + 10 * bb)
-    from kvtier.core.config import TierConfig
-    w = KVTierWorker(lambda _bb: 8, pin=False, cpu_tier=TierConfig(name="cpu", kind="cpu", capacity="50%"))
+    w = KVTierWorker(worker_settings(cpu_capacity="50%"))
     w.register_kv_caches(caches)
     assert w.pools[0].num_slots == 5
     s, tier = make(cap=8)
     r = Req("a", list(range(30)))             # 7 full blocks, 8 slots in the scheduler's tier
     s.lookup(r, 0)
-    s.on_alloc(r, list(range(8)), 0)
-    meta = s.build_meta([("a", 30, list(range(8)))])
+    s.on_alloc(r, [list(range(8))], 0)
+    meta = s.build_meta([("a", 30, [list(range(8))])])
     assert sorted(x for op in meta.stores for x in op.slots) == list(range(7))
     w.bind(KVTierMetadata(stores=meta.stores))
     w.save()                                  # slots 5 and 6 lie beyond the pool: that store fails whole

@@ -3,13 +3,18 @@ and the write-behind of finished requests' blocks."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from kvtier.connector.metadata import KVTierWorkerMeta
-from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier
 from kvtier.tiers.gpu import BlockPoolContext
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import scheduler  # noqa: E402
 
 bp = pytest.importorskip("vllm.v1.core.block_pool")
 ku = pytest.importorskip("vllm.v1.core.kv_cache_utils")
@@ -29,7 +34,7 @@ def pool_with_hashed(n_hashed=5, n=None):
 
 def make(budget, cap=16):
     tier = SlotTier("cpu", cap, 64, EVICTION.get("lru")(cap))
-    return KVTierScheduler([tier], 4, offload="lazy", max_blocks_per_step=budget), tier
+    return scheduler([tier], 4, offload="lazy", max_blocks_per_step=budget), tier
 
 
 def step(s, ok=True):
@@ -103,7 +108,7 @@ def test_finished_requests_are_written_behind_not_scanned():
     req = _Req("r", [ku.BlockHash(h) for h in hashes], 5 * 4 + 1)
     s.lookup(req, 0)
     ids = [b.block_id for b in hashed]
-    assert s.on_finished("r", ids) == (False, None)
+    assert s.on_finished("r", [ids]) == (False, None)
     assert s.has_pending_push_work()
     stored = []
     for _ in range(4):
@@ -118,7 +123,7 @@ def test_write_behind_skips_blocks_vllm_reused():
     s.bind_gpu(BlockPoolContext(pool))
     req = _Req("r", [ku.BlockHash(bytes(b.block_hash)[:32]) for b in hashed], 13)
     s.lookup(req, 0)
-    s.on_finished("r", [b.block_id for b in hashed])
+    s.on_finished("r", [[b.block_id for b in hashed]])
     hashed[1].reset_hash()                      # vLLM evicted it for another request
     assert [op.block_ids for op in step(s).stores] == [[hashed[0].block_id, hashed[2].block_id]]
     assert s.totals["lazy_lost_blocks"] == 1
@@ -156,7 +161,7 @@ def test_write_behind_survives_a_stall_after_the_last_request(monkeypatch, jump)
     meta = s.build_meta([("r9", 0, None)])        # the last request's last step
     s.on_worker_meta(KVTierWorkerMeta(stored={op.op_id: [True] * len(op.slots) for op in meta.stores}))
     for req, ids in reqs:
-        s.on_finished(req.request_id, ids)
+        s.on_finished(req.request_id, [ids])
     now[0] += 35.0                                # the stall
     steps = 0
     while s.has_pending_push_work() and steps < 100:
@@ -179,7 +184,7 @@ def test_write_behind_gives_up_without_progress_and_at_shutdown():
     s.lazy.drain.clock = lambda: now[0]
     s.lookup(reqs[0][0], 0)
     s.build_meta([("r0", 0, None)])
-    s.on_finished("r0", reqs[0][1])
+    s.on_finished("r0", [reqs[0][1]])
     steps = 0
     while s.has_pending_push_work() and steps < 1000:
         s.build_meta([])                          # planned, never reported: stuck
@@ -193,7 +198,7 @@ def test_write_behind_gives_up_without_progress_and_at_shutdown():
     s2.lazy.drain.clock = lambda: now[0]
     s2.lookup(reqs2[0][0], 0)
     s2.build_meta([("r0", 0, None)])
-    s2.on_finished("r0", reqs2[0][1])
+    s2.on_finished("r0", [reqs2[0][1]])
     s2.lazy.drain.stop_in(1.0)                    # SIGTERM, 1 s of vLLM's shutdown timeout left
     steps = 0
     while s2.has_pending_push_work() and steps < 1000:
@@ -225,7 +230,7 @@ def test_a_gpu_block_is_copied_once_per_residency():
     new[1].set_block_hash(ku.make_block_hash_with_group_id(h, 0))
     req = _Req("r", [h], 5)
     s.lookup(req, 0)
-    s.on_finished("r", [ids[0]])
+    s.on_finished("r", [[ids[0]]])
     pool.free_blocks(new)
     for _ in range(10):
         copied += [i for op in step(s).stores for i in op.block_ids]

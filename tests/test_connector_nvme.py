@@ -9,12 +9,12 @@ import sys
 import torch
 
 from kvtier.connector.nvme import NvmeControl
-from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import scheduler, worker_settings  # noqa: E402
 from test_connector_scheduler import BT, Req  # noqa: E402
 
 NB, H, D2 = 16, 2, 64
@@ -30,18 +30,18 @@ def sched(path, cap=8, ranks=1):
     bb = 2 * H * BT * D2 * 4
     cpu = SlotTier("cpu", cap, bb, EVICTION.get("lru")(cap))
     nv = NvmeControl("nvme", str(path), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
-    return KVTierScheduler([cpu, nv], BT, ranks=ranks), cpu, nv
+    return scheduler([cpu, nv], BT, ranks=ranks), cpu, nv
 
 
 def worker(seed, lag=0, rank=0):
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_direct="auto", nvme_write_lag_steps=lag, rank=rank)
+    w = KVTierWorker(worker_settings(8, nvme_direct="auto", nvme_write_lag_steps=lag), rank=rank)
     c = caches(seed)
     w.register_kv_caches(c)
     return w, c
 
 
 def step(s, w, scheduled):
-    meta = s.build_meta(scheduled)
+    meta = s.build_meta([(q, n, None if ids is None else [ids]) for q, n, ids in scheduled])
     w.bind(meta)
     w.start_load()
     w.save()
@@ -56,7 +56,7 @@ def test_write_through_restart_and_corruption(tmp_path):
     s, cpu, nv = sched(d)
     w, c = worker(0)
     s.lookup(r, 0)
-    s.on_alloc(r, ids, 0)
+    s.on_alloc(r, [ids], 0)
     meta = step(s, w, [("a", r.num_tokens, ids)])
     assert s.totals["store_planned_blocks.nvme"] == 4 and meta.nvme_dir == nv.dir
     assert nv.num_resident == 4 and cpu.num_resident == 4 and s.pinned_blocks() == 0
@@ -72,7 +72,7 @@ def test_write_through_restart_and_corruption(tmp_path):
     r2 = Req("b", r.tokens)
     assert s.lookup(r2, 0) == 4 * BT
     dst = [9, 10, 11, 12, 13]
-    s.on_alloc(r2, dst, 4 * BT)
+    s.on_alloc(r2, [dst], 4 * BT)
     step(s, w, [("b", r2.num_tokens, dst)])
     got = [torch.cat([c[n][b].reshape(-1).view(torch.uint8) for n in c]) for b in dst[:4]]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -92,7 +92,7 @@ def test_write_through_restart_and_corruption(tmp_path):
         f.seek(slot * nv.stride + 7)
         f.write(b"\xff\x00\xff")
     assert s.lookup(r3, 0) == 4 * BT
-    s.on_alloc(r3, dst, 4 * BT)
+    s.on_alloc(r3, [dst], 4 * BT)
     step(s, w, [("c", r3.num_tokens, dst)])
     assert w.take_load_errors() == {dst[1]}                      # recompute that block (and after)
     assert w.corrupt_blocks == 1 and s.totals["corrupt_blocks.nvme"] == 1
@@ -115,8 +115,8 @@ def test_write_behind_reports_within_lag(tmp_path):
     r = Req("a", list(range(4 * BT + 3)))
     ids = [1, 2, 3, 4, 5]
     s.lookup(r, 0)
-    s.on_alloc(r, ids, 0)
-    meta = s.build_meta([("a", r.num_tokens, ids)])
+    s.on_alloc(r, [ids], 0)
+    meta = s.build_meta([("a", r.num_tokens, [ids])])
     w.bind(meta)
     w.start_load()
     w.save()                                    # GPU -> CPU now; the NVMe write is queued
@@ -147,8 +147,8 @@ def test_write_behind_unreported_at_close_is_not_indexed(tmp_path):
     w, c = worker(0, lag=8)
     r = Req("a", list(range(2 * BT + 1)))
     s.lookup(r, 0)
-    s.on_alloc(r, [1, 2, 3], 0)
-    meta = s.build_meta([("a", r.num_tokens, [1, 2, 3])])
+    s.on_alloc(r, [[1, 2, 3]], 0)
+    meta = s.build_meta([("a", r.num_tokens, [[1, 2, 3]])])
     w.bind(meta)
     w.start_load()
     w.save()
@@ -167,12 +167,12 @@ def test_nvme_admission_second_hit(tmp_path):
     bb = 2 * H * BT * D2 * 4
     cpu = SlotTier("cpu", 4, bb, EVICTION.get("lru")(4))
     nv = NvmeControl("nvme", str(tmp_path / "nvme"), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
-    s = KVTierScheduler([cpu, nv], BT, admission=[ADMISSION.get("all")(), ADMISSION.get("second_hit")()])
+    s = scheduler([cpu, nv], BT, admission=[ADMISSION.get("all")(), ADMISSION.get("second_hit")()])
     w, c = worker(0)
     r = Req("a", list(range(4 * BT + 1)))
     ids = [1, 2, 3, 4, 5]
     s.lookup(r, 0)
-    s.on_alloc(r, ids, 0)
+    s.on_alloc(r, [ids], 0)
     step(s, w, [("a", r.num_tokens, ids)])
     s.on_finished("a")
     assert "store_planned_blocks.nvme" not in s.totals and cpu.num_resident == 4 and nv.num_resident == 0
@@ -180,7 +180,7 @@ def test_nvme_admission_second_hit(tmp_path):
     cpu.evict(list(cpu.iter_free_slots()))       # DRAM loses them; the same prefix comes back
     r2 = Req("b", r.tokens)
     assert s.lookup(r2, 0) == 0
-    s.on_alloc(r2, ids, 0)
+    s.on_alloc(r2, [ids], 0)
     step(s, w, [("b", r2.num_tokens, ids)])
     assert s.totals["store_planned_blocks.nvme"] == 4 and len(nv.index) == 4
     assert s.totals["not_admitted_blocks.nvme"] == 4 and s.totals["stored_blocks.nvme"] == 4
@@ -198,7 +198,7 @@ def test_load_only_scheduler_still_names_the_nvme_dir(tmp_path):
     s, cpu, nv = sched(d)
     w, c = worker(0)
     s.lookup(r, 0)
-    s.on_alloc(r, [1, 2, 3, 4], 0)
+    s.on_alloc(r, [[1, 2, 3, 4]], 0)
     step(s, w, [("a", r.num_tokens, [1, 2, 3, 4])])
     want = [torch.cat([c[n][b].reshape(-1).view(torch.uint8) for n in c]) for b in (1, 2, 3)]
     s.close()
@@ -207,11 +207,11 @@ def test_load_only_scheduler_still_names_the_nvme_dir(tmp_path):
     bb = 2 * H * BT * D2 * 4
     cpu = SlotTier("cpu", 8, bb, EVICTION.get("lru")(8))
     nv = NvmeControl("nvme", str(d), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
-    s = KVTierScheduler([cpu, nv], BT, store=False)
+    s = scheduler([cpu, nv], BT, store=False)
     w, c = worker(1)
     r2 = Req("b", r.tokens)
     assert s.lookup(r2, 0) == 3 * BT
-    s.on_alloc(r2, [9, 10, 11, 12], 3 * BT)
+    s.on_alloc(r2, [[9, 10, 11, 12]], 3 * BT)
     meta = step(s, w, [("b", r2.num_tokens, [9, 10, 11, 12])])
     assert meta.nvme_dir == nv.dir and not meta.stores
     assert w.take_load_errors() == set() and w.totals["blocks_loaded.nvme"] == 3
@@ -226,7 +226,7 @@ def _ranks_step(s, ws, scheduled):
     """One step with several workers: each gets its own copy of the metadata (as over vLLM's RPC)
     and their reports are aggregated the way vLLM's KVOutputAggregator does."""
     import copy
-    meta = s.build_meta(scheduled)
+    meta = s.build_meta([(q, n, None if ids is None else [ids]) for q, n, ids in scheduled])
     agg = None
     for w in ws:
         w.bind(copy.deepcopy(meta))
@@ -257,7 +257,7 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
     s, cpu, nv = sched(d, ranks=2)
     ws = _rank_workers([0, 1])
     s.lookup(r, 0)
-    s.on_alloc(r, ids, 0)
+    s.on_alloc(r, [ids], 0)
     _ranks_step(s, [w for w, _ in ws], [("a", r.num_tokens, ids)])
     assert nv.num_resident == 4 and len(nv.index) == 4
     entries = [e for _, e in nv.index.items()]
@@ -275,7 +275,7 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
     r2 = Req("b", r.tokens)
     assert s.lookup(r2, 0) == 4 * BT
     dst = [9, 10, 11, 12, 13]
-    s.on_alloc(r2, dst, 4 * BT)
+    s.on_alloc(r2, [dst], 4 * BT)
     _ranks_step(s, [w for w, _ in ws], [("b", r2.num_tokens, dst)])
     for (w, c), shard in zip(ws, want):
         assert all(torch.equal(a, b) for a, b in zip(_shards(c, dst[:4]), shard))
@@ -295,7 +295,7 @@ def test_two_ranks_each_write_and_verify_their_own_shard(tmp_path):
         f.seek(slot * nv.stride + 11)
         f.write(b"\x00\xff\x00")
     assert s.lookup(r3, 0) == 4 * BT
-    s.on_alloc(r3, dst, 4 * BT)
+    s.on_alloc(r3, [dst], 4 * BT)
     _ranks_step(s, [w for w, _ in ws], [("c", r3.num_tokens, dst)])
     assert ws[0][0].take_load_errors() == set() and ws[1][0].take_load_errors() == {dst[2]}
     assert s.totals["corrupt_blocks.nvme"] == 1 and len(nv.index) == 3
@@ -313,9 +313,9 @@ def test_ranks_writing_behind_commit_once_every_rank_reported(tmp_path):
     (w0, _), (w1, _) = _rank_workers([0, 1])
     r = Req("a", list(range(2 * BT + 1)))
     s.lookup(r, 0)
-    s.on_alloc(r, [1, 2, 3], 0)
+    s.on_alloc(r, [[1, 2, 3]], 0)
     import copy
-    meta = s.build_meta([("a", r.num_tokens, [1, 2, 3])])
+    meta = s.build_meta([("a", r.num_tokens, [[1, 2, 3]])])
     m1 = copy.deepcopy(meta)
     for w, m in ((w0, meta), (w1, m1)):
         w.bind(m)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from dataclasses import dataclass, field
 
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.connector.metadata import KVTierWorkerMeta
-from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier, RESIDENT
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import scheduler  # noqa: E402
 
 BT = 4  # tokens per block
 
@@ -34,12 +39,12 @@ class Req:
 
 def make(cap=8, store=True):
     tier = SlotTier("cpu", cap, 64, EVICTION.get("lru")(cap))
-    return KVTierScheduler([tier], BT, store=store), tier
+    return scheduler([tier], BT, store=store), tier
 
 
 def run_step(s, scheduled, ok=True):
     """Build the plan, pretend the worker did it, feed the result back."""
-    meta = s.build_meta(scheduled)
+    meta = s.build_meta([(q, n, None if ids is None else [ids]) for q, n, ids in scheduled])
     wm = KVTierWorkerMeta(stored={op.op_id: [ok] * len(op.slots) for op in meta.stores},
                           loaded={op.req_id: ok for op in meta.loads})
     s.on_worker_meta(wm)
@@ -49,7 +54,7 @@ def run_step(s, scheduled, ok=True):
 def store_request(s, r, base=100):
     ids = list(range(base, base + len(r.block_hashes) + 1))
     s.lookup(r, 0)
-    s.on_alloc(r, ids, 0)
+    s.on_alloc(r, [ids], 0)
     run_step(s, [(r.request_id, r.num_tokens, ids)])
     s.on_finished(r.request_id)
 
@@ -63,7 +68,7 @@ def test_store_then_hit_exact_counts():
     assert s.lookup(r2, 0) == 16
     assert s.lookup(r2, 0) == 16             # idempotent: no second pin
     assert s.leases.pinned() == 4 and sum(tier._ref) == 4
-    s.on_alloc(r2, [7, 8, 9, 10, 11], 16)
+    s.on_alloc(r2, [[7, 8, 9, 10, 11]], 16)
     meta = run_step(s, [("b", 18, [7, 8, 9, 10, 11])])
     assert [(op.slots, op.block_ids) for op in meta.loads] == [([tier.find(k) for k in s._reqs["b"].keys[:4]],
                                                                [7, 8, 9, 10])]
@@ -85,15 +90,30 @@ def test_partial_accept_and_not_chosen():
     store_request(s, Req("a", list(range(17))))
     r = Req("b", list(range(17)))
     assert s.lookup(r, 0) == 16
-    s.on_alloc(r, list(range(5)), 8)         # vLLM accepted 2 of 4 blocks
+    s.on_alloc(r, [list(range(5))], 8)         # vLLM accepted 2 of 4 blocks
     assert s.leases.pinned() == 2
     run_step(s, [])
     assert s.leases.pinned() == 0
     r3 = Req("c", list(range(17)))
     assert s.lookup(r3, 0) == 16
-    s.on_alloc(r3, list(range(5)), 0)        # MultiConnector chose the sibling
+    s.on_alloc(r3, [list(range(5))], 0)        # MultiConnector chose the sibling
     assert s.leases.pinned() == 0 and sum(tier._ref) == 0
     assert s.totals["n_leases_not_chosen"] == 1
+
+
+def test_an_allocation_short_of_the_hit_is_recomputed():
+    """vLLM accepted a 4-block hit but its block table holds 2 blocks: nothing loads, the accepted
+    blocks are load errors vLLM recomputes, the lease goes (was: the lease went and vLLM was told
+    nothing, so it took the blocks as computed)."""
+    s, tier = make()
+    store_request(s, Req("a", list(range(17))))
+    r = Req("b", list(range(17)))
+    assert s.lookup(r, 0) == 16
+    s.on_alloc(r, [[7, 8]], 16)
+    meta = s.build_meta([])
+    assert not meta.loads and meta.failed_loads == {"b": [7, 8]}
+    assert s.leases.pinned() == 0 and sum(tier._ref) == 0
+    assert s.totals["alloc_mismatch"] == 1
 
 
 def test_lookup_after_local_hit_starts_there():
@@ -108,7 +128,7 @@ def test_failed_store_is_not_visible():
     s, tier = make()
     r = Req("a", list(range(9)))
     s.lookup(r, 0)
-    s.on_alloc(r, [1, 2, 3], 0)
+    s.on_alloc(r, [[1, 2, 3]], 0)
     run_step(s, [("a", 9, [1, 2, 3])], ok=False)
     assert tier.num_resident == 0 and tier.num_free_slots == tier.capacity_blocks
     assert s.totals["store_failed_blocks.cpu"] == 2
@@ -121,7 +141,7 @@ def test_eviction_skips_leased_blocks():
     assert s.lookup(holder, 0) == 16                                   # leases all 4
     other = Req("o", [1000 + i for i in range(17)])
     s.lookup(other, 0)
-    s.on_alloc(other, list(range(50, 55)), 0)
+    s.on_alloc(other, [list(range(50, 55))], 0)
     meta = run_step(s, [("o", 17, list(range(50, 55)))])
     assert not meta.stores                                             # nothing evictable
     assert s.totals["store_dropped_blocks.cpu"] == 4
@@ -130,7 +150,7 @@ def test_eviction_skips_leased_blocks():
     s.on_finished("o")
     other2 = Req("o2", [1000 + i for i in range(17)])
     s.lookup(other2, 0)
-    s.on_alloc(other2, list(range(60, 65)), 0)
+    s.on_alloc(other2, [list(range(60, 65))], 0)
     meta = run_step(s, [("o2", 17, list(range(60, 65)))])
     assert sum(len(op.slots) for op in meta.stores) == 4              # LRU victims now free
 
@@ -139,7 +159,7 @@ def test_store_off_never_plans():
     s, tier = make(store=False)
     r = Req("a", list(range(17)))
     s.lookup(r, 0)
-    s.on_alloc(r, list(range(5)), 0)
+    s.on_alloc(r, [list(range(5))], 0)
     assert not run_step(s, [("a", 17, list(range(5)))]).stores
 
 
@@ -193,17 +213,17 @@ class LeaseMachine(RuleBasedStateMachine):
         n_ext = lease.num_blocks * BT if (accept and lease is not None) else 0
         if lease is not None and lease.start * BT + n_ext >= r.num_tokens:
             n_ext = 0
-        self.s.on_alloc(r, ids, n_ext)
+        self.s.on_alloc(r, [ids], n_ext)
 
     @rule(ok=st.booleans(), data=st.data())
     def step(self, ok, data):
-        sched = [(rid, self.live[rid].num_tokens, ids) for rid, ids in self.alloc.items() if rid in self.live]
+        sched = [(rid, self.live[rid].num_tokens, [ids]) for rid, ids in self.alloc.items() if rid in self.live]
         run_step(self.s, sched, ok=ok)
 
     @rule()
     def plan_only(self):
         """Build a plan whose worker results arrive later (stores stay pending meanwhile)."""
-        sched = [(rid, self.live[rid].num_tokens, ids) for rid, ids in self.alloc.items() if rid in self.live]
+        sched = [(rid, self.live[rid].num_tokens, [ids]) for rid, ids in self.alloc.items() if rid in self.live]
         self.outstanding.append(self.s.build_meta(sched))
 
     @precondition(lambda self: self.outstanding)
@@ -268,7 +288,7 @@ def test_policies_see_vllm_request_ids():
             super().on_insert(slots, keys, info)
 
     tier = SlotTier("cpu", 8, 64, Recording(8))
-    s = KVTierScheduler([tier], BT)
+    s = scheduler([tier], BT)
     store_request(s, Req("a", list(range(9))))
     store_request(s, Req("b", list(range(100, 109))))
     assert seen == ["a", "b"]

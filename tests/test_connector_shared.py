@@ -4,6 +4,8 @@ asynchronously: the request waits, its blocks arrive in a later step), a value g
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -11,10 +13,13 @@ import torch
 
 from kvtier.core.builder import build_controller, build_tiers
 from kvtier.core.config import parse_config
-from kvtier.connector.scheduler import KVTierScheduler
+from kvtier.connector.scheduler import KVTierScheduler, SchedulerOptions
 from kvtier.connector.worker import KVTierWorker
 from kvtier.tiers.redis_conn import Namespace, RedisSettings
 from kvtier.tiers.redis_data import RedisData
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 
 NB, H, BS, D2, L = 32, 2, 32, 64, 2
 BB = L * H * BS * D2 * 4
@@ -34,11 +39,11 @@ def _instance(url: str, tag: str, async_loads: bool):
     cfg = parse_config({"block_bytes": BB, "block_tokens": BS, "model": "conn-shared", "tiers": [
         {"name": "cpu", "kind": "cpu", "capacity_blocks": 16},
         {"name": "shared", "kind": "redis", "url": url, "timeout_s": 0.5}]}, check_env=False)
-    s = KVTierScheduler(block_tokens=BS, controller=build_controller(cfg, build_tiers(cfg, "control")),
-                        async_shared_loads=async_loads)
+    s = KVTierScheduler(build_controller(cfg, build_tiers(cfg, "control")),
+                        options=SchedulerOptions(async_shared_loads=async_loads))
     t = cfg.tiers[1]
     fp = cfg.fingerprint()
-    w = KVTierWorker(lambda bb: 16, pin=False, nvme_write_lag_steps=0,
+    w = KVTierWorker(worker_settings(16, nvme_write_lag_steps=0),
                      remote_fn=lambda bb, count: RedisData(RedisSettings.of(t), Namespace(fp), bb, count=count))
     caches = _caches()
     w.register_kv_caches(caches)
@@ -47,7 +52,7 @@ def _instance(url: str, tag: str, async_loads: bool):
 
 def _step(s, w, scheduled):
     """One step: plan, worker runs it (load before, save after the forward), report back."""
-    meta = s.build_meta(scheduled)
+    meta = s.build_meta([(q, n, None if ids is None else [ids]) for q, n, ids in scheduled])
     w.bind(meta)
     w.start_load()
     w.save()
@@ -77,7 +82,7 @@ def test_one_instance_stores_another_loads(redis_server, async_loads):
     a, wa, ca, _ = _instance(redis_server.url, tag, async_loads)
     req = Req("ra", hashes, 6 * BS + 5)
     assert _ask(a, req) == 0
-    a.on_alloc(req, list(range(7)), 0)
+    a.on_alloc(req, [list(range(7))], 0)
     _step(a, wa, [("ra", req.num_tokens, list(range(7)))])
     assert a.ctrl.totals["stored_blocks.shared"] == 6   # written through from DRAM, reported
     b, wb, cb, _ = _instance(redis_server.url, tag, async_loads)
@@ -87,7 +92,7 @@ def test_one_instance_stores_another_loads(redis_server, async_loads):
     assert _ask(b, rb) == 6 * BS
     assert b.loads_async("rb") is async_loads
     dst = list(range(10, 17))
-    b.on_alloc(rb, dst, 6 * BS)
+    b.on_alloc(rb, [dst], 6 * BS)
     meta, done = _step(b, wb, [])
     if async_loads:  # the step ran without it; it arrived after (poll) and is reported received
         assert meta.async_loads == ["rb"] and done == {"rb"}
@@ -109,14 +114,14 @@ def test_async_load_of_a_vanished_block_reports_it(redis_server):
     a, wa, ca, fp = _instance(redis_server.url, tag, True)
     req = Req("ra", hashes, 4 * BS + 1)
     _ask(a, req)
-    a.on_alloc(req, list(range(5)), 0)
+    a.on_alloc(req, [list(range(5))], 0)
     _step(a, wa, [("ra", req.num_tokens, list(range(5)))])
     b, wb, cb, _ = _instance(redis_server.url, tag, True)
     rb = Req("rb", hashes, 4 * BS + 1)
     assert _ask(b, rb) == 4 * BS
     key = hashes[2] + (0).to_bytes(4, "big")
     redis_server.client().delete(Namespace(fp).name(key))   # the server evicts it meanwhile
-    b.on_alloc(rb, [20, 21, 22, 23, 24], 4 * BS)
+    b.on_alloc(rb, [[20, 21, 22, 23, 24]], 4 * BS)
     _, done = _step(b, wb, [])
     assert done == {"rb"}
     assert wb.take_load_errors() == {22}       # vLLM recomputes from there
@@ -142,12 +147,12 @@ def test_finished_while_loading_delays_the_free(redis_server):
     a, wa, _, _ = _instance(redis_server.url, tag, True)
     req = Req("ra", hashes, 3 * BS + 1)
     _ask(a, req)
-    a.on_alloc(req, list(range(4)), 0)
+    a.on_alloc(req, [list(range(4))], 0)
     _step(a, wa, [("ra", req.num_tokens, list(range(4)))])
     b, wb, _, _ = _instance(redis_server.url, tag, True)
     rb = Req("rb", hashes, 3 * BS + 1)
     _ask(b, rb)
-    b.on_alloc(rb, [4, 5, 6, 7], 3 * BS)
+    b.on_alloc(rb, [[4, 5, 6, 7]], 3 * BS)
     meta = b.build_meta([])
     assert b.on_finished("rb") == (True, None)   # before the workers ran the load
     assert b.ctrl.leases.leases.get("rb") is not None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -10,6 +13,10 @@ from kvtier.connector.nvme import NvmeControl
 from kvtier.connector.kv_layout import KVLayout
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies.lru import LRU
+from kvtier.tiers import io_hooks
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 
 NB, H, BS, D2 = 16, 2, 32, 64
 
@@ -32,7 +39,7 @@ def strided_caches(layers=2):
 @pytest.mark.parametrize("make", [cpu_layout_caches, strided_caches])
 def test_store_load_roundtrip(make):
     caches = make()
-    w = KVTierWorker(lambda bb: 8, pin=False)
+    w = KVTierWorker(worker_settings(8))
     w.register_kv_caches(caches)
     assert w.layout.block_bytes == 2 * H * BS * D2 * 4
     orig = {n: t.clone() for n, t in caches.items()}
@@ -56,7 +63,7 @@ def test_store_load_roundtrip(make):
 
 def test_slot_bytes_are_layer_concatenation():
     caches = cpu_layout_caches()
-    w = KVTierWorker(lambda bb: 4, pin=False)
+    w = KVTierWorker(worker_settings(4))
     w.register_kv_caches(caches)
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [2], [6])]))
     w.save()
@@ -64,10 +71,11 @@ def test_slot_bytes_are_layer_concatenation():
     assert torch.equal(w.pools[0].views[2], want)
 
 
-def test_load_failure_reports_blocks():
-    w = KVTierWorker(lambda bb: 4, pin=False)
+def test_load_failure_reports_blocks(monkeypatch):
+    w = KVTierWorker(worker_settings(4))
     w.register_kv_caches(cpu_layout_caches())
-    w.fail_loads = True
+    monkeypatch.setattr(io_hooks.HOOKS, "counts", {})
+    monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))   # every load fails
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [4, 5])]))
     w.start_load()
     assert w.take_result().loaded == {"r": False}
@@ -138,7 +146,7 @@ def test_scattered_blocks_and_slots_round_trip(one_buffer):
     with the layers in one allocation (one torch copy per run over all layers) and without (numpy
     copies per layer)."""
     caches = cpu_layout_caches(layers=3) if one_buffer else {f"l{i}": torch.randn(NB, H, BS, D2) for i in range(3)}
-    w = KVTierWorker(lambda bb: 16, pin=False)
+    w = KVTierWorker(worker_settings(16))
     w.register_kv_caches(caches)
     assert w.kv.runs_ok and (w.kv.kv3 is not None) == one_buffer
     orig = {n: t.clone() for n, t in caches.items()}
@@ -164,7 +172,7 @@ def test_nvme_loads_of_two_requests_in_one_step(tmp_path, chunk_bytes):
     own bytes (they once shared one staging buffer: the second read overwrote the first's rows),
     whether the copies run per read chunk or all at once."""
     caches = cpu_layout_caches()
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0)
+    w = KVTierWorker(worker_settings(8, nvme_write_lag_steps=0))
     w.register_kv_caches(caches)
     if chunk_bytes is not None:
         w.ex.LOAD_CHUNK_BYTES = chunk_bytes   # one block per chunk: copies interleave with reads

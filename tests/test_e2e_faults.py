@@ -28,12 +28,6 @@ NVME_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    U.set_env()
-    return U.build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     """Prompts served again under each fault; fresh ones for the store fault (nothing to store
     when every block is already there)."""
@@ -154,7 +148,9 @@ def test_restart_serves_only_good_blocks(served, model_dir, prompts, baseline, c
         U.shutdown(llm)
 
 
-def test_spec_decoding_v1_order_drops_what_a_failed_load_computed(model_dir, capsys):
+def test_spec_decoding_v1_order_drops_what_a_failed_load_computed(model_dir, capsys, monkeypatch):
+    from kvtier.tiers import io_hooks
+
     """vLLM's V1 model runner with speculative decoding (here a draft model: the target itself) takes the load errors and
     the worker report before the deferred `wait_for_save`. Pass 2 extends stored prompts by two
     blocks while every load fails: that step computes the two new blocks over KV that was never
@@ -173,9 +169,10 @@ def test_spec_decoding_v1_order_drops_what_a_failed_load_computed(model_dir, cap
         s, w = _parts()
         U.generate(llm, base4, MAX_TOKENS)                       # pass 1: 4 blocks a prompt stored
         t1 = dict(s.totals)
-        w.fail_loads = True
+        monkeypatch.setattr(io_hooks.HOOKS, "counts", {})
+        monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))   # every load fails
         second = U.generate(llm, longer, MAX_TOKENS)             # pass 2: every load fails
-        w.fail_loads = False
+        monkeypatch.setattr(io_hooks.HOOKS, "fault", None)
         t2 = dict(s.totals)
         third = U.generate(llm, longer, MAX_TOKENS)              # pass 3: what kvtier holds
         t3 = dict(s.totals)

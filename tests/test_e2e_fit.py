@@ -19,12 +19,6 @@ pytestmark = [pytest.mark.vllm,
 GiB = 1 << 30
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    U.set_env()
-    return U.build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-
-
 def _refused(model_dir, **extra) -> str:
     """Start vLLM with kvtier; it must fail. Returns the text of the error and its causes."""
     import kvtier.connector as C

@@ -23,12 +23,6 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    U.set_env()
-    return U.build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return U.prompts(N_PROMPTS, BLOCKS, seed=7)
 
@@ -93,12 +87,15 @@ def _noise(buf):
     return (torch.randn(buf.numel() // 4, generator=g) * 3).view(torch.uint8)
 
 
-def test_load_failure_recomputes(model_dir, prompts, baseline):
+def test_load_failure_recomputes(model_dir, prompts, baseline, monkeypatch):
+    from kvtier.tiers import io_hooks
+
     llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64))
     try:
         s, w = _parts()
         assert U.generate(llm, prompts, MAX_TOKENS) == baseline
-        w.worker.fail_loads = True
+        monkeypatch.setattr(io_hooks.HOOKS, "counts", {})
+        monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))   # every load fails
         out = U.generate(llm, prompts, MAX_TOKENS)
         assert out == baseline                       # vLLM recomputed the blocks we failed to load
         assert s.sched.totals.get("load_failed_requests", 0) == len(prompts)

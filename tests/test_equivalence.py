@@ -36,15 +36,15 @@ class FakeRequest:
 def fake_vllm(cfg_path: str, reqs) -> dict:
     """Each request alone in its steps, as vLLM runs it: lookup, allocate (accepting every
     matched token), one step that computes every block, the workers' report (all ok), finish."""
-    cfg = load_config(cfg_path)
-    s = KVTierScheduler(block_tokens=BT, controller=build_controller(cfg, build_tiers(cfg, "none")))
+    cfg = load_config(cfg_path).model_copy(update={"block_tokens": BT})
+    s = KVTierScheduler(build_controller(cfg, build_tiers(cfg, "none")))
     for i, (r, keys) in enumerate(zip(reqs, make_keys(reqs))):
         full = min(len(keys), r.input_length // BT)
         req = FakeRequest(f"r{i}", [k[:-GROUP_ID_BYTES] for k in keys[:full]], r.input_length, r.timestamp / 1000.0)
         ids = list(range(len(keys) + 1))
         n = s.lookup(req, 0)
-        s.on_alloc(req, ids, n)
-        meta = s.build_meta([(req.request_id, req.num_tokens, ids)])
+        s.on_alloc(req, [ids], n)
+        meta = s.build_meta([(req.request_id, req.num_tokens, [ids])])
         wm = KVTierWorkerMeta(stored={op.op_id: [True] * len(op.slots) for op in meta.stores},
                               loaded={op.req_id: True for op in meta.loads})
         for op in meta.loads:

@@ -84,8 +84,7 @@ def _cfg(tmp_path, redis_url=None):
 def _gate(tmp_path, identity):
     cfg = _cfg(tmp_path)
     p = PersistentTiers(cfg, identity, lambda m: cfg.fingerprint(model=m or "?"), wait_s=0)
-    s = KVTierScheduler(block_tokens=BT, controller=build_controller(cfg, p.build()))
-    s.model_identity = identity.value
+    s = KVTierScheduler(build_controller(cfg, p.build()), model_identity=identity.value)
     return p, s
 
 
@@ -102,7 +101,7 @@ def test_persistent_tiers_closed_until_the_digest_is_done(tmp_path, caplog):
     w, _ = worker(0)
     r = Req("a", list(range(4 * BT + 3)))
     assert s.lookup(r, 0) == 0
-    s.on_alloc(r, [1, 2, 3, 4, 5], 0)
+    s.on_alloc(r, [[1, 2, 3, 4, 5]], 0)
     meta = step(s, w, [("a", r.num_tokens, [1, 2, 3, 4, 5])])
     assert p.poll(s) is False                                   # still running
     assert meta.nvme_dir is None and not meta.copies and meta.model_identity is None
@@ -114,7 +113,7 @@ def test_persistent_tiers_closed_until_the_digest_is_done(tmp_path, caplog):
     assert "persistent tiers open" in caplog.text and "GB/s" in caplog.text
     r2 = Req("b", list(range(100, 100 + 3 * BT + 1)))
     s.lookup(r2, 0)
-    s.on_alloc(r2, [6, 7, 8, 9], 0)
+    s.on_alloc(r2, [[6, 7, 8, 9]], 0)
     meta = step(s, w, [("b", r2.num_tokens, [6, 7, 8, 9])])
     assert meta.nvme_dir == s.tiers[1].dir and meta.model_identity == ident.value
     assert s.totals["stored_blocks.nvme"] == 3 and s.totals["not_open_blocks.nvme"] == 4

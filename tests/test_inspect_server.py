@@ -111,9 +111,8 @@ def test_a_state_that_cannot_be_written_never_fails_the_server(monkeypatch, capl
     counted = []
     me = types.SimpleNamespace(
         _stats_at=float("-inf"), closed=True, _heartbeat=object(), _once=Once(logging.getLogger("kvtier")),
-        sched=types.SimpleNamespace(totals={"blocks_looked_up": 3},
-                                    ctrl=types.SimpleNamespace(count=lambda k, v=1: counted.append(k))),
-        _nvme_tiers=lambda: [],
+        sched=types.SimpleNamespace(totals={"blocks_looked_up": 3}, count=lambda k, v=1: counted.append(k),
+                                    nvme_tiers=lambda: []),
         _server_state=lambda totals, final: (_ for _ in ()).throw(AttributeError("no attribute 'num_used'")))
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         StatsHooks._publish_stats(me, force=True)

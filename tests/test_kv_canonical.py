@@ -9,6 +9,8 @@ a physical buffer in the layout's axis order, viewed as the logical `[L, B, H, N
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from hypothesis import strategies as st
 from kvtier.connector.kv_layout import CANONICAL_FORMAT, CPU_PACKED_FORMAT, KVLayout, layout_name
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
 from kvtier.connector.worker import KVTierWorker
+
+sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 
 try:
     from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, MLAAttentionSpec,
@@ -115,7 +120,7 @@ def reference(kv: dict, ratio: int, seed: int) -> torch.Tensor:
 
 
 def worker(kv, device_path: bool):
-    w = KVTierWorker(lambda bb: NB, pin=False, num_blocks=NB, copy_streams=Now() if device_path else None)
+    w = KVTierWorker(worker_settings(NB), num_blocks=NB, copy_streams=Now() if device_path else None)
     w.register_kv_caches(kv)
     return w
 

@@ -21,6 +21,9 @@ from kvtier.connector.worker import KVTierWorker
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
 import probes  # noqa: E402  (benchmarks/gpu/probes.py: DeferredStreams and the ordering probes)
 
+sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
+
 NB, H, BS, D2 = 12, 2, 16, 8
 
 
@@ -70,7 +73,7 @@ def test_kernel_blocks_split_from_the_managers_blocks():
     lay = KVLayout(caches, num_blocks=NB)
     assert lay.ratio == 2 and lay.num_blocks == NB
     assert lay.layer_bytes == [H * BS * D2 * 4] * 3
-    w = KVTierWorker(lambda bb: 8, pin=False, num_blocks=NB, expected_block_bytes=lay.block_bytes)
+    w = KVTierWorker(worker_settings(8), num_blocks=NB, expected_block_bytes=lay.block_bytes)
     w.register_kv_caches(caches)
     orig = {n: t.clone() for n, t in caches.items()}
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 11])]))
@@ -90,7 +93,7 @@ def test_kernel_blocks_split_from_the_managers_blocks():
 def test_a_layout_the_scheduler_did_not_size_is_refused():
     caches = flash_caches()
     with pytest.raises(ValueError, match="sized its tiers"):
-        KVTierWorker(lambda bb: 8, pin=False, expected_block_bytes=1234).register_kv_caches(caches)
+        KVTierWorker(worker_settings(8), expected_block_bytes=1234).register_kv_caches(caches)
 
 
 def test_row_runs():
@@ -112,7 +115,7 @@ def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
         rig.close()
     # several blocks, chunked, every byte where it belongs
     caches = flash_caches()
-    w = KVTierWorker(lambda bb: 16, pin=False, copy_streams=probes.DeferredStreams("compute"))
+    w = KVTierWorker(worker_settings(16), copy_streams=probes.DeferredStreams("compute"))
     w.register_kv_caches(caches)
     w.kv.device.chunk = staging_blocks
     orig = {n: t.clone() for n, t in caches.items()}
@@ -142,7 +145,7 @@ def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
 
 def test_reregistration_keeps_the_pool_and_its_blocks():
     caches = flash_caches()
-    w = KVTierWorker(lambda bb: 8, pin=False)
+    w = KVTierWorker(worker_settings(8))
     w.register_kv_caches(caches)
     orig = {n: t.clone() for n, t in caches.items()}
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [2], [5])]))
@@ -173,7 +176,7 @@ def test_no_per_block_views_for_a_large_kv():
     caches = {f"l{i}": buf[i] for i in range(layers)}
     gc.collect()
     before = _rss()
-    w = KVTierWorker(lambda bb: 64, pin=False)
+    w = KVTierWorker(worker_settings(64))
     w.register_kv_caches(caches)
     grown = _rss() - before
     assert w.layout.num_blocks == blocks

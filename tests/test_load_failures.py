@@ -21,6 +21,7 @@ from kvtier.tiers.once import Once
 from kvtier.tiers import io_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 from test_kv_layout import flash_caches  # noqa: E402
 
 
@@ -100,7 +101,7 @@ class Hooks(SafeAnswers):
 
 
 def worker(caches, streams=None, slots=16) -> KVTierWorker:
-    w = KVTierWorker(lambda bb: slots, pin=False, copy_streams=streams)
+    w = KVTierWorker(worker_settings(slots), copy_streams=streams)
     w.register_kv_caches(caches)
     return w
 
@@ -154,20 +155,21 @@ def test_failed_copy_is_a_load_error_of_its_request_only_and_taints_the_step(mon
 
 
 @pytest.mark.parametrize("v1", [False, True], ids=["v2-order", "v1-order"])
-def test_load_errors_taken_before_the_deferred_save_still_taint_it(v1):
+def test_load_errors_taken_before_the_deferred_save_still_taint_it(v1, monkeypatch):
     """vLLM's V1 model runner with speculative decoding takes the load errors and the worker
     report, runs the drafter, then calls `wait_for_save`: the step's failed load still drops its
     stores (it used to be forgotten once the errors were taken)."""
     w = worker(flash_caches(blocks=NB))
     h = Hooks(w)
     h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [1, 2])]), [])
-    w.fail_loads = True
+    monkeypatch.setattr(io_hooks.HOOKS, "counts", {})
+    monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))   # every load fails
     errors, report = h.step(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [6, 7])],
                                            stores=[StoreOp(2, 0, [4], [0])]), [], v1=v1)
     assert errors == {6, 7} and report.loaded == {"r": False}
     report = h.build_connector_worker_meta() if v1 else report
     assert report.stored == {2: [False]}
-    w.fail_loads = False
+    monkeypatch.setattr(io_hooks.HOOKS, "fault", None)
     errors, report = h.step(KVTierMetadata(stores=[StoreOp(3, 0, [5], [0])]), [], v1=v1)
     report = h.build_connector_worker_meta() if v1 else report
     assert not errors and report.stored == {3: [True]}
@@ -352,7 +354,7 @@ def test_nvme_read_fault_is_a_load_error(monkeypatch, tmp_path, caplog):
     from kvtier.policies.lru import LRU
 
     caches = flash_caches(blocks=NB)
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, nvme_io="posix")
+    w = KVTierWorker(worker_settings(8, nvme_write_lag_steps=0, nvme_io="posix"))
     w.register_kv_caches(caches)
     h = Hooks(w)
     nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
@@ -390,7 +392,7 @@ def test_a_failed_store_is_not_written_down(monkeypatch, tmp_path):
     from kvtier.policies.lru import LRU
     from kvtier.tiers.nvme_block import slot_stride
 
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, nvme_io="posix")
+    w = KVTierWorker(worker_settings(8, nvme_write_lag_steps=0, nvme_io="posix"))
     w.register_kv_caches(flash_caches(blocks=NB))
     h = Hooks(w)
     nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)

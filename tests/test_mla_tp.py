@@ -15,6 +15,7 @@ import torch
 from kvtier.connector.parallel import replicated, shards, store_rank
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parts_util import worker_settings  # noqa: E402
 from test_connector_nvme import _ranks_step, caches, sched  # noqa: E402
 from test_connector_scheduler import BT, Req  # noqa: E402
 
@@ -42,8 +43,7 @@ def _workers(seed, c):
     from kvtier.connector.worker import KVTierWorker
     out = []
     for rank in range(2):
-        w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, rank=rank, ranks=2,
-                         store_rank=store_rank(c, rank))
+        w = KVTierWorker(worker_settings(8, nvme_write_lag_steps=0), rank=rank, ranks=2, store_rank=store_rank(c, rank))
         kv = caches(seed)     # the same latent KV on both ranks
         w.register_kv_caches(kv)
         out.append((w, kv))
@@ -58,7 +58,7 @@ def test_mla_tp2_rank0_writes_every_rank_loads(tmp_path):
     s, cpu, nv = sched(d, ranks=shards(c))
     ws = _workers(0, c)
     s.lookup(r, 0)
-    s.on_alloc(r, ids, 0)
+    s.on_alloc(r, [ids], 0)
     _ranks_step(s, [w for w, _ in ws], [("a", r.num_tokens, ids)])
     # one copy on disk: rank 0's file, committed on rank 0's report alone; rank 1 wrote nothing
     assert sorted(f for f in os.listdir(d) if f.startswith("data.")) == ["data.0"]
@@ -77,7 +77,7 @@ def test_mla_tp2_rank0_writes_every_rank_loads(tmp_path):
     r2 = Req("b", r.tokens)
     assert s.lookup(r2, 0) == 4 * BT
     dst = [9, 10, 11, 12, 13]
-    s.on_alloc(r2, dst, 4 * BT)
+    s.on_alloc(r2, [dst], 4 * BT)
     _ranks_step(s, [w for w, _ in ws], [("b", r2.num_tokens, dst)])
     for w, kv in ws:
         got = [torch.cat([kv[n][b].reshape(-1).view(torch.uint8) for n in kv]) for b in dst[:4]]

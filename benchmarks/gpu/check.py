@@ -286,11 +286,12 @@ def layer_overlap() -> None:
     import probes
     layers, n = 16, 256
     from kvtier.connector.metadata import KVTierMetadata, LoadOp
+    from kvtier.connector.config import load_settings
     from kvtier.connector.worker import KVTierWorker
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         kv = probes.views("LBNHC", layers, 2048, 8, 16, 256, torch.bfloat16, "cuda")
-        w = KVTierWorker(lambda bb: n, pin=True)
+        w = KVTierWorker(load_settings({"cpu_capacity_blocks": n, "pin": True}))
         w.register_kv_caches(kv)
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         names = list(kv)

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connector.config import load_settings
 from kvtier.connector.worker import KVTierWorker
 
 SLEEP_CYCLES = 200_000_000   # torch.cuda._sleep: about 0.1 s at 2 GHz
@@ -137,7 +138,8 @@ class Rig:
         self.device = device
         self.streams = streams
         self.kv = views(layout, layers, blocks, heads, tokens, 2 * head, torch.bfloat16, device)
-        self.w = KVTierWorker(lambda bb: 16, pin=device == "cuda", copy_streams=streams)
+        self.w = KVTierWorker(load_settings({"cpu_capacity_blocks": 16, "pin": device == "cuda"}),
+                              copy_streams=streams)
         self.w.register_kv_caches(self.kv)
         self.rows = self.w.pools[0].buffer.view(16, -1)
         self.ops = 0
@@ -237,8 +239,8 @@ def layouts_roundtrip(device: str, streams_fn: Callable[[], Any], dtype=torch.bf
         for t in kv_a.values():
             t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, generator=g,
                                                     dtype=torch.uint8).to(device))
-        sa = streams_fn()
-        wa = KVTierWorker(lambda bb: 4, pin=False, num_blocks=8, copy_streams=sa)
+        wa = KVTierWorker(load_settings({"cpu_capacity_blocks": 4, "pin": False}), num_blocks=8,
+                          copy_streams=streams_fn())
         wa.register_kv_caches(kv_a)
         wa.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 6])]))
         wa.save()
@@ -246,8 +248,8 @@ def layouts_roundtrip(device: str, streams_fn: Callable[[], Any], dtype=torch.bf
             bad.append(f"{src_case}: not stored")
         for dst_case in cases:
             kv_b = views(dst_case[0], 2, 8, 2, 16, 16, dtype, device, dst_case[1])
-            sb = streams_fn()
-            wb = KVTierWorker(lambda bb: 4, pin=False, num_blocks=8, copy_streams=sb)
+            wb = KVTierWorker(load_settings({"cpu_capacity_blocks": 4, "pin": False}), num_blocks=8,
+                              copy_streams=streams_fn())
             wb.register_kv_caches(kv_b)
             wb.pools[0].buffer.copy_(wa.pools[0].buffer)
             wb.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [2, 5])]))

@@ -152,6 +152,9 @@ class TierController(Completion, Counting):
             return None
         return self.leases.take(request_id, -1, keys, blocks)
 
+    def leased(self, request_id: str) -> int:
+        return self.leases.held(request_id)
+
     def release(self, request_id: str) -> int:
         n = self.leases.release(request_id)
         if n:

@@ -79,7 +79,6 @@ class Executor(Failures, Deferred, Counting):
         self.layer_events: list | None = None     # a layered load's events, one per layer
         self._load_done: list[tuple[LoadOp, str, list[bool]]] = []
         self._sync_s = self._copy_s = 0.0
-        self.fail_loads = False                    # test hook: every load fails
 
     # ---- media -------------------------------------------------------------------------------
     def name(self, tier: int) -> str:
@@ -133,8 +132,6 @@ class Executor(Failures, Deferred, Counting):
             oks = [False] * len(op.slots)
             at = len(self._load_done)
             try:
-                if self.fail_loads:
-                    raise RuntimeError("fail_loads test hook")
                 plane = self.plane_of(op.tier)
                 if op.via:
                     self.host_pool(op.via_tier, op.via)

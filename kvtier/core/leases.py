@@ -68,6 +68,11 @@ class LeaseTable:
         lease.committed = True
         return lease
 
+    def held(self, request_id: str) -> int:
+        """Blocks the request's lease pins (0: no lease)."""
+        lease = self.leases.get(request_id)
+        return lease.num_blocks if lease is not None else 0
+
     def release(self, request_id: str) -> int:
         lease = self.leases.pop(request_id, None)
         if lease is None:
