@@ -108,7 +108,7 @@ def child(args) -> dict:
         kv = {f"model.layers.{i}.self_attn.attn": phys[i].view(nb, BLOCK_TOKENS, 2 * KV_HEADS, HEAD_DIM)
               .permute(0, 2, 1, 3) for i in range(LAYERS)}
         streams = ThreadStreams() if path == "device" else None
-        w = KVTierWorker(lambda bb: slots, pin=False, copy_streams=streams)
+        w = _worker(KVTierWorker, slots, streams)
         w.register_kv_caches(kv)
         names = list(kv)
         hooks: dict[str, list[float]] = {"start_load": [], "layer_waits": [], "save": [], "report": [],
@@ -154,6 +154,15 @@ def _package(tree: Path, tmp: Path) -> Path:
     for d in ("tiers", "policies", "connector", "configs"):
         (pkg / d).symlink_to(tree / d)
     return tmp
+
+
+def _worker(cls, slots: int, streams):
+    """A worker of `slots` unpinned DRAM slots, through whichever constructor the tree has."""
+    import inspect
+    if next(iter(inspect.signature(cls).parameters)) == "cfg":
+        from kvtier.connector.config import load_settings
+        return cls(load_settings({"cpu_capacity_blocks": slots, "pin": False}), copy_streams=streams)
+    return cls(lambda bb: slots, pin=False, copy_streams=streams)   # trees before the settings constructor
 
 
 def main() -> int:

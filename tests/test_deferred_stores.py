@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
 import probes  # noqa: E402
 from test_kv_layout import flash_caches  # noqa: E402
+from parts_util import worker_settings  # noqa: E402
 from test_load_failures import Hooks  # noqa: E402
 
 NB = 12
@@ -56,7 +57,7 @@ def test_a_store_is_reported_and_written_down_only_after_its_copy_ran(tmp_path):
     caches = flash_caches(blocks=NB)
     orig = {n: t.clone() for n, t in caches.items()}
     st = CountingStreams()
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, nvme_io="posix", copy_streams=st)
+    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=st)
     w.register_kv_caches(caches)
     h = Hooks(w)
     nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
@@ -101,7 +102,7 @@ def test_the_hooks_never_wait_on_the_host(v1):
     in a later step than its own, with the source's bytes."""
     caches = flash_caches(blocks=NB)
     st = CountingStreams()
-    w = KVTierWorker(lambda bb: 16, pin=False, copy_streams=st)
+    w = KVTierWorker(worker_settings(16, pin=False), copy_streams=st)
     w.register_kv_caches(caches)
     h = Hooks(w)
     want = {}
@@ -140,7 +141,7 @@ def test_a_store_whose_copy_failed_commits_nothing(tmp_path):
     from kvtier.connector.nvme import NvmeControl
     from kvtier.policies.lru import LRU
 
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, nvme_io="posix", copy_streams=FailingQuery())
+    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=FailingQuery())
     w.register_kv_caches(flash_caches(blocks=NB))
     h = Hooks(w)
     nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
@@ -156,7 +157,7 @@ def test_a_store_whose_copy_failed_commits_nothing(tmp_path):
 def test_shutdown_drops_stores_still_copying():
     """A store whose copy never completes: close waits its bound, then reports it not stored,
     counts it, and leaves the pool mapped (the copy would still write it)."""
-    w = KVTierWorker(lambda bb: 8, pin=False, copy_streams=probes.DeferredStreams())
+    w = KVTierWorker(worker_settings(8, pin=False), copy_streams=probes.DeferredStreams())
     w.register_kv_caches(flash_caches(blocks=NB))
     h = Hooks(w)
     h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [1, 2])]), [])
@@ -189,7 +190,7 @@ def test_every_host_range_a_copy_touches_lies_in_one_registration(monkeypatch):
     caches = flash_caches(blocks=NB)
     orig = {n: t.clone() for n, t in caches.items()}
     st = probes.DeferredStreams()
-    w = KVTierWorker(lambda b: 16, pin=True, copy_streams=st)
+    w = KVTierWorker(worker_settings(16, pin=True), copy_streams=st)
     row = KVLayout(caches).block_bytes
     monkeypatch.setattr(cpu_pool, "REGISTER_CHUNK_BYTES", 4 * row)
     w.register_kv_caches(caches)
@@ -229,7 +230,7 @@ def test_staging_rows_are_reused_only_after_the_copies_that_read_them(tmp_path):
     caches = flash_caches(blocks=NB)
     orig = {n: t.clone() for n, t in caches.items()}
     st = CountingStreams()
-    w = KVTierWorker(lambda bb: 8, pin=False, nvme_write_lag_steps=0, nvme_io="posix", copy_streams=st)
+    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=st)
     w.register_kv_caches(caches)
     h = Hooks(w)
     nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
