@@ -239,8 +239,8 @@ def layouts_roundtrip(device: str, streams_fn: Callable[[], Any], dtype=torch.bf
         for t in kv_a.values():
             t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, generator=g,
                                                     dtype=torch.uint8).to(device))
-        wa = KVTierWorker(load_settings({"cpu_capacity_blocks": 4, "pin": False}), num_blocks=8,
-                          copy_streams=streams_fn())
+        sa = streams_fn()
+        wa = KVTierWorker(load_settings({"cpu_capacity_blocks": 4, "pin": False}), num_blocks=8, copy_streams=sa)
         wa.register_kv_caches(kv_a)
         wa.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 6])]))
         wa.save()
@@ -248,8 +248,9 @@ def layouts_roundtrip(device: str, streams_fn: Callable[[], Any], dtype=torch.bf
             bad.append(f"{src_case}: not stored")
         for dst_case in cases:
             kv_b = views(dst_case[0], 2, 8, 2, 16, 16, dtype, device, dst_case[1])
+            sb = streams_fn()
             wb = KVTierWorker(load_settings({"cpu_capacity_blocks": 4, "pin": False}), num_blocks=8,
-                              copy_streams=streams_fn())
+                              copy_streams=sb)
             wb.register_kv_caches(kv_b)
             wb.pools[0].buffer.copy_(wa.pools[0].buffer)
             wb.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [2, 5])]))
