@@ -307,7 +307,7 @@ class KVTierWorker(Counting):
     def writes_in_flight(self) -> int:
         return self.ex.writes_in_flight if self.ex is not None else 0
 
-    def take_result(self, finish: bool = True) -> KVTierWorkerMeta | None:
+    def take_report(self, finish: bool = True) -> KVTierWorkerMeta | None:
         """This step's report (once per step): loads, stores, copies now durable; the pool's size
         in the first one. `finish=False` (recovering from a failure): the report as it stands."""
         if self.ex is None:
@@ -315,12 +315,10 @@ class KVTierWorker(Counting):
         if finish:
             self.ex.finish_loads(wait=False)
             self.pending.poll()
-        r = self.ex.step() if finish else self.ex.take_report()
         if self._capacity:
-            r = r or KVTierWorkerMeta(rank=self.rank)
-            r.capacity.update(self._capacity)
+            self.ex.report.capacity(self._capacity)
             self._capacity = {}
-        return r
+        return self.ex.step() if finish else self.ex.take_report()
 
     def take_load_errors(self, finish: bool = True) -> set[int]:
         if self.ex is None:
@@ -373,7 +371,7 @@ class KVTierWorker(Counting):
         limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
         t0 = time.monotonic()
         copying = self.pending.drain(limit)   # stores still copying: their copies down start now
-        pending = len(ex.down.writes)
+        pending = ex.file_writes_in_flight
         late, late_puts = ex.drain(max(0.0, limit - (time.monotonic() - t0)))
         if late_puts:
             log.warning("kvtier: shutdown: %d shared-tier write batches still running; left behind", late_puts)

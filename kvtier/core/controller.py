@@ -404,7 +404,7 @@ class TierController(Completion, Counting):
     # ---- whole-stack operations ----------------------------------------------------------
     def clear(self, fresh_eviction: Sequence[Any] | None = None) -> int:
         """Drop every resident block of every tier; nothing may be leased or in flight."""
-        if self.leases.leases or self._stores or self._copies:
+        if len(self.leases) or self._stores or self._copies:
             raise RuntimeError("clear with leases or transfers in flight")
         n = 0
         for i, t in enumerate(self.tiers[:self.nlocal]):  # never the shared tier: it is the fleet's

@@ -203,7 +203,7 @@ class TierStack:
     # ---- introspection ---------------------------------------------------------------------
     def stats(self) -> dict:
         return {"block_bytes": self.block_bytes, "tiers": [t.stats() for t in self.tiers],
-                "policies": self.ctrl.describe(), "leases": len(self.ctrl.leases.leases),
+                "policies": self.ctrl.describe(), "leases": len(self.ctrl.leases),
                 "metrics": self.metrics.as_dict()}
 
     def close(self) -> None:
