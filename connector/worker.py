@@ -293,7 +293,7 @@ class KVTierWorker(Counting):
         if self.store_rank != self.rank:  # another rank writes the same bytes to the file / shared tier
             copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.remote_tier)]
         failed = self.ex.store(stores, tainted, defer=True)
-        self.pending.add(self.ex.deferred)
+        self.pending.add(self.ex.take_deferred())
         if not self.pending.hold(copies, failed):
             self.ex.copy(copies, failed)
         self.pending.poll()

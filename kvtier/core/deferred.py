@@ -16,6 +16,11 @@ class Deferred:
     """Mixed into `Executor`: works on its state (`outside`, `_rows_event`...); outcomes go to its
     `report`."""
 
+    def take_deferred(self) -> tuple | None:
+        """The last `store(defer=True)` left running, (planned, event, t0), once; or None."""
+        d, self.deferred = self.deferred, None
+        return d
+
     def store_done(self, planned: list, dt: float) -> None:
         """These stores' copies completed: reported stored, counted."""
         by_tier: dict[str, int] = {}
