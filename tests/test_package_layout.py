@@ -181,6 +181,19 @@ def test_no_object_writes_the_state_of_an_object_it_holds():
     assert {m: w - allowed.get(m, set()) for m, w in found.items() if w - allowed.get(m, set())} == {}
 
 
+def test_completion_changes_the_controllers_state_only_through_methods():
+    """`Completion` (kvtier/core/inflight.py, a part of the controller) names no data attribute of
+    the controller's (`self._stores`, `self._pending`, `self._wb_max` ...): what is in flight it
+    asks and changes through `InFlight`, the rest through the controller's methods."""
+    methods = {n.name for m in ("kvtier.core.controller", "kvtier.core.inflight", "kvtier.core.plan")
+               for n in ast.walk(ast.parse(MODULES[m].read_text())) if isinstance(n, ast.FunctionDef)}
+    tree = ast.parse(MODULES["kvtier.core.inflight"].read_text())
+    completion = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Completion")
+    data = {n.attr for n in ast.walk(completion) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+            and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr not in methods}
+    assert data == {"_once"}   # the controller's log-once, called
+
+
 def test_no_module_over_500_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
