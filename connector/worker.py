@@ -95,7 +95,8 @@ class KVTierWorker(Counting):
             self.ex.finish_loads()
             self.pending.drain(SHUTDOWN_FLUSH_TIMEOUT_S)
             self.layout = lay
-            self.kv = self.ex.outside = KVCopier(lay, self.pools[0], self._copy_streams)
+            self.kv = KVCopier(lay, self.pools[0], self._copy_streams)
+            self.ex.bind(self.kv)
             log.info("kvtier worker: KV re-registered (%s); cpu pool kept, %d slots", lay.describe(),
                      self.pools[0].num_slots)
             return
@@ -140,18 +141,16 @@ class KVTierWorker(Counting):
         ex = self.ex
         ex.begin_step()   # a new step: its stores are tainted only by its own failed loads
         ex.fail_loads = self.fail_loads
-        if meta.tier_names:
-            ex.tier_names = list(meta.tier_names)
         n = max(len(meta.tier_names or ()), 1 + max([i for i in (meta.remote_tier, meta.nvme_tier) if i is not None],
                                                      default=0))
-        ex.planes += [None] * (n - len(ex.planes))
+        ex.bind(tier_names=meta.tier_names, ntiers=n)
         if meta.remote_tier is not None:
             if self.remote is None and self._remote_needs_identity and meta.model_identity and self.layout:
                 self._open_remote(self._remote_fn(self.layout.block_bytes, self._count, meta.model_identity))
-            ex.planes[meta.remote_tier] = self.remote
+            ex.bind(planes={meta.remote_tier: self.remote})
         if meta.nvme_tier is not None:
             self._open_nvme(meta)
-            ex.planes[meta.nvme_tier] = self.nvme
+            ex.bind(planes={meta.nvme_tier: self.nvme})
 
     def _open_nvme(self, meta: KVTierMetadata) -> None:
         """Open the NVMe data file the metadata names. Never raises: a file that cannot be opened

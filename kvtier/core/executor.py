@@ -79,6 +79,19 @@ class Executor(Failures, Deferred, Counting):
         self.fail_loads = False                    # test hook: every load fails
 
     # ---- media -------------------------------------------------------------------------------
+    def bind(self, outside: Outside | None = None, tier_names: Sequence[str] | None = None,
+             planes: dict[int, DataPlane | None] | None = None, ntiers: int = 0) -> None:
+        """Where blocks live outside (when given), the tiers' names (when given), and tiers' data
+        planes in this process by index (None: none here); `ntiers`: room for that many."""
+        if outside is not None:
+            self.outside = outside
+        if tier_names:
+            self.tier_names = list(tier_names)
+        for t, p in (planes or {}).items():
+            self.planes += [None] * (t + 1 - len(self.planes))
+            self.planes[t] = p
+        self.planes += [None] * (ntiers - len(self.planes))
+
     def name(self, tier: int) -> str:
         return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
 

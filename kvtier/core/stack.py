@@ -138,7 +138,7 @@ class TierStack:
         and per loaded block id whether its bytes arrived."""
         ex = self.executor
         if self.with_data:
-            ex.outside = Buffers(blocks, self.block_bytes)
+            ex.bind(Buffers(blocks, self.block_bytes))
         ex.errors.clear()
         rep = ex.run(plan)
         bad = ex.take_load_errors()
