@@ -174,7 +174,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         if self.sched is not None and cfg.serving.record_trace and self.enabled:
             from .recorder import TraceRecorder, served_geometry
             self.sched.recorder = TraceRecorder(cfg.serving.record_trace, self.block_tokens,
-                                                cfg.serving.record_max_bytes, count=self.sched.count,
+                                                cfg.serving.record_max_bytes, count=self.sched._count,
                                                 geometry=served_geometry(self.fingerprint, self.block_bytes_estimate))
         if self.sched is not None:
             for t in self._nvme_tiers():

@@ -60,7 +60,7 @@ class SafeAnswers:
     def _hook_failed(self, name: str, e: BaseException) -> None:
         part = self.sched if self.sched is not None else self.worker
         if part is not None:
-            part.count(f"hook_errors.{name}")
+            part._count(f"hook_errors.{name}")
         self._once(("hook", name) + cause(e), logging.ERROR,
                    "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
                    "(counted in hook_errors; later failures of this kind are logged at DEBUG)",

@@ -104,8 +104,6 @@ class KVTierScheduler:
     def _count(self, key: str, v: float = 1) -> None:
         self.ctrl.count(key, v)
 
-    count = _count  # the connector's parts count here (the recorder, hook errors)
-
     def take_interval_stats(self) -> KVTierStats | None:
         d = self.ctrl.take_interval()
         return KVTierStats(data=d) if d else None

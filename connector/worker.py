@@ -141,9 +141,11 @@ class KVTierWorker(Counting):
         ex = self.ex
         ex.begin_step()   # a new step: its stores are tainted only by its own failed loads
         ex.fail_loads = self.fail_loads
+        if meta.tier_names:
+            ex.bind(tier_names=meta.tier_names)
         n = max(len(meta.tier_names or ()), 1 + max([i for i in (meta.remote_tier, meta.nvme_tier) if i is not None],
                                                      default=0))
-        ex.bind(tier_names=meta.tier_names, ntiers=n)
+        ex.bind(ntiers=n)
         if meta.remote_tier is not None:
             if self.remote is None and self._remote_needs_identity and meta.model_identity and self.layout:
                 self._open_remote(self._remote_fn(self.layout.block_bytes, self._count, meta.model_identity))

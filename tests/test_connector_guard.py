@@ -166,16 +166,3 @@ def test_a_smaller_pool_limits_the_schedulers_tier(monkeypatch):
     assert tier.num_resident == 5 and max(tier.resident.values()) < 5
     w.close()
 
-
-def test_a_failed_hook_counts_through_the_parts_public_count():
-    """`SafeAnswers._hook_failed` counts into the scheduler's (the controller's) counters, or the
-    worker's, through their public `count` (no `_count` read across objects)."""
-    from kvtier.connector.guard import SafeAnswers
-
-    class Part(SafeAnswers):
-        def __init__(self, sched, worker):
-            self.sched, self.worker, self._once = sched, worker, Once(logging.getLogger("kvtier.test"))
-
-    s, _ = make()
-    Part(s, None)._hook_failed("get_num_new_matched_tokens", OSError(5, "EIO"))
-    assert s.totals["hook_errors.get_num_new_matched_tokens"] == 1

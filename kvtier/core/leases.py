@@ -42,10 +42,6 @@ class LeaseTable:
         """Requests holding a lease."""
         return len(self.leases)
 
-    def of(self, request_id: str) -> Lease | None:
-        """The request's live lease, whatever its range, if any."""
-        return self.leases.get(request_id)
-
     def get(self, request_id: str, start: int, keys: Sequence[bytes]) -> Lease | None:
         """The live lease for exactly this request and range, if any."""
         lease = self.leases.get(request_id)
