@@ -130,7 +130,7 @@ def child(args) -> dict:
             t3 = time.perf_counter()
             w.save()
             t4 = time.perf_counter()
-            w.take_result()
+            w.take_report()
             w.take_load_errors()
             t5 = time.perf_counter()
             w.bind(None)

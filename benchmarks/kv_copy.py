@@ -47,12 +47,12 @@ def measure(layout: str, n: int, scattered: bool, repeat: int, args) -> dict:
         t0 = time.perf_counter()
         w.save()
         st.append(time.perf_counter() - t0)
-        w.take_result()
+        w.take_report()
         w.bind(KVTierMetadata(loads=[LoadOp(f"r{i}", 0, slots, blocks)]))
         t0 = time.perf_counter()
         w.start_load()
         ld.append(time.perf_counter() - t0)
-        assert w.take_result().loaded == {f"r{i}": True}
+        assert w.take_report().loaded == {f"r{i}": True}
     w.close()
     return {"layout": layout, "blocks": n, "scattered": scattered, "block_bytes": nbytes // n,
             "store_gbps": nbytes / statistics.median(st) / 1e9, "load_gbps": nbytes / statistics.median(ld) / 1e9}

@@ -66,7 +66,7 @@ def run(lag: int, blocks: int, forward_s: float, decode_steps: int, d: str, rep:
         time.sleep(forward_s)                   # the forward
         t0 = time.perf_counter()
         w.save()
-        s.on_worker_meta(w.take_result())
+        s.on_worker_meta(w.take_report())
         stall += time.perf_counter() - t0
     assert nv.num_resident == blocks, (nv.num_resident, blocks)   # everything durable and indexed
     w.close()

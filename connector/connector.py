@@ -183,7 +183,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
         if self.worker is None:
             return None
-        return self.worker.take_result()
+        return self.worker.take_report()
 
     @hook()
     def shutdown(self) -> None:

@@ -95,7 +95,7 @@ class SafeAnswers:
         return set() if self.hybrid else errors
 
     def _worker_meta_failed(self) -> KVTierWorkerMeta | None:
-        return self.worker.take_result(finish=False) if self.worker is not None else None
+        return self.worker.take_report(finish=False) if self.worker is not None else None
 
     def _lookup_failed(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         if self.sched is not None:

@@ -40,10 +40,9 @@ class PendingStores:
         return len(self.q)
 
     def add(self, deferred: tuple | None) -> None:
-        """The executor's last deferred store (`Executor.deferred`), if any."""
+        """The executor's last deferred store (`Executor.take_deferred`), if any."""
         if deferred is not None:
             self.q.append(_Pending(*deferred))
-            self.ex.deferred = None
 
     def hold(self, copies: list, failed: set) -> bool:
         """Copies down of this step: held behind the newest pending store (they may read its

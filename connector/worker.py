@@ -100,7 +100,8 @@ class KVTierWorker(Counting):
             self.ex.finish_loads()
             self.pending.drain(SHUTDOWN_FLUSH_TIMEOUT_S)
             self.layout = lay
-            self.kv = self.ex.outside = KVCopier(lay, self.pools[0], self._copy_streams)
+            self.kv = KVCopier(lay, self.pools[0], self._copy_streams)
+            self.ex.bind(self.kv)
             log.info("kvtier worker: KV re-registered (%s); cpu pool kept, %d slots", lay.describe(),
                      self.pools[0].num_slots)
             return
@@ -141,17 +142,17 @@ class KVTierWorker(Counting):
         ex = self.ex
         ex.begin_step()   # a new step: its stores are tainted only by its own failed loads
         if meta.tier_names:
-            ex.tier_names = list(meta.tier_names)
+            ex.bind(tier_names=meta.tier_names)
         n = max(len(meta.tier_names or ()), 1 + max([i for i in (meta.remote_tier, meta.nvme_tier) if i is not None],
                                                      default=0))
-        ex.planes += [None] * (n - len(ex.planes))
+        ex.bind(ntiers=n)
         if meta.remote_tier is not None:
             if self.remote is None and self._remote_needs_identity and meta.model_identity and self.layout:
                 self._open_remote(self._remote_fn(self.layout.block_bytes, self._count, meta.model_identity))
-            ex.planes[meta.remote_tier] = self.remote
+            ex.bind(planes={meta.remote_tier: self.remote})
         if meta.nvme_tier is not None:
             self._open_nvme(meta)
-            ex.planes[meta.nvme_tier] = self.nvme
+            ex.bind(planes={meta.nvme_tier: self.nvme})
 
     def _open_nvme(self, meta: KVTierMetadata) -> None:
         """Open the NVMe data file the metadata names. Never raises: a file that cannot be opened
@@ -293,7 +294,7 @@ class KVTierWorker(Counting):
         if self.store_rank != self.rank:  # another rank writes the same bytes to the file / shared tier
             copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.remote_tier)]
         failed = self.ex.store(stores, tainted, defer=True)
-        self.pending.add(self.ex.deferred)
+        self.pending.add(self.ex.take_deferred())
         if not self.pending.hold(copies, failed):
             self.ex.copy(copies, failed)
         self.pending.poll()
@@ -307,7 +308,7 @@ class KVTierWorker(Counting):
     def writes_in_flight(self) -> int:
         return self.ex.writes_in_flight if self.ex is not None else 0
 
-    def take_result(self, finish: bool = True) -> KVTierWorkerMeta | None:
+    def take_report(self, finish: bool = True) -> KVTierWorkerMeta | None:
         """This step's report (once per step): loads, stores, copies now durable; the pool's size
         in the first one. `finish=False` (recovering from a failure): the report as it stands."""
         if self.ex is None:
@@ -315,12 +316,10 @@ class KVTierWorker(Counting):
         if finish:
             self.ex.finish_loads(wait=False)
             self.pending.poll()
-        r = self.ex.step() if finish else self.ex.take_report()
         if self._capacity:
-            r = r or KVTierWorkerMeta(rank=self.rank)
-            r.capacity.update(self._capacity)
+            self.ex.report.capacity(self._capacity)
             self._capacity = {}
-        return r
+        return self.ex.step() if finish else self.ex.take_report()
 
     def take_load_errors(self, finish: bool = True) -> set[int]:
         if self.ex is None:
@@ -373,7 +372,7 @@ class KVTierWorker(Counting):
         limit = SHUTDOWN_FLUSH_TIMEOUT_S if timeout_s is None else timeout_s
         t0 = time.monotonic()
         copying = self.pending.drain(limit)   # stores still copying: their copies down start now
-        pending = len(ex.down.writes)
+        pending = ex.file_writes_in_flight
         late, late_puts = ex.drain(max(0.0, limit - (time.monotonic() - t0)))
         if late_puts:
             log.warning("kvtier: shutdown: %d shared-tier write batches still running; left behind", late_puts)

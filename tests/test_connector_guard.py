@@ -157,7 +157,7 @@ def test_a_smaller_pool_limits_the_schedulers_tier(monkeypatch):
     assert sorted(x for op in meta.stores for x in op.slots) == list(range(7))
     w.bind(KVTierMetadata(stores=meta.stores))
     w.save()                                  # slots 5 and 6 lie beyond the pool: that store fails whole
-    rep = w.take_result()
+    rep = w.take_report()
     assert rep.capacity == {0: 5}
     s.on_worker_meta(rep)
     assert tier.capacity_blocks == 5 and tier.num_resident == 0 and tier.num_free_slots == 5
@@ -165,3 +165,4 @@ def test_a_smaller_pool_limits_the_schedulers_tier(monkeypatch):
     store_request(s, Req("b", list(range(100, 130))), base=200)   # 7 blocks into 5 slots: 5 stay
     assert tier.num_resident == 5 and max(tier.resident.values()) < 5
     w.close()
+

@@ -45,7 +45,7 @@ def step(s, w, scheduled):
     w.bind(meta)
     w.start_load()
     w.save()
-    s.on_worker_meta(w.take_result())
+    s.on_worker_meta(w.take_report())
     return meta
 
 
@@ -123,7 +123,7 @@ def test_write_behind_reports_within_lag(tmp_path):
     real_sync = w.nvme.sync
     w.nvme.sync = lambda: (gate.wait(30), real_sync())
     try:
-        s.on_worker_meta(w.take_result())
+        s.on_worker_meta(w.take_report())
         assert cpu.num_resident == 4 and len(nv.index) == 0 and w.writes_in_flight == 1
         assert sum(cpu._ref) == 4                   # the CPU copies are the write's source
         assert s.lookup(Req("b", r.tokens), 0) == 4 * BT   # served from the CPU tier meanwhile
@@ -232,7 +232,7 @@ def _ranks_step(s, ws, scheduled):
         w.bind(copy.deepcopy(meta))
         w.start_load()
         w.save()
-        m = w.take_result()
+        m = w.take_report()
         if m is not None:
             agg = m if agg is None else agg.aggregate(m)
     s.on_worker_meta(agg)
@@ -322,7 +322,7 @@ def test_ranks_writing_behind_commit_once_every_rank_reported(tmp_path):
         w.start_load()
         w.save()
     from kvtier.connector.metadata import KVTierWorkerMeta
-    m0, m1 = w0.take_result(), w1.take_result()
+    m0, m1 = w0.take_report(), w1.take_report()
     late = KVTierWorkerMeta(rank=1, copied=m1.copied)   # rank 1's NVMe report comes later
     m1.copied = {}
     s.on_worker_meta(m0.aggregate(m1))                     # this step: CPU stores of both, NVMe of rank 0

@@ -62,7 +62,7 @@ def _step(s, w, scheduled):
         assert time.monotonic() < deadline, "asynchronous load never arrived"
         time.sleep(0.005)
         done |= w.poll_async()
-    s.on_worker_meta(w.take_result())
+    s.on_worker_meta(w.take_report())
     return meta, done
 
 
@@ -164,7 +164,7 @@ def test_finished_while_loading_delays_the_free(redis_server):
         done = wb.poll_async()
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    b.on_worker_meta(wb.take_result())
+    b.on_worker_meta(wb.take_report())
     assert b.ctrl.leases.leases.get("rb") is None and b.ctrl.pinned_blocks() == 0
     for x in (a, b):
         x.close()

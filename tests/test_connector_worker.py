@@ -45,14 +45,14 @@ def test_store_load_roundtrip(make):
     orig = {n: t.clone() for n, t in caches.items()}
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 5], [3, 11])]))
     w.save()
-    res = w.take_result()
+    res = w.take_report()
     assert res.stored == {1: [True, True]}
     for t in caches.values():
         t[7].zero_()
         t[9].zero_()
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [5, 0], [9, 7])]))
     w.start_load()
-    assert w.take_result().loaded == {"r": True}
+    assert w.take_report().loaded == {"r": True}
     for n, t in caches.items():
         assert torch.equal(t[7], orig[n][3])
         assert torch.equal(t[9], orig[n][11])
@@ -78,7 +78,7 @@ def test_load_failure_reports_blocks(monkeypatch):
     monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))   # every load fails
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [4, 5])]))
     w.start_load()
-    assert w.take_result().loaded == {"r": False}
+    assert w.take_report().loaded == {"r": False}
     assert w.take_load_errors() == {4, 5}
     assert w.take_load_errors() == set()
 
@@ -153,13 +153,13 @@ def test_scattered_blocks_and_slots_round_trip(one_buffer):
     blocks, slots = [3, 4, 5, 9, 1, 2, 8, 7, 6], [7, 8, 9, 0, 15, 14, 1, 2, 3]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))
     w.save()
-    w.take_result()
+    w.take_report()
     for t in caches.values():
         t.zero_()
     dst = [10, 11, 12, 0, 15, 14, 13, 4, 5]
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst)]))
     w.start_load()
-    assert w.take_result().loaded == {"r": True}
+    assert w.take_report().loaded == {"r": True}
     for n, t in caches.items():
         for b, d in zip(blocks, dst):
             assert torch.equal(t[d], orig[n][b])
@@ -183,14 +183,14 @@ def test_nvme_loads_of_two_requests_in_one_step(tmp_path, chunk_bytes):
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2, 3, 4], [1, 2, 3, 4, 5])],
                           copies=[CopyOp(2, [0, 1, 2, 3, 4], [10, 11, 12, 13, 14], keys)], **nv))
     w.save()
-    sums = w.take_result().copied[2]
+    sums = w.take_report().copied[2]
     assert len(sums) == 5 and min(sums) >= 0
     for t in caches.values():
         t[8:14].zero_()
     w.bind(KVTierMetadata(loads=[LoadOp("a", 1, [10, 11, 12], [8, 9, 10], sums[:3], keys=keys[:3]),
                                  LoadOp("b", 1, [13, 14], [12, 13], sums[3:], keys=keys[3:])], **nv))
     w.start_load()
-    assert w.take_result().loaded == {"a": True, "b": True}
+    assert w.take_report().loaded == {"a": True, "b": True}
     for n, t in caches.items():
         for dst, src in ((8, 1), (9, 2), (10, 3), (12, 4), (13, 5)):
             assert torch.equal(t[dst], orig[n][src]), (n, dst, src)

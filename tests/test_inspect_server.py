@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import vllm_util as U  # noqa: E402
 
 from kvtier.cli.main import main  # noqa: E402
+from kvtier.core import serving_stats  # noqa: E402
 from kvtier.core.serving_stats import HEARTBEAT_S, read_servers, write_server_state  # noqa: E402
 
 
@@ -86,7 +87,7 @@ def test_a_live_server_is_read_from_its_own_state(tmp_path, monkeypatch, capsys)
 
 def test_states_of_servers_gone_for_a_day_are_pruned(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTIER_RUN_DIR", str(tmp_path / "run"))
-    monkeypatch.setattr(write_server_state, "_pruned", False, raising=False)
+    monkeypatch.setattr(serving_stats, "_DONE", set())
     (tmp_path / "run").mkdir(mode=0o700)
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     old, recent = tmp_path / "run" / f"server-{int(p.stdout)}.json", tmp_path / "run" / "server-999999998.json"

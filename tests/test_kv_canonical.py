@@ -146,7 +146,7 @@ def test_a_block_stored_under_one_layout_loads_byte_exact_under_another(src, dst
     blocks, slots = [4, 0, 5, 1], [2, 3, 0, 5]
     a.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))
     a.save()
-    assert a.take_result().stored == {1: [True] * 4}
+    assert a.take_report().stored == {1: [True] * 4}
     rows = a.pools[0].buffer.view(NB, -1)
     for b, s in zip(blocks, slots):   # the canonical bytes: layer after layer, [heads, tokens, content]
         assert torch.equal(rows[s], ref[:, b].reshape(-1))
@@ -155,7 +155,7 @@ def test_a_block_stored_under_one_layout_loads_byte_exact_under_another(src, dst
     dst_blocks = [1, 3, 2, 0]
     b_w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst_blocks)]))
     b_w.start_load()
-    assert b_w.take_result().loaded == {"r": True}
+    assert b_w.take_report().loaded == {"r": True}
     for li, t in enumerate(kv_b.values()):
         got = canonical_bytes(t, ratio_b)
         for sb, db in zip(blocks, dst_blocks):

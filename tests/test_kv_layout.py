@@ -78,12 +78,12 @@ def test_kernel_blocks_split_from_the_managers_blocks():
     orig = {n: t.clone() for n, t in caches.items()}
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [3, 11])]))
     w.save()
-    assert w.take_result().stored == {1: [True, True]}
+    assert w.take_report().stored == {1: [True, True]}
     for t in caches.values():
         t.zero_()
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [1, 0], [6, 2])]))
     w.start_load()
-    assert w.take_result().loaded == {"r": True}
+    assert w.take_report().loaded == {"r": True}
     for n, t in caches.items():     # block 11 -> 6 is kernel blocks 22, 23 -> 12, 13
         assert torch.equal(t[12:14], orig[n][22:24]) and torch.equal(t[4:6], orig[n][6:8])
         assert not t[0:4].any() and not t[6:12].any()
@@ -122,10 +122,10 @@ def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
     blocks, slots = [3, 4, 5, 9, 1], [7, 8, 9, 0, 15]
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, slots, blocks)]))
     w.save()
-    r = w.take_result()
+    r = w.take_report()
     assert r is None or not r.stored                 # the copies have not run: not reported yet
     w.kv.device.streams.drain()
-    assert w.take_result().stored == {1: [True] * 5}  # a later step's poll sees the event complete
+    assert w.take_report().stored == {1: [True] * 5}  # a later step's poll sees the event complete
     rows = w.pools[0].buffer.view(16, -1)
     for b, sl in zip(blocks, slots):   # slot = layer 0's canonical bytes of the block, then layer 1's, ...
         assert torch.equal(rows[sl], torch.cat([probes.canonical(t, b) for t in orig.values()]))
@@ -135,7 +135,7 @@ def test_device_copier_orders_copies_and_is_byte_exact(staging_blocks):
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, slots, dst)]))
     w.start_load()
     assert len(w.ex.layer_events) == 3
-    assert w.take_result().loaded == {"r": True}     # accounted as queued: no host wait in the hooks
+    assert w.take_report().loaded == {"r": True}     # accounted as queued: no host wait in the hooks
     w.kv.device.streams.drain()                      # the host reads after the copies ran
     for n, t in caches.items():
         for b, d in zip(blocks, dst):
@@ -150,14 +150,14 @@ def test_reregistration_keeps_the_pool_and_its_blocks():
     orig = {n: t.clone() for n, t in caches.items()}
     w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [2], [5])]))
     w.save()
-    w.take_result()
+    w.take_report()
     pool = w.pools[0]
     caches2 = {n: torch.zeros_like(t) for n, t in caches.items()}   # vLLM hands new tensors
     w.register_kv_caches(caches2)
     assert w.pools[0] is pool
     w.bind(KVTierMetadata(loads=[LoadOp("r", 0, [2], [7])]))
     w.start_load()
-    assert w.take_result().loaded == {"r": True}
+    assert w.take_report().loaded == {"r": True}
     for n, t in caches2.items():
         assert torch.equal(t[7], orig[n][5])      # the index's slot still holds the block, not zeros
     w.close()

@@ -119,9 +119,11 @@ def test_leases_pin_and_release():
     assert s.lookup(keys) == 4
     s.commit("r1", 2)
     assert s.leases.pinned() == 2
+    assert len(s.leases) == 1
+    assert s.stats()["leases"] == 1
     s.commit("r0-unknown", 3)  # not ours: ignored
     s.release("r1")
-    assert s.leases.pinned() == 0
+    assert s.leases.pinned() == 0 and len(s.leases) == 0
     assert all(t.get_block(t.find(k)).ref_cnt == 0 for t in s.tiers for k in keys if k in t)
     assert s.put(k2, d2) == 4
 

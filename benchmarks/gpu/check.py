@@ -212,13 +212,13 @@ def hook_wait() -> None:
             t0 = time.perf_counter()
             rig.w.bind(KVTierMetadata(stores=[StoreOp(1, 0, [3], [5])]))
             rig.w.save()
-            r = rig.w.take_result()
+            r = rig.w.take_report()
             host_ms = (time.perf_counter() - t0) * 1e3
             early = r is not None and 1 in r.stored
             polls = 0
             while not early and polls < 10_000:
                 polls += 1
-                r = rig.w.take_result()
+                r = rig.w.take_report()
                 if r is not None and 1 in r.stored:
                     break
                 time.sleep(0.001)
@@ -307,12 +307,12 @@ def layer_overlap() -> None:
             for name in names:
                 w.wait_layer(name)
                 work()
-            w.take_result()
+            w.take_report()
 
         def load_only():
             w.bind(KVTierMetadata(loads=[LoadOp(f"o{next(seq)}", 0, list(range(n)), list(range(n)))]))
             w.start_load()
-            w.take_result()
+            w.take_report()
 
         load()
         t_c = _median_s(lambda: [work() for _ in names], 5, sync)

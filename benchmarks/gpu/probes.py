@@ -106,7 +106,7 @@ def progress(device: str, streams) -> None:
 def reported(w: KVTierWorker, op_id: int, progress_fn: Callable[[], None], tries: int = 10_000) -> bool:
     """Steps' reports until one says store `op_id` is stored (the host reads its bytes only then)."""
     for _ in range(tries):
-        r = w.take_result()
+        r = w.take_report()
         if r is not None and op_id in r.stored:
             return all(r.stored[op_id])
         progress_fn()
@@ -222,7 +222,7 @@ def load_probe(rig: Rig, ordered: bool = True, block: int = 9, slot: int = 6) ->
             else:
                 rig.streams.compute(lambda t=t: outs.append(t[block].clone()))
     rig.host_sync()
-    rig.w.take_result()
+    rig.w.take_report()
     got = torch.cat([o.unsqueeze(0).permute(1, 0, 2, 3).contiguous().view(torch.uint8).reshape(-1).cpu()
                      for o in outs])
     return torch.equal(got, src)
@@ -255,7 +255,7 @@ def layouts_roundtrip(device: str, streams_fn: Callable[[], Any], dtype=torch.bf
             wb.pools[0].buffer.copy_(wa.pools[0].buffer)
             wb.bind(KVTierMetadata(loads=[LoadOp("r", 0, [0, 1], [2, 5])]))
             wb.start_load()
-            wb.take_result()
+            wb.take_report()
             if device == "cuda":
                 torch.cuda.synchronize()
             else:

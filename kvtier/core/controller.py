@@ -26,7 +26,7 @@ from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, Requ
 from kvtier.tiers.base import group_by_tier, match_prefix
 from kvtier.tiers.contract import Tier
 
-from kvtier.core.inflight import PENDING, Completion, CopyInFlight, Pending, StoreInFlight
+from kvtier.core.inflight import PENDING, Completion, CopyInFlight, InFlight, Pending, StoreInFlight
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, StoreOp
 
 log = logging.getLogger("kvtier.core.controller")
@@ -71,9 +71,7 @@ class TierController(Completion, Counting):
         for t in self.tiers[:self.nlocal] if tenants is not None else ():
             tenants.attach(t, self._count)
         self._index = [t.resident for t in self.tiers[:self.nlocal]]  # read-only: key -> slot
-        self._pending = [set() for _ in self.tiers]            # keys on their way into each tier
-        self._stores: dict[int, StoreInFlight] = {}
-        self._copies: dict[int, CopyInFlight] = {}
+        self.inflight = InFlight(len(self.tiers))              # stores and copies awaiting a report
         self._op_ids = itertools.count(1)
         self._plan = Plan()
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
@@ -110,7 +108,7 @@ class TierController(Completion, Counting):
 
     def holds(self, key: bytes, tier: int = 0) -> bool:
         """Whether `tier` has the block or is receiving it (the shared tier: as far as known here)."""
-        return key in self._pending[tier] or self.tiers[tier].known(key)
+        return self.inflight.incoming(tier, key) or self.tiers[tier].known(key)
 
     # ---- leases --------------------------------------------------------------------------
     def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
@@ -218,13 +216,12 @@ class TierController(Completion, Counting):
             return
         slots = self.tiers[tgt].allocate(keys, info)
         self._claim(tgt, slots, who)
-        self._pending[tgt].update(keys)
         op.via = slots
         op.via_tier = tgt
         op.op_id = next(self._op_ids)
         excl = None if self.promotion.inclusive else (op.tier, list(zip(op.slots, keys)))
-        self._stores[op.op_id] = StoreInFlight(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
-                                        info=info, pos=pos)
+        self.inflight.add_store(op.op_id, StoreInFlight(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
+                                                        info=info, pos=pos))
 
     # ---- stores --------------------------------------------------------------------------
     def store(self, keys: Sequence[bytes], srcs: Sequence[int], info: RequestInfo = NO_INFO,
@@ -250,9 +247,8 @@ class TierController(Completion, Counting):
         ks = [keys[i] for i in want]
         slots = top.allocate(ks, info)
         self._claim(0, slots, info.tenant)
-        self._pending[0].update(ks)
         op_id = next(self._op_ids)
-        self._stores[op_id] = StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want])
+        self.inflight.add_store(op_id, StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want]))
         self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
         self._count(f"store_planned_blocks.{top.name}", len(slots))
         for t in self._through:  # written through from the top tier
@@ -295,10 +291,9 @@ class TierController(Completion, Counting):
             return 0
         slots = self.tiers[t].allocate(keys)
         self._claim(t, slots, who[:room] if who is not None else None)
-        self._pending[t].update(keys)
         self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
-        self._copies[op_id] = CopyInFlight(src_tier, src, t, slots)
+        self.inflight.add_copy(op_id, CopyInFlight(src_tier, src, t, slots))
         self._plan.copies.append(CopyOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
         self._count(f"store_planned_blocks.{self.names[t]}", len(src))
         return len(src)
@@ -407,7 +402,7 @@ class TierController(Completion, Counting):
     # ---- whole-stack operations ----------------------------------------------------------
     def clear(self, fresh_eviction: Sequence[Any] | None = None) -> int:
         """Drop every resident block of every tier; nothing may be leased or in flight."""
-        if self.leases.leases or self._stores or self._copies:
+        if len(self.leases) or len(self.inflight):
             raise RuntimeError("clear with leases or transfers in flight")
         n = 0
         for i, t in enumerate(self.tiers[:self.nlocal]):  # never the shared tier: it is the fleet's
@@ -420,6 +415,19 @@ class TierController(Completion, Counting):
                 if self.tenants is not None:
                     self.tenants.attach(t)
         return n
+
+    def _limit(self, t: int, n: int) -> None:
+        """Tier `t`'s data plane holds `n` slots: the tier shrinks to them (a report's `capacity`)."""
+        tier = self.tiers[t]
+        if n >= tier.capacity_blocks:
+            return
+        was = tier.capacity_blocks
+        gone = tier.limit(n)
+        self._wb_max[t] = max(1, min(self._wb_max[t], n // 4))
+        if gone:
+            self._count(f"evicted_blocks.{tier.name}", len(gone))
+        log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
+                    "pool) is smaller", tier.name, n, was)
 
     def open_tier(self, t: int, tier: Tier) -> None:
         """Put `tier` in place of the closed tier at index `t` (`tiers.closed.ClosedTier`: a
@@ -439,7 +447,7 @@ class TierController(Completion, Counting):
 
     @property
     def in_flight(self) -> int:
-        return len(self._stores) + len(self._copies)
+        return len(self.inflight)
 
     def pinned_blocks(self) -> int:
         return sum(t.pinned_blocks() for t in self.tiers)
@@ -454,10 +462,10 @@ class TierController(Completion, Counting):
         return {"totals": dict(self.totals), "tiers": [t.stats() for t in self.tiers],
                 **({"tenants": self.tenants.stats(self.totals)} if self.tenants is not None else {}),
                 "policies": self.describe(), "leases": self.leases.pinned(),
-                "pending_stores": len(self._stores), "pending_copies": len(self._copies)}
+                "pending_stores": self.inflight.stores, "pending_copies": self.inflight.copies}
 
     def close(self) -> None:
-        pending = sum(len(c.src) for c in self._copies.values())
+        pending = self.inflight.copying_blocks()
         if pending:
             log.warning("kvtier: %d blocks still being copied down at shutdown: not committed (misses after a "
                         "restart, never served)", pending)

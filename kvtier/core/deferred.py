@@ -13,13 +13,19 @@ from kvtier.tiers.once import cause
 
 
 class Deferred:
-    """Mixed into `Executor`: works on its state (`result`, `outside`, `_rows_event`...)."""
+    """Mixed into `Executor`: works on its state (`outside`, `_rows_event`...); outcomes go to its
+    `report`."""
+
+    def take_deferred(self) -> tuple | None:
+        """The last `store(defer=True)` left running, (planned, event, t0), once; or None."""
+        d, self.deferred = self.deferred, None
+        return d
 
     def store_done(self, planned: list, dt: float) -> None:
         """These stores' copies completed: reported stored, counted."""
         by_tier: dict[str, int] = {}
         for op, _ in planned:
-            self.result.stored[op.op_id] = [True] * len(op.slots)
+            self.report.stored(op.op_id, [True] * len(op.slots))
             by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
         for name, n in by_tier.items():
             self._count(f"bytes_stored.{name}", n * self.block_bytes)

@@ -26,7 +26,7 @@ from kvtier.core.deferred import Deferred
 from kvtier.core.failures import Failures
 from kvtier.core.handlers import HANDLERS, LoadRun, handler
 from kvtier.tiers.once import Once, cause
-from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, StoreOp
+from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, ReportBuilder, StoreOp
 from kvtier.core.staging import Staging
 from kvtier.core.write_behind import CopiesDown
 from kvtier.core.outside import Outside
@@ -56,8 +56,7 @@ class Executor(Failures, Deferred, Counting):
         self.tier_names = list(tier_names)
         self.rank = rank
         self.staging = staging
-        self._report_cls = report_cls
-        self.result = report_cls(rank=rank)
+        self.report = ReportBuilder(rank, report_cls)   # this step's report, built by every part
         self._init_counters()
         if count is not None:  # count into another object's counters (the CLI's controller, a worker)
             self._count = self.count = count
@@ -65,8 +64,6 @@ class Executor(Failures, Deferred, Counting):
         self._load_errors: set[int] = set()
         self.tainted = False                       # a load the step's forward reads failed (`begin_step`)
         self._polling = False                      # in poll_async / fail_async: failures do not taint
-        self.corrupt_blocks = 0
-        self.errors: list[str] = []           # I/O errors since the caller last cleared them (the CLI's exit)
         self.down = CopiesDown(self, write_lag_steps)  # copies down, written behind
         self.steps = 0
         self._async: dict[str, list[LoadOp]] = {}  # request -> its load ops, loading asynchronously
@@ -81,6 +78,19 @@ class Executor(Failures, Deferred, Counting):
         self._sync_s = self._copy_s = 0.0
 
     # ---- media -------------------------------------------------------------------------------
+    def bind(self, outside: Outside | None = None, tier_names: Sequence[str] | None = None,
+             planes: dict[int, DataPlane | None] | None = None, ntiers: int = 0) -> None:
+        """Where blocks live outside (when given), the tiers' names (when given), and tiers' data
+        planes in this process by index (None: none here); `ntiers`: room for that many."""
+        if outside is not None:
+            self.outside = outside
+        if tier_names:
+            self.tier_names = list(tier_names)
+        for t, p in (planes or {}).items():
+            self.planes += [None] * (t + 1 - len(self.planes))
+            self.planes[t] = p
+        self.planes += [None] * (ntiers - len(self.planes))
+
     def name(self, tier: int) -> str:
         return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
 
@@ -141,7 +151,7 @@ class Executor(Failures, Deferred, Counting):
                            "kvtier: load of %d blocks for %s from %s failed: %s (recomputed)",
                            len(op.slots), op.req_id, name, e)
                 if op.via:
-                    self.result.stored[op.op_id] = [False] * len(op.slots)
+                    self.report.not_stored(op.op_id, len(op.slots))
             if self._needs_staging(op):
                 run.row0 += len(op.slots)
             self._load_done.append((op, name, oks))
@@ -213,7 +223,7 @@ class Executor(Failures, Deferred, Counting):
             bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
             if bad:
                 self._add_errors(bad)
-            self.result.loaded[op.req_id] = self.result.loaded.get(op.req_id, True) and not bad
+            self.report.loaded(op.req_id, not bad)
             n = sum(oks)
             if n:
                 self._count(f"bytes_loaded.{name}", n * self.block_bytes)
@@ -266,7 +276,7 @@ class Executor(Failures, Deferred, Counting):
             done.add(rid)
         if done:
             self.finish_loads()
-            self._failed_done.update(rid for rid in done if self.result.loaded.get(rid) is False)
+            self._failed_done.update(rid for rid in done if self.report.load_failed(rid))
         if self._recv_failed:
             done |= self._recv_failed
             self._failed_done |= self._recv_failed
@@ -315,7 +325,7 @@ class Executor(Failures, Deferred, Counting):
         if not tainted:
             self.once(("store", op.tier) + cause(e), logging.WARNING,
                        "kvtier: store of %d blocks to %s failed: %s", len(op.slots), self.name(op.tier), e)
-        self.result.stored[op.op_id] = [False] * len(op.slots)
+        self.report.not_stored(op.op_id, len(op.slots))
         failed.update((op.tier, s) for s in op.slots)
 
     def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
@@ -330,6 +340,21 @@ class Executor(Failures, Deferred, Counting):
     def writes_in_flight(self) -> int:
         return len(self.down)
 
+    @property
+    def file_writes_in_flight(self) -> int:
+        """Batches of copies to a file (NVMe) still being written behind."""
+        return len(self.down.writes)
+
+    @property
+    def errors(self) -> list[str]:
+        """I/O errors of copies down since the caller last cleared them (the CLI's exit)."""
+        return self.down.errors
+
+    @property
+    def corrupt_blocks(self) -> int:
+        """Blocks that failed verification on read, over this executor's life."""
+        return self.report.corrupt_blocks
+
     # ---- one synchronous round (the CLI, replay) -------------------------------------------
     def run(self, plan: Plan) -> Report:
         """Loads, stores, then copies of `plan`, all waited for; the report."""
@@ -337,7 +362,7 @@ class Executor(Failures, Deferred, Counting):
         failed = self.store(plan.stores)
         self.copy(plan.copies, failed)
         self.reap(wait=True)
-        return self.take_report() or self._report_cls(rank=self.rank)
+        return self.take_report() or self.report.empty()
 
     # ---- the report --------------------------------------------------------------------------
     def step(self) -> Report | None:
@@ -347,12 +372,9 @@ class Executor(Failures, Deferred, Counting):
         return self.take_report()
 
     def take_report(self) -> Report | None:
+        """The report built since the last call (None if empty); a step ends."""
         self.steps += 1
-        r = self.result
-        if r.is_empty():
-            return None
-        self.result = self._report_cls(rank=self.rank)
-        return r
+        return self.report.take()
 
     @property
     def has_load_errors(self) -> bool:

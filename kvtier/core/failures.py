@@ -16,7 +16,8 @@ from kvtier.core.plan import CopyOp, LoadOp, StoreOp
 
 
 class Failures:
-    """Mixed into `Executor`: works on its state (`_load_done`, `_load_errors`, `result`...)."""
+    """Mixed into `Executor`: works on its state (`_load_done`, `_load_errors`...); outcomes go to
+    its `report` (`kvtier.core.plan.ReportBuilder`)."""
 
     def _queue(self, jobs: list[tuple[int, Any]], layered: bool) -> list | None:
         """Queue (a layered outside) or run these copies into the outside; when that fails, each
@@ -57,8 +58,8 @@ class Failures:
             if id(op) in listed:
                 continue
             self._load_done.append((op, self.name(op.tier), [False] * len(op.slots)))
-            if op.via and op.op_id not in self.result.stored:
-                self.result.stored[op.op_id] = [False] * len(op.slots)
+            if op.via:
+                self.report.not_stored(op.op_id, len(op.slots), unless_reported=True)
 
     def abandon_loads(self) -> None:
         """The pending loads' copies cannot be confirmed (the host could not wait for them): their
@@ -91,7 +92,7 @@ class Failures:
             self._load_errors.update(ids)
         else:
             self._add_errors(ids)
-        self.result.loaded[req_id] = False
+        self.report.loaded(req_id, False)
         self._count("blocks_load_failed", len(ids))
         self.once(("load_failed", why), logging.WARNING,
                    "kvtier: %d blocks of %s not loaded (%s): reported as load errors, recomputed", len(ids), req_id,
@@ -104,7 +105,7 @@ class Failures:
         for op in ops:
             self.fail_blocks(op.req_id, op.block_ids, why)
             if op.via:  # a promotion read through DRAM slots: those slots were not written
-                self.result.stored[op.op_id] = [False] * len(op.slots)
+                self.report.not_stored(op.op_id, len(op.slots))
             self._fetched.pop(id(op), None)
             if op.req_id in self._async:
                 self._recv_failed.add(op.req_id)
@@ -127,10 +128,8 @@ class Failures:
         """These stores and copies cannot run: dropped (future misses), their slots released."""
         n = 0
         for op in stores:
-            if op.op_id not in self.result.stored:
-                self.result.stored[op.op_id] = [False] * len(op.slots)
-                n += len(op.slots)
+            n += self.report.not_stored(op.op_id, len(op.slots), unless_reported=True)
         for op in copies:
-            self.result.copied[op.op_id] = [-1] * len(op.src_slots)
+            self.report.copied(op.op_id, [-1] * len(op.src_slots))
             n += len(op.src_slots)
         self._count("blocks_store_dropped", n)

@@ -12,7 +12,8 @@ the caller's blocks (`OUTSIDE`). The executor (`kvtier.core.executor`) and its c
     HOST    -> FILE     FileCopy     copy down: NVMe write, fdatasync, written behind
     HOST    -> SHARED   SharedCopy   copy to the fleet's server, written behind
 
-A handler keeps no state of its own: it works on the executor (`ex`) it is handed, and reports
+A handler keeps no state of its own: it works through the public calls of the executor (`ex`)
+it is handed, adds each op's outcome to `ex.report` (`kvtier.core.plan.ReportBuilder`), and reports
 every failure per block (a miss, a load error, a store not committed), never raising into a step.
 """
 
@@ -57,7 +58,7 @@ class HostLoad:
         if op.via:  # promoted from a lower DRAM tier: a memcpy into the upper tier's slots
             up = ex.host_pool(op.via_tier)
             copy_blocks([up.views[s] for s in op.via], [plane.views[s] for s in op.slots], ex.block_bytes)
-            ex.result.stored[op.op_id] = oks
+            ex.report.stored(op.op_id, oks)
         return oks
 
 
@@ -126,13 +127,12 @@ class ReadLoad:
                         ok = [False] * len(ok)
             oks.extend(ok)
         if corrupt:
-            ex.corrupt_blocks += len(corrupt)
             ex.count(f"corrupt_blocks.{ex.name(op.tier)}", len(corrupt))
-            ex.result.corrupt.setdefault(op.tier, []).extend(corrupt)
+            ex.report.corrupt(op.tier, corrupt)
             ex.once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
                     "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, ex.name(op.tier), errors[:2])
         if op.via:
-            ex.result.stored[op.op_id] = read_oks
+            ex.report.stored(op.op_id, read_oks)
         return oks
 
 
@@ -158,8 +158,8 @@ class SharedLoad(ReadLoad):
 
     def note(self, ex: Any, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
         """Absent (the server evicted it) or failed verification (`bad`): a miss, reported."""
-        ex.result.gone.extend(op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok)
-        ex.result.bad.extend(op.keys[lo + i] for i, b in enumerate(r.bad) if b)
+        ex.report.shared_misses([op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok],
+                                [op.keys[lo + i] for i, b in enumerate(r.bad) if b])
 
     def read_ahead(self, ex: Any, op: LoadOp, plane: DataPlane) -> tuple:
         """Start the op's reads into its promotion slots or rows of its own: (host, rows, buffers,
@@ -229,7 +229,7 @@ class HostCopy:
             except Exception as e:  # noqa: BLE001
                 down.copy_failed([op], e)
                 continue
-            ex.result.copied[op.op_id] = [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots]
+            ex.report.copied(op.op_id, [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots])
             n = len(op.slots)
             ex.count(f"bytes_stored.{ex.name(op.tier)}", n * ex.block_bytes)
             ex.count(f"blocks_stored.{ex.name(op.tier)}", n)

@@ -1,5 +1,6 @@
-"""What the controller has in flight (stores and copies waiting for an executor's report) and
-what it does with the report (`Completion`, a part of `kvtier.core.controller.TierController`)."""
+"""What the controller has in flight (`InFlight`: stores and copies waiting for an executor's
+report) and what it does with the report (`Completion`, a part of
+`kvtier.core.controller.TierController`)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,14 @@ class CopyInFlight:
     tier: int
     slots: list[int]                  # in the target tier (none for the shared tier)
     reports: dict[int, list] = field(default_factory=dict)  # rank -> checksums (several ranks)
+
+    def reported(self, by_rank: dict[int, list], ranks: int) -> dict[int, list] | None:
+        """Add ranks' reports; every rank's once all of `ranks` reported (ranks write behind on their
+        own clocks), else None."""
+        if ranks <= 1:
+            return by_rank
+        self.reports.update(by_rank)
+        return self.reports if len(self.reports) >= ranks else None
 
 
 @dataclass
@@ -62,6 +71,55 @@ class StoreInFlight:
             i = j
 
 
+class InFlight:
+    """The controller's transfers awaiting a report: stores (and promotions) and copies by op id,
+    and per tier the keys on their way in."""
+
+    def __init__(self, ntiers: int) -> None:
+        self._stores: dict[int, StoreInFlight] = {}
+        self._copies: dict[int, CopyInFlight] = {}
+        self._incoming: list[set[bytes]] = [set() for _ in range(ntiers)]
+
+    def __len__(self) -> int:
+        return len(self._stores) + len(self._copies)
+
+    @property
+    def stores(self) -> int:
+        return len(self._stores)
+
+    @property
+    def copies(self) -> int:
+        return len(self._copies)
+
+    def add_store(self, op_id: int, st: StoreInFlight) -> None:
+        self._incoming[st.tier].update(st.keys)
+        self._stores[op_id] = st
+
+    def add_copy(self, op_id: int, cp: CopyInFlight) -> None:
+        self._incoming[cp.tier].update(k for _, k in cp.src)
+        self._copies[op_id] = cp
+
+    def take_store(self, op_id: int) -> StoreInFlight | None:
+        return self._stores.pop(op_id, None)
+
+    def copy_of(self, op_id: int) -> CopyInFlight | None:
+        return self._copies.get(op_id)
+
+    def take_copy(self, op_id: int) -> CopyInFlight | None:
+        return self._copies.pop(op_id, None)
+
+    def landed(self, tier: int, keys) -> None:
+        """These keys are no longer on their way into `tier` (committed or failed)."""
+        self._incoming[tier].difference_update(keys)
+
+    def incoming(self, tier: int, key: bytes) -> bool:
+        return key in self._incoming[tier]
+
+    def copying_blocks(self) -> int:
+        """Blocks of the copies in flight."""
+        return sum(len(c.src) for c in self._copies.values())
+
+
 def rank_sums(by_rank: dict[int, list], n: int, ranks: int) -> list:
     """Per slot: the checksum (one rank), the tuple of every rank's (several), or -1 when a
     rank failed the write."""
@@ -79,7 +137,7 @@ def rank_sums(by_rank: dict[int, list], n: int, ranks: int) -> list:
 class Completion:
     """`TierController.complete`: an executor's report commits what was written, aborts what
     failed, drops what did not verify and releases the leases of loads that finished. (A part of
-    the controller: it works on the controller's own state.)"""
+    the controller: what is in flight it asks and changes through `InFlight`'s methods.)"""
 
     def complete(self, rep: Report) -> None:
         """The executor's report: commit what was written, abort what failed, drop what did not
@@ -88,7 +146,7 @@ class Completion:
             self._limit(t, n)
         exclusive: list[tuple[int, list[tuple[int, bytes]]]] = []
         for op_id, oks in sorted(rep.stored.items()):  # plan order, whatever order the report has
-            st = self._stores.pop(op_id, None)
+            st = self.inflight.take_store(op_id)
             if st is None:
                 continue
             tier = self.tiers[st.tier]
@@ -109,7 +167,7 @@ class Completion:
                 tier.abort(bad)
                 self._count(f"store_failed_blocks.{tier.name}", len(bad))
                 self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
-            self._pending[st.tier].difference_update(st.keys)
+            self.inflight.landed(st.tier, st.keys)
         for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
             tier = self.tiers[t]
             tier.quarantine(slots)
@@ -132,28 +190,14 @@ class Completion:
             if gone:
                 self._evict(lower, gone)
 
-    def _limit(self, t: int, n: int) -> None:
-        tier = self.tiers[t]
-        if n >= tier.capacity_blocks:
-            return
-        was = tier.capacity_blocks
-        gone = tier.limit(n)
-        self._wb_max[t] = max(1, min(self._wb_max[t], n // 4))
-        if gone:
-            self._count(f"evicted_blocks.{tier.name}", len(gone))
-        log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
-                    "pool) is smaller", tier.name, n, was)
-
     def _complete_copy(self, op_id: int, by_rank: dict[int, list]) -> None:
-        cp = self._copies.get(op_id)
+        cp = self.inflight.copy_of(op_id)
         if cp is None:
             return
-        if self.ranks > 1:  # ranks write behind on their own clocks: wait for every rank's report
-            cp.reports.update(by_rank)
-            if len(cp.reports) < self.ranks:
-                return
-            by_rank = cp.reports
-        del self._copies[op_id]
+        by_rank = cp.reported(by_rank, self.ranks)   # several ranks: once every rank reported
+        if by_rank is None:
+            return
+        self.inflight.take_copy(op_id)
         tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
         sums = rank_sums(by_rank, len(cp.src), self.ranks)
         if tier.remote:  # the server names the blocks: known now, nothing to commit
@@ -181,7 +225,7 @@ class Completion:
             self._count(f"io_errors.{tier.name}", len(bad))
             self.errors.append(f"tier {tier.name}: {len(bad)} of {len(cp.slots)} block writes failed "
                                f"(kept in {src_tier.name}, not indexed)")
-        self._pending[cp.tier].difference_update(k for _, k in cp.src)
+        self.inflight.landed(cp.tier, [k for _, k in cp.src])
         for s, k in cp.src:  # unpin the sources that still hold the same block
             src_tier.unpin_if(s, k)
 
@@ -193,6 +237,6 @@ class Completion:
             self._count(f"stored_blocks.{tier.name}", len(good))
         if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
             self._count(f"store_failed_blocks.{tier.name}", len(cp.src) - len(good))
-        self._pending[cp.tier].difference_update(k for _, k in cp.src)
+        self.inflight.landed(cp.tier, [k for _, k in cp.src])
         for s, k in cp.src:
             src_tier.unpin_if(s, k)

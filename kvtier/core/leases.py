@@ -38,6 +38,10 @@ class LeaseTable:
     leases: dict[str, Lease] = field(default_factory=dict)
     expired: int = 0
 
+    def __len__(self) -> int:
+        """Requests holding a lease."""
+        return len(self.leases)
+
     def get(self, request_id: str, start: int, keys: Sequence[bytes]) -> Lease | None:
         """The live lease for exactly this request and range, if any."""
         lease = self.leases.get(request_id)

@@ -8,6 +8,7 @@ indices into the caller's buffers offline.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass
@@ -83,20 +84,18 @@ class Report:
         """Every op of `plan` reported at once, done (`ok`: what moves nothing reports) or failed
         (what cannot run: loads are load errors, stores and copies are not committed). `ranks`:
         copies as each of that many ranks' report (0: this one's)."""
-        rep = cls()
+        rep = ReportBuilder(cls=cls)
         for op in plan.loads:
-            rep.loaded[op.req_id] = ok
+            rep.loaded(op.req_id, ok)
             if op.via:
-                rep.stored[op.op_id] = [ok] * len(op.slots)
+                rep.stored(op.op_id, [ok] * len(op.slots))
         for op in plan.stores:
-            rep.stored[op.op_id] = [ok] * len(op.slots)
+            rep.stored(op.op_id, [ok] * len(op.slots))
         tag = 0 if ok else -1
         for op in plan.copies:
-            if ranks:
-                rep.copied_ranks[op.op_id] = {r: [tag] * len(op.src_slots) for r in range(ranks)}
-            else:
-                rep.copied[op.op_id] = [tag] * len(op.src_slots)
-        return rep
+            for r in range(ranks) if ranks else [None]:
+                rep.copied(op.op_id, [tag] * len(op.src_slots), rank=r)
+        return rep.take() or cls()
 
     def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
         """Copy op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
@@ -130,6 +129,71 @@ class Report:
     def is_empty(self) -> bool:
         return not self.stored and not self.loaded and not self.copied and not self.corrupt \
             and not self.copied_ranks and not self.gone and not self.bad and not self.capacity
+
+
+class ReportBuilder:
+    """The one place a report is built: an executor and its parts (handlers, copies down,
+    deferred stores, failures) add each op's outcome here; `take` hands the report over (once
+    per step). `cls`: the report's class (a worker's carries it to vLLM)."""
+
+    def __init__(self, rank: int = 0, cls: type[Report] = Report) -> None:
+        self.rank = rank
+        self._cls = cls
+        self._rep = cls(rank=rank)
+        self.corrupt_blocks = 0   # blocks that failed verification, over every report taken
+
+    def stored(self, op_id: int, oks: Sequence[bool]) -> None:
+        """Store (or promotion) `op_id`: per block, whether its bytes are in its slot."""
+        self._rep.stored[op_id] = list(oks)
+
+    def not_stored(self, op_id: int, n: int, unless_reported: bool = False) -> int:
+        """Store `op_id`'s `n` blocks failed (`unless_reported`: only if it has no result yet);
+        returns the blocks newly reported failed."""
+        if unless_reported and op_id in self._rep.stored:
+            return 0
+        self._rep.stored[op_id] = [False] * n
+        return n
+
+    def loaded(self, req_id: str, ok: bool) -> None:
+        """A load of request `req_id` finished (`ok`) or failed; a request's loads AND."""
+        self._rep.loaded[req_id] = self._rep.loaded.get(req_id, True) and ok
+
+    def load_failed(self, req_id: str) -> bool:
+        """Whether a load of `req_id` reported since the last `take` failed."""
+        return self._rep.loaded.get(req_id) is False
+
+    def copied(self, op_id: int, tags: Sequence[int], rank: int | None = None) -> None:
+        """Copy `op_id`: per slot the block's tag (-1: failed); `rank`: as that rank's."""
+        if rank is None:
+            self._rep.copied[op_id] = list(tags)
+        else:
+            self._rep.copied_ranks.setdefault(op_id, {})[rank] = list(tags)
+
+    def corrupt(self, tier: int, slots: Sequence[int]) -> None:
+        """Slots of `tier` that failed verification on read."""
+        self._rep.corrupt.setdefault(tier, []).extend(slots)
+        self.corrupt_blocks += len(slots)
+
+    def shared_misses(self, gone: Sequence[bytes], bad: Sequence[bytes]) -> None:
+        """Shared-tier keys a read found absent or bad (`gone`), and those that failed verification."""
+        self._rep.gone.extend(gone)
+        self._rep.bad.extend(bad)
+
+    def capacity(self, slots: dict[int, int]) -> None:
+        """Tier -> slots its data plane holds (when fewer than configured)."""
+        self._rep.capacity.update(slots)
+
+    def take(self) -> Report | None:
+        """The report built since the last `take`, or None when it is empty."""
+        r = self._rep
+        if r.is_empty():
+            return None
+        self._rep = self._cls(rank=self.rank)
+        return r
+
+    def empty(self) -> Report:
+        """A report of nothing (of this builder's class and rank)."""
+        return self._cls(rank=self.rank)
 
 
 class Counting:

@@ -32,6 +32,17 @@ def write_private(path: str, obj: dict, fsync: bool) -> str:
     return path
 
 
+_DONE: set[str] = set()   # what this process did once: warned, pruned
+
+
+def _first(what: str) -> bool:
+    """True the first time this process asks for `what`."""
+    if what in _DONE:
+        return False
+    _DONE.add(what)
+    return True
+
+
 def write_stats(nvme_dir: str, totals: dict[str, float]) -> None:
     """The serving scheduler's counters since it started, for `kvtier inspect --watch` (which
     reads the directory without the writer's lock). Best effort: a failure is logged once."""
@@ -39,8 +50,7 @@ def write_stats(nvme_dir: str, totals: dict[str, float]) -> None:
         write_private(os.path.join(nvme_dir, STATS_FILE),
                       {"pid": os.getpid(), "time": time.time(), "totals": totals}, fsync=False)
     except OSError as e:
-        if not getattr(write_stats, "_warned", False):
-            write_stats._warned = True  # type: ignore[attr-defined]
+        if _first("stats_warned"):
             log.warning("kvtier: cannot write %s in %s: %s (kvtier inspect shows no hit ratios)",
                         STATS_FILE, nvme_dir, e)
 
@@ -113,14 +123,12 @@ def write_server_state(state: dict) -> str | None:
     try:
         if not _own_dir(d):
             raise OSError(f"{d}: not a directory of this user's")
-        if not getattr(write_server_state, "_pruned", False):
-            write_server_state._pruned = True  # type: ignore[attr-defined]
+        if _first("pruned"):
             _prune(d)
         return write_private(os.path.join(d, f"{STATE_PREFIX}{os.getpid()}.json"),
                              {**state, "pid": os.getpid(), "time": time.time()}, fsync=False)
     except OSError as e:
-        if not getattr(write_server_state, "_warned", False):
-            write_server_state._warned = True  # type: ignore[attr-defined]
+        if _first("server_warned"):
             log.warning("kvtier: cannot leave the server's state in %s: %s (kvtier inspect --server will not "
                         "find it; set KVTIER_RUN_DIR)", d, e)
         return None

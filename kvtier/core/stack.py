@@ -138,7 +138,7 @@ class TierStack:
         and per loaded block id whether its bytes arrived."""
         ex = self.executor
         if self.with_data:
-            ex.outside = Buffers(blocks, self.block_bytes)
+            ex.bind(Buffers(blocks, self.block_bytes))
         ex.errors.clear()
         rep = ex.run(plan)
         bad = ex.take_load_errors()
@@ -203,7 +203,7 @@ class TierStack:
     # ---- introspection ---------------------------------------------------------------------
     def stats(self) -> dict:
         return {"block_bytes": self.block_bytes, "tiers": [t.stats() for t in self.tiers],
-                "policies": self.ctrl.describe(), "leases": len(self.ctrl.leases.leases),
+                "policies": self.ctrl.describe(), "leases": len(self.ctrl.leases),
                 "metrics": self.metrics.as_dict()}
 
     def close(self) -> None:

@@ -91,6 +91,7 @@ class CopiesDown:
 
     def __init__(self, ex: Any, lag_steps: int) -> None:
         self.ex = ex
+        self.errors: list[str] = []              # the engine's words (errno, path) since last cleared
         self.writes = WriteBehind(lag_steps)   # to a file, in flight
         self.puts = WriteBehind(lag_steps)     # to the shared tier, in flight
 
@@ -120,7 +121,7 @@ class CopiesDown:
             ex.once(("copy", ops[0].tier) + cause(e), logging.WARNING, "kvtier: copy of %d ops to %s not "
                        "started: %s (dropped; the source copies stay)", len(ops), ex.name(ops[0].tier), e)
         for op in ops:
-            ex.result.copied[op.op_id] = [-1] * len(op.src_slots)
+            ex.report.copied(op.op_id, [-1] * len(op.src_slots))
 
     def reap(self, wait: bool = False) -> None:
         """Report finished copies; wait for those `write_lag_steps` old (all if `wait`)."""
@@ -129,11 +130,11 @@ class CopiesDown:
             for done, dt, errors in behind.reap(ex.steps, wait):
                 n, name = 0, None
                 for op, out in done:
-                    ex.result.copied[op.op_id] = out
+                    ex.report.copied(op.op_id, out)
                     n += sum(1 for c in out if c >= 0)
                     name = ex.name(op.tier)
                 if errors:  # the engine's words: errno and path
-                    ex.errors.extend(errors)
+                    self.errors.extend(errors)
                 if errors and behind is self.writes:
                     ex.once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
                                "source copies stay; counted in store_failed_blocks)", name, errors[0])
