@@ -45,6 +45,10 @@ class PendingStores:
             self.q.append(_Pending(*deferred))
             self.ex.deferred = None
 
+    def copying(self) -> set[int]:
+        """Op ids of the stores still copying."""
+        return {op.op_id for p in self.q for op, _ in p.planned}
+
     def hold(self, copies: list, failed: set) -> bool:
         """Copies down of this step: held behind the newest pending store (they may read its
         slots); False when nothing is pending (they may start now)."""
