@@ -119,6 +119,11 @@ def device_type(vllm_config: Any) -> str:
     return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda"))
 
 
+def stores_finish_later(vllm_config: Any) -> bool:
+    """A device's stores complete in a later step (held_requests.py); the CPU backend's in the hook."""
+    return device_type(vllm_config) != "cpu"
+
+
 def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, identity: ModelIdentity,
                    fingerprint_of: Callable[[str | None], dict]) -> tuple[Any, Any, KVTierScheduler]:
     """(the persistent tiers or None, the trace recorder or None, the scheduler)."""
@@ -143,7 +148,7 @@ def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVSh
     opts = SchedulerOptions(store=sv.store and shape.enabled, offload=cfg.policy.offload,
                             max_blocks_per_step=sv.max_blocks_per_step,
                             async_shared_loads=sv.async_shared_loads and not shape.hybrid,
-                            hold_stores=device_type(vllm_config) != "cpu")  # a device's stores finish later
+                            hold_stores=stores_finish_later(vllm_config))
     return persistent, recorder, KVTierScheduler(ctrl, rules, opts, recorder, identity.value)
 
 
