@@ -158,14 +158,16 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
 
     @hook(recover="_transfers_failed")
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # Only asynchronous loads are delayed: received once their blocks are in the KV. A hybrid
-        # model's failed load fails its request (no block-level errors with several groups).
+        # Asynchronous loads: received once their blocks are in the KV. A hybrid model's failed load
+        # fails its request (no block-level errors with several groups). Sent: finished requests
+        # held for their stores (connector/held_requests.py).
         out = KVConnectorTransferResults()
         if self.worker is not None:
             out.finished_recving = self.worker.poll_async()
             failed = self.worker.take_failed_recving()
             if self.hybrid:
                 out.failed_recving = failed & out.finished_recving
+            out.finished_sending = self.worker.finished_sending()  # last: a failure before keeps them held
         return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -295,7 +297,8 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         return self.sched.on_finished(request.request_id, block_ids)
 
     def has_pending_push_work(self) -> bool:
-        """Lazy offload's write-behind keeps vLLM stepping after its last request (bounded)."""
+        """Lazy offload's write-behind, or a finished request held for its stores, keeps vLLM
+        stepping after its last request (bounded)."""
         return self.sched is not None and self.enabled and self.sched.has_pending_push_work()
 
     # ---- introspection -----------------------------------------------------------------

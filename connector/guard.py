@@ -87,7 +87,8 @@ class SafeAnswers:
     def _transfers_failed(self, finished_req_ids: set[str]) -> "KVConnectorTransferResults":
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
         failed = self.worker.fail_async() if self.worker is not None else set()
-        return KVConnectorTransferResults(finished_recving=set(failed),
+        sent = self.worker.sending.take_all() if self.worker is not None else set()  # never held forever
+        return KVConnectorTransferResults(finished_recving=set(failed), finished_sending=sent,
                                           failed_recving=set(failed) if self.hybrid else set())
 
     def _load_errors_failed(self) -> set[int]:

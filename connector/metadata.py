@@ -47,6 +47,7 @@ class KVTierMetadata(KVConnectorMetadata):
     tier_names: list[str] | None = None
     model_identity: str | None = None    # the model's identity once known (the worker opens the shared tier)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)  # accepted, not planned: load errors
+    sending: dict[str, list[int]] = field(default_factory=dict)  # finished, held for these stores (held_requests.py)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.copies and not self.failed_loads

@@ -44,6 +44,10 @@ class PendingStores:
         if deferred is not None:
             self.q.append(_Pending(*deferred))
 
+    def copying(self) -> set[int]:
+        """Op ids of the stores still copying."""
+        return {op.op_id for p in self.q for op, _ in p.planned}
+
     def hold(self, copies: list, failed: set) -> bool:
         """Copies down of this step: held behind the newest pending store (they may read its
         slots); False when nothing is pending (they may start now)."""

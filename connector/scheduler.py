@@ -23,6 +23,7 @@ from kvtier.tiers.contract import Medium
 from kvtier.policies.base import RequestInfo
 from kvtier.tiers.base import SlotTier
 
+from .held_requests import StoreHolds
 from .hybrid import GroupRules
 from .lazy_offload import LazyOffload
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
@@ -38,11 +39,13 @@ class SchedulerOptions:
     that computes it; "lazy" walks the GPU free queue (`bind_gpu`) from its LRU head, at most
     `max_blocks_per_step` blocks a step, and stores the blocks kvtier lacks before vLLM reuses
     them (one-group models with prefix caching; else eager). async_shared_loads: a hit that
-    reaches the shared tier loads asynchronously."""
+    reaches the shared tier loads asynchronously. hold_stores: stores complete in a later step
+    (a GPU): a finished request is held while its stores are unreported (held_requests.py)."""
     store: bool = True
     offload: str = "eager"
     max_blocks_per_step: int | None = 64
     async_shared_loads: bool = True
+    hold_stores: bool = False
 
     def __post_init__(self) -> None:
         if self.offload not in ("eager", "lazy"):
@@ -94,6 +97,7 @@ class KVTierScheduler:
         self._once = Once(log)
         self._async_inflight: set[str] = set()  # ... until the workers report it done
         self.model_identity = model_identity
+        self.holds = StoreHolds(options.hold_stores)  # finished requests vLLM keeps for their stores
 
     @property
     def leases(self):
@@ -290,6 +294,7 @@ class KVTierScheduler:
         self._async_step = []
         self._failed_loads = {}
         self._name_nvme(meta)
+        meta.sending = self.holds.take_announce()
         return meta
 
     def _name_nvme(self, meta: KVTierMetadata) -> None:
@@ -328,6 +333,7 @@ class KVTierScheduler:
         meta = KVTierMetadata(failed_loads=failed, async_loads=waiting, remote_tier=self.ctrl.remote,
                               tier_names=self.ctrl.names)
         self._name_nvme(meta)
+        meta.sending = self.holds.take_announce()
         return meta
 
     def update_block_ids(self, req_id: str, tables: Tables, replace: bool) -> None:
@@ -354,11 +360,13 @@ class KVTierScheduler:
             pairs, first = self.rules.stores(r.request.block_hashes, computed_after, r.tables, r.done,
                                              self._boundaries.get(rid, ()))
             if pairs:
-                self.ctrl.store([k for k, _ in pairs], [b for _, b in pairs], self._info(r, first))
+                _, op_id, _ = self.ctrl.store([k for k, _ in pairs], [b for _, b in pairs], self._info(r, first))
+                self.holds.planned(rid, op_id)
 
     def has_pending_push_work(self) -> bool:
-        """Lazy offload still has finished requests' blocks to write behind (connector/lazy_offload.py)."""
-        return self.lazy is not None and self.lazy.pending()
+        """Lazy offload still has finished requests' blocks to write behind (connector/lazy_offload.py),
+        or a finished request is held for its stores (held_requests.py)."""
+        return self.lazy is not None and self.lazy.pending() or self.holds.pending()
 
     # ---- worker results ----------------------------------------------------------------
     def on_output(self, connector_output: Any) -> None:
@@ -368,6 +376,7 @@ class KVTierScheduler:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(wm, KVTierWorkerMeta):
             self.on_worker_meta(wm)
+        self.holds.released(getattr(connector_output, "finished_sending", None) or ())
 
     def on_worker_meta(self, wm: KVTierWorkerMeta | None) -> None:
         if wm is None:
@@ -376,6 +385,7 @@ class KVTierScheduler:
             for op_id, oks in wm.stored.items():
                 self.lazy.on_stored(op_id, oks)
         self._async_inflight.difference_update(wm.loaded)
+        self.holds.reported(wm.stored)
         for rid, ok in wm.loaded.items():  # a failed load: vLLM recomputes those blocks; offer them again
             r = self._reqs.get(rid)
             if not ok and r is not None:
@@ -385,7 +395,8 @@ class KVTierScheduler:
     # ---- end of a request --------------------------------------------------------------
     def on_finished(self, req_id: str, tables: Tables | None = None) -> tuple[bool, dict | None]:
         """(delay freeing its GPU blocks, params): delayed while an asynchronous load still writes
-        them (vLLM frees them when the workers report the load received). Lazy offload queues its
+        them (vLLM frees them when the workers report the load received), or while its stores are
+        unreported (`hold_stores`: freed when the workers report it sent). Lazy offload queues its
         full blocks (`tables`, each group's block ids) to be written behind."""
         r = self._reqs.pop(req_id, None)
         if r is not None and tables and tables[0] and self.store_enabled and self.lazy is not None:
@@ -401,7 +412,7 @@ class KVTierScheduler:
         if req_id in self._async_inflight:  # its lease pins what the load still reads; the report releases it
             return True, None
         self.ctrl.release(req_id)
-        return False, None
+        return self.holds.finish(req_id), None   # held while its stores still copy: finished_sending frees it
 
     def release(self, req_id: str) -> None:
         """The request's lease goes (a failed hook's safe answer)."""

@@ -103,7 +103,7 @@ def fingerprint(cfg: Any, vllm_config: Any, shape: KVShape, model: str | None) -
     (the blocks' byte format, `kv_layout.layout_name`, plus a digest of the groups when several),
     parallelism."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    layout = layout_name(str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")))
+    layout = layout_name(device_type(vllm_config))
     if shape.hybrid:
         layout += ":groups-" + xxhash.xxh3_64_hexdigest(repr(shape.groups).encode())
     return cfg.fingerprint(
@@ -112,6 +112,16 @@ def fingerprint(cfg: Any, vllm_config: Any, shape: KVShape, model: str | None) -
         kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
         layout=layout, tp=int(getattr(pc, "tensor_parallel_size", 1)),
         pp=int(getattr(pc, "pipeline_parallel_size", 1)))
+
+
+def device_type(vllm_config: Any) -> str:
+    """vLLM's device type ("cpu" for the CPU backend)."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda"))
+
+
+def stores_finish_later(vllm_config: Any) -> bool:
+    """A device's stores complete in a later step (held_requests.py); the CPU backend's in the hook."""
+    return device_type(vllm_config) != "cpu"
 
 
 def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, identity: ModelIdentity,
@@ -137,7 +147,8 @@ def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVSh
                                  geometry=served_geometry(fingerprint_of(identity.value), shape.block_bytes))
     opts = SchedulerOptions(store=sv.store and shape.enabled, offload=cfg.policy.offload,
                             max_blocks_per_step=sv.max_blocks_per_step,
-                            async_shared_loads=sv.async_shared_loads and not shape.hybrid)
+                            async_shared_loads=sv.async_shared_loads and not shape.hybrid,
+                            hold_stores=stores_finish_later(vllm_config))
     return persistent, recorder, KVTierScheduler(ctrl, rules, opts, recorder, identity.value)
 
 

@@ -27,6 +27,7 @@ from kvtier.tiers.io_hooks import fault_point
 from .config import tier_of
 from .kv_layout import KVCopier, KVLayout
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
+from .held_requests import SendingRequests
 from .pending_stores import PendingStores
 from .startup import fit_pool_slots
 
@@ -84,6 +85,7 @@ class KVTierWorker(Counting):
         self.disabled = False                 # register_kv_caches failed: every load fails, nothing stored
         self._lost: set[str] = set()          # waiting requests failed without an executor: reported done
         self._capacity: dict[int, int] = {}   # reported once: the pool's size
+        self.sending = SendingRequests(self._count, self._once)  # finished requests vLLM holds for stores
 
     # ---- setup -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -137,6 +139,9 @@ class KVTierWorker(Counting):
     # ---- per step ----------------------------------------------------------------------
     def bind(self, meta: Any) -> None:
         self._meta = meta = meta if isinstance(meta, KVTierMetadata) else None
+        if meta is not None and meta.sending:   # consumed: a second bind of the metadata holds nothing twice
+            sending, meta.sending = meta.sending, {}
+            self.sending.add(sending)
         if meta is None or self.ex is None:
             return
         ex = self.ex
@@ -225,6 +230,14 @@ class KVTierWorker(Counting):
             return set(self._lost)
         idle = self._meta is not None and self._meta.idle
         return self.ex.poll_async(self.IDLE_WAIT_S if idle else 0.0) | self._lost
+
+    def finished_sending(self) -> set[str]:
+        """Held finished requests (`bind`) none of whose stores is still copying on this worker:
+        each reported once (`held_requests.py`)."""
+        if self.ex is None:
+            return self.sending.take(set())
+        self.pending.poll()
+        return self.sending.take(self.pending.copying())
 
     def take_failed_recving(self) -> set[str]:
         """Requests `poll_async` / `fail_async` reported whose load failed, since the last call."""
