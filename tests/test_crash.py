@@ -179,7 +179,10 @@ def test_sigkill_fresh_subprocess(tmp_path):
         lines = []
         while not (ln := rd.next(120)).startswith("R "):
             lines.append(ln)
-        time.sleep(rng.uniform(0.1, 0.5))
+        while not (ln := rd.next(120)).startswith("C "):   # the kill lands after a commit, whatever the load
+            lines.append(ln)
+        lines.append(ln)
+        time.sleep(rng.uniform(0.0, 0.4))
         p.send_signal(signal.SIGKILL)
         p.wait(30)
         lines += rd.drain()
