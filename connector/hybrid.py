@@ -27,6 +27,10 @@ class GroupRules:
         # one full-attention group and no draft's block to drop: a hit is a prefix of one chain
         self.chain = len(self.groups) == 1 and g0.kind is GroupKind.FULL and not g0.eagle
 
+    def hash_every(self, tokens: int) -> None:
+        """vLLM's block hashes cover `tokens` tokens each (its pool's `hash_block_size`)."""
+        self.hash_tokens = int(tokens)
+
     @classmethod
     def one_group(cls, block_tokens: int) -> "GroupRules":
         """A model with one full-attention group of `block_tokens`-token blocks."""

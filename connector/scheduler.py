@@ -446,7 +446,7 @@ class KVTierScheduler:
         lazy offload walks its free queue for hashed blocks (it needs vLLM's prefix caching)."""
         hash_tokens = getattr(getattr(ctx, "pool", None), "hash_block_size", None)
         if hash_tokens:
-            self.rules.hash_tokens = int(hash_tokens)
+            self.rules.hash_every(hash_tokens)
         if self.options.offload != "lazy":
             return
         if not self.rules.chain:
