@@ -22,7 +22,6 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from kvtier.core.deferred import Deferred
 from kvtier.core.failures import Failures
 from kvtier.core.handlers import HANDLERS, LoadRun, handler
 from kvtier.tiers.once import Once, cause
@@ -36,7 +35,7 @@ from kvtier.tiers.io_hooks import fault_point
 log = logging.getLogger("kvtier.executor")
 
 
-class Executor(Failures, Deferred, Counting):
+class Executor(Failures, Counting):
     """Runs plans over the tiers' data planes (`planes[i]`: tier i's CpuPool, NvmeData or
     RedisData, or None where this process has none) and an outside.
 
@@ -298,7 +297,7 @@ class Executor(Failures, Deferred, Counting):
         """outside -> DRAM slots, all in one batch (after the step's compute; a device: one sync).
         `tainted`: this step's loads failed, so what it computed is not stored. Returns the
         (tier, slot) pairs whose store failed (a copy down from them must not run). `defer`: a
-        device's copies are left running, in `deferred` (`kvtier.core.deferred`)."""
+        device's copies are left running, in `deferred` (`take_deferred`, `store_done`, `store_lost`)."""
         failed: set[tuple[int, int]] = set()
         t0 = time.perf_counter()
         by: dict[Any, list[StoreOp]] = {}
@@ -331,6 +330,51 @@ class Executor(Failures, Deferred, Counting):
     def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
         """DRAM -> another tier, written behind (`CopiesDown`)."""
         self.down.copy(ops, failed)
+
+    # ---- copies left running on a device: reported once their event completed -----------------
+    def take_deferred(self) -> tuple | None:
+        """The last `store(defer=True)` left running, (planned, event, t0), once; or None."""
+        d, self.deferred = self.deferred, None
+        return d
+
+    def store_done(self, planned: list, dt: float) -> None:
+        """These stores' copies completed: reported stored, counted."""
+        by_tier: dict[str, int] = {}
+        for op, _ in planned:
+            self.report.stored(op.op_id, [True] * len(op.slots))
+            by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
+        for name, n in by_tier.items():
+            self._count(f"bytes_stored.{name}", n * self.block_bytes)
+            self._count(f"seconds_stored.{name}", dt)
+            self._count(f"blocks_stored.{name}", n)
+
+    def store_lost(self, planned: list, e: BaseException) -> set[tuple[int, int]]:
+        """These stores' copies failed or were given up: not stored; returns their (tier, slot)s."""
+        failed: set[tuple[int, int]] = set()
+        for op, _ in planned:
+            self.store_failed(op, e, False, failed)
+        return failed
+
+    def settle_rows(self, ops: Sequence | None = None) -> None:
+        """Before host rows are handed out again: the copies that read them last completed (a
+        query; the host waits only for copies still running). With `ops` (loads), only when one
+        of them writes host rows (a lower tier's read into staging or promotion slots): a copy
+        from DRAM slots writes none."""
+        if ops is not None and not any(op.via or self._needs_staging(op) for op in ops):
+            return
+        ev, self._rows_event = self._rows_event, None
+        if ev is None or self.outside.done(ev):
+            return
+        try:
+            self.outside.sync(ev)
+        except Exception as e:  # noqa: BLE001 - a device error: the next copies report it
+            self.once(("rows_wait",) + cause(e), logging.ERROR, "kvtier: waiting for the last load's copies "
+                      "failed: %s", e)
+
+    def pinned_rows(self) -> bool:
+        """Rows of their own are pinned (torch's pinned host allocator) when the outside is a
+        device's: the staging rows' pinning says so."""
+        return bool(self.staging is not None and self.staging.pinned and self.outside.layered)
 
     def reap(self, wait: bool = False) -> None:
         """Report the copies done; wait for those `write_lag_steps` old (all if `wait`)."""
