@@ -97,6 +97,7 @@ class PosixEngine(IOEngine):
         self._lock = threading.Lock()
         self.syscalls = 0
         self.bounced_blocks = 0
+        self.buffers_made = 0  # bounce buffers made (at `reserve`, or in a transfer that found none free)
         self.io_errors = 0  # failed batches (counted always, each cause logged once by _failed)
         self._once = Once(log)
         self._live: set[cf.Future] = set()  # submitted, not finished: `drain` waits for them
@@ -181,6 +182,8 @@ class PosixEngine(IOEngine):
                 return b
         except queue.Empty:
             pass
+        with self._lock:
+            self.buffers_made += 1
         return _Bounce(max(need, self._bounce_size))
 
     def reserve(self, stride: int, blocks: int) -> None:
@@ -189,6 +192,7 @@ class PosixEngine(IOEngine):
         n = max(1, min(self.max_io_bytes // stride, _IOV_MAX // 3, blocks)) * stride
         for _ in range(self.threads):
             self._bounces.put(_Bounce(n))
+        self.buffers_made += self.threads
 
     def _get_headers(self, need: int) -> _Bounce:
         try:
@@ -407,8 +411,8 @@ class PosixEngine(IOEngine):
 
     def stats(self) -> dict:
         return {"engine": self.description, "io_mode": self.mode, "io_threads": self.threads,
-                "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "io_errors": self.io_errors,
-                "fallback": self.fallback}
+                "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "buffers_made": self.buffers_made,
+                "io_errors": self.io_errors, "fallback": self.fallback}
 
 
 def _all(syscall, fd: int, iov: list, off: int, short: str) -> None:
