@@ -104,6 +104,10 @@ class IOEngine:
     def drain(self) -> None:
         """Wait for every transfer in flight (engines that track them)."""
 
+    def reserve(self, stride: int, blocks: int) -> None:
+        """Make now (at open) the host buffers that an encrypted tier's transfers of up to `blocks`
+        slots of `stride` bytes go through, rather than in its first transfer (engines that bounce)."""
+
     def stats(self) -> dict:
         return {"engine": self.description}
 

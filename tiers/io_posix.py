@@ -31,6 +31,7 @@ log = logging.getLogger("kvtier.nvme")
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 _xxh3 = xxhash.xxh3_64_intdigest
 _ZEROS = memoryview(bytes(ALIGN))
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class _Gate:
@@ -55,14 +56,16 @@ class _Gate:
 
 
 class _Bounce:
-    """Page-aligned anonymous memory (mmap) as a uint8 tensor and a memoryview."""
+    """Page-aligned anonymous memory (mmap) as a uint8 tensor and a memoryview, its pages made
+    at once (MAP_POPULATE: one call, not a fault per page; anonymous pages are zeros)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
-        self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
         self.mv = memoryview(self.mm)
         self.t = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes)
-        self.t.zero_()  # pre-touch
+        if not _POPULATE:
+            self.t.zero_()  # pre-touch
 
 
 class PosixEngine(IOEngine):
@@ -94,6 +97,7 @@ class PosixEngine(IOEngine):
         self._lock = threading.Lock()
         self.syscalls = 0
         self.bounced_blocks = 0
+        self.buffers_made = 0  # bounce buffers made (at `reserve`, or in a transfer that found none free)
         self.io_errors = 0  # failed batches (counted always, each cause logged once by _failed)
         self._once = Once(log)
         self._live: set[cf.Future] = set()  # submitted, not finished: `drain` waits for them
@@ -178,7 +182,17 @@ class PosixEngine(IOEngine):
                 return b
         except queue.Empty:
             pass
+        with self._lock:
+            self.buffers_made += 1
         return _Bounce(max(need, self._bounce_size))
+
+    def reserve(self, stride: int, blocks: int) -> None:
+        """One bounce per thread, each as large as a run of `blocks` slots needs (an encrypted
+        run's ciphertext and tag scratch: `stride` bytes a block), made now."""
+        n = max(1, min(self.max_io_bytes // stride, _IOV_MAX // 3, blocks)) * stride
+        for _ in range(self.threads):
+            self._bounces.put(_Bounce(n))
+        self.buffers_made += self.threads
 
     def _get_headers(self, need: int) -> _Bounce:
         try:
@@ -253,7 +267,8 @@ class PosixEngine(IOEngine):
                             bounce.t[lo:lo + length].copy_(t[:length])
                             src = out[:length]  # encrypted in place
                         c = codec.seal(hdrs.mv[k * hdr_n:(k + 1) * hdr_n], keys[i], src, out)
-                        bounce.t[lo + length:lo + padded].zero_()
+                        if padded != length:  # the tag scratch and the bounce's old bytes: not stored
+                            bounce.t[lo + length:lo + padded].zero_()
                         iov.append(bounce.mv[lo:lo + padded])
                         if checksums is not None:
                             checksums[i] = c
@@ -396,8 +411,8 @@ class PosixEngine(IOEngine):
 
     def stats(self) -> dict:
         return {"engine": self.description, "io_mode": self.mode, "io_threads": self.threads,
-                "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "io_errors": self.io_errors,
-                "fallback": self.fallback}
+                "syscalls": self.syscalls, "bounced_blocks": self.bounced_blocks, "buffers_made": self.buffers_made,
+                "io_errors": self.io_errors, "fallback": self.fallback}
 
 
 def _all(syscall, fd: int, iov: list, off: int, short: str) -> None:

@@ -83,6 +83,8 @@ class NvmeData:
             if sealer is not None and not self.engine.can_encrypt:
                 raise OSError(_errno.EINVAL, f"nvme tier {name!r}: encryption needs io: posix "
                               f"({self.engine.description} moves blocks without a host copy)", directory)
+            if sealer is not None:  # its blocks always go through the engine's buffers: made now
+                self.engine.reserve(self.stride, capacity_blocks)
             try:
                 self.file = self.engine.open(self.path, dir_fd=self.dir_fd, read_only=read_only)
             except OSError as e:

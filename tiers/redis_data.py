@@ -384,28 +384,44 @@ class RedisData:
         hdr, payload = self.seal_parts(key, src)
         return bytearray(hdr) + payload
 
-    def seal_parts(self, key: bytes, src: torch.Tensor) -> Parts:
+    def seal_parts(self, key: bytes, src: torch.Tensor, out: memoryview | None = None) -> Parts:
         """The value stored for `key` as (header, payload view): no copy of the payload. The
-        tensor must stay unchanged until the write is done (as for every tier's `write`)."""
+        tensor must stay unchanged until the write is done (as for every tier's `write`).
+        Encrypted: the ciphertext goes to `out` (block_bytes + TAG_BYTES; default a new buffer),
+        which must stay unchanged until the write is done."""
         payload = _bytes_of(src)
         if len(payload) != self.block_bytes:
             raise ValueError(f"shared tier: block of {len(payload)} bytes, block_bytes is {self.block_bytes}")
         codec = self.ns.codec
         hdr = bytearray(codec.header_size(key))
-        if codec.sealer is not None:  # the ciphertext is what is sent (one new buffer per value)
-            out = memoryview(bytearray(len(payload) + TAG_BYTES))
+        if codec.sealer is not None:  # the ciphertext is what is sent
+            if out is None:
+                out = memoryview(bytearray(len(payload) + TAG_BYTES))
             codec.seal(memoryview(hdr), key, payload, out)
             payload = out[:len(payload)]
         else:
             codec.seal(memoryview(hdr), key, payload)
         return Parts((bytes(hdr), payload))
 
+    def _sealed_out(self, n: int) -> memoryview:
+        """This pool thread's buffer for `n` values' ciphertexts (each block_bytes + TAG_BYTES),
+        made once and reused by its next batches: no new, zeroed memory per value."""
+        need = n * (self.block_bytes + TAG_BYTES)
+        buf = getattr(self._scratch, "put", None)
+        if buf is None or buf.numel() < need:
+            buf = self._scratch.put = torch.empty(need, dtype=torch.uint8)
+        return _bytes_of(buf)
+
     def _put(self, keys: list[bytes], srcs: list[torch.Tensor]) -> IOResult:
-        seal = self.seal_parts if getattr(self.client, "kvtier_zero_copy", False) else self.seal
+        zero_copy = getattr(self.client, "kvtier_zero_copy", False)
+        # encrypted and sent zero-copy: the ciphertexts in this thread's buffer, held until execute returns
+        out = self._sealed_out(len(keys)) if zero_copy and self.ns.codec.sealer is not None else None
+        per = self.block_bytes + TAG_BYTES
         try:
             pipe = self.client.pipeline(transaction=False)
-            for k, src in zip(keys, srcs):
-                pipe.set(self.ns.name(k), seal(k, src))
+            for i, (k, src) in enumerate(zip(keys, srcs)):
+                pipe.set(self.ns.name(k), self.seal(k, src) if not zero_copy else
+                         self.seal_parts(k, src, None if out is None else out[i * per:(i + 1) * per]))
             res = pipe.execute(raise_on_error=False)
         except Exception as e:
             self.breaker.fail(e)
