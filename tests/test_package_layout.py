@@ -154,7 +154,7 @@ WRITES_THROUGH_OWN = {"kvtier.connector.device_copy": {"self.index.trace"},
                                                 "self.shared_curve.adjust", "self.curve.refs",
                                                 "self.shared_curve.refs"},
                       "kvtier.tiers.cpu_pool": {"self._release.atexit"},
-                      "kvtier.tiers.redis_data": {"self._scratch.t", "self._scratch.p"}}
+                      "kvtier.tiers.redis_data": {"self._scratch.t", "self._scratch.p", "self._scratch.put"}}
 
 
 def test_no_object_writes_the_state_of_an_object_it_holds():
