@@ -74,7 +74,7 @@ def load_settings(extra: dict[str, Any] | None) -> StackConfig:
         source += " + kv_connector_extra_config"
     cfg = parse_config(data, source, check_env=False)
     kinds = [t.kind for t in cfg.storage_tiers()]
-    if kinds[:1] != ["cpu"] or kinds.count("cpu") > 1 or kinds.count("nvme") > 1:
+    if kinds[:1] != ["cpu"] or any(kinds.count(k) > 1 for k in ("cpu", "nvme")):
         raise ConfigError(f"{source}: tiers: the vLLM connector runs one cpu tier, optionally one nvme "
                           f"tier and one redis tier below it (its workers copy GPU blocks through the cpu "
                           f"tier); got "

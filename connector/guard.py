@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.tiers.once import cause
+from kvtier.tiers.counters import Metric
 
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of
 
@@ -60,7 +61,7 @@ class SafeAnswers:
     def _hook_failed(self, name: str, e: BaseException) -> None:
         part = self.sched if self.sched is not None else self.worker
         if part is not None:
-            part.count(f"hook_errors.{name}")
+            part.count(Metric.HOOK_ERRORS.at(name))
         self._once(("hook", name) + cause(e), logging.ERROR,
                    "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
                    "(counted in hook_errors; later failures of this kind are logged at DEBUG)",

@@ -12,6 +12,7 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 from kvtier.core.controller import TierController
+from kvtier.tiers.counters import Metric
 
 from .drain import DrainBudget
 
@@ -80,14 +81,14 @@ class LazyOffload:
                 keys.append(k)
                 gpu.append(b.block_id)
             self._slack = unhashed
-            self._count("n_lazy_scanned", seen)
+            self._count(Metric.N_LAZY_SCANNED.key, seen)
         taken = set(gpu)
         while self.behind and len(keys) < budget:
             k, bid = self.behind.popleft()
             if bid in taken or self.ctrl.holds(k, 0) or self.was_copied(k):
                 continue
             if self.gpu.get_block(bid).block_hash != k:   # vLLM evicted it before we got to it
-                self._count("lazy_lost_blocks")
+                self._count(Metric.LAZY_LOST_BLOCKS.key)
                 continue
             keys.append(k)
             gpu.append(bid)
@@ -102,7 +103,7 @@ class LazyOffload:
             self.ops[op_id] = [(keys[i], gpu[i]) for i in planned]
             for i in planned:
                 self._copied_from(keys[i], gpu[i])
-            self._count("lazy_offload_blocks", len(ids))
+            self._count(Metric.LAZY_OFFLOAD_BLOCKS.key, len(ids))
 
     def was_copied(self, key: bytes) -> bool:
         """Copied down from a GPU block that still holds it (this GPU residency)."""
@@ -125,7 +126,7 @@ class LazyOffload:
         if over > 0:
             for _ in range(over):
                 self.behind.popleft()
-            self._count("lazy_lost_blocks", over)
+            self._count(Metric.LAZY_LOST_BLOCKS.key, over)
 
     def work(self) -> int:
         """Blocks still to write behind, GPU blocks being copied and copy ops in flight."""
@@ -151,7 +152,7 @@ class LazyOffload:
                else "before vLLM shut down")
         log.warning("kvtier: shutdown: write-behind: %d finished requests' blocks not written %s "
                     "(misses after a restart)", left, why)
-        self._count("lazy_unwritten_blocks", left)
+        self._count(Metric.LAZY_UNWRITTEN_BLOCKS.key, left)
         return left
 
     def on_stored(self, op_id: int, oks: Sequence[bool]) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier.core import plan
 from kvtier.core.plan import LoadOp, CopyOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
+from kvtier.tiers.counters import GAUGE_PREFIX, OBS_PREFIX, Metric
 
 try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
@@ -75,7 +76,7 @@ class KVTierStats(KVConnectorStats):
 
     def aggregate(self, other: "KVConnectorStats") -> "KVTierStats":
         for k, v in (other.data or {}).items():
-            if k.startswith("gauge_"):
+            if k.startswith(GAUGE_PREFIX):
                 self.data[k] = v
             elif isinstance(v, (list, tuple)):
                 self.data[k] = list(self.data.get(k, [])) + list(v)
@@ -90,15 +91,16 @@ class KVTierStats(KVConnectorStats):
         for k, v in sorted(self.data.items()):
             if isinstance(v, (list, tuple)):
                 if v:
-                    out[f"{k[len('obs:'):] if k.startswith('obs:') else k}_ms_mean"] = round(
+                    out[f"{k.removeprefix(OBS_PREFIX)}_ms_mean"] = round(
                         1e3 * sum(v) / len(v), 3)
                 continue
             out[k] = round(v, 6) if isinstance(v, float) else v
-        for d in ("loaded", "stored"):
+        for d, nbytes, took in (("loaded", Metric.BYTES_LOADED, Metric.SECONDS_LOADED),
+                                ("stored", Metric.BYTES_STORED, Metric.SECONDS_STORED)):
             for k in list(self.data):
-                if k.startswith(f"bytes_{d}."):
+                if k.startswith(nbytes.at("")):
                     tier = k.split(".", 1)[1]
-                    secs = self.data.get(f"seconds_{d}.{tier}", 0.0)
+                    secs = self.data.get(took.at(tier), 0.0)
                     if secs > 0:
                         out[f"gbps_{d}.{tier}"] = round(self.data[k] / secs / 1e9, 3)
         return out

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.tiers.once import cause
+from kvtier.tiers.counters import Metric
 
 log = logging.getLogger("kvtier.connector")
 
@@ -67,7 +68,7 @@ class PendingStores:
                     break
             except Exception as e:  # noqa: BLE001 - the copies failed: nothing of them is committed
                 self.q.pop(0)
-                ex.count("store_copy_failed", len(p.planned))
+                ex.count(Metric.STORE_COPY_FAILED.key, len(p.planned))
                 ex.once(("store_event",) + cause(e), logging.ERROR, "kvtier: a store's device copies failed (%s): "
                         "not stored, its copies down dropped", e)
                 ex.copy(p.copies, p.failed | ex.store_lost(p.planned, e))
@@ -87,7 +88,7 @@ class PendingStores:
             return 0
         ex, late, self.q = self.ex, self.q, []
         n = sum(len(op.slots) for p in late for op, _ in p.planned)
-        ex.count("stores_dropped", n)
+        ex.count(Metric.STORES_DROPPED.key, n)
         log.error("kvtier: %d stores (%d blocks) still copying after %.1f s (closing): dropped, not stored",
                   len(late), n, timeout_s)
         for p in late:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from kvtier.core.builder import build_tier, build_tiers
 
 from kvtier.core.identity import ModelIdentity
+from kvtier.tiers.counters import Metric
 
 log = logging.getLogger("kvtier.connector")
 
@@ -65,7 +66,7 @@ class PersistentTiers:
                 opened.append(tier.summary())
         except Exception as e:  # noqa: BLE001 - a directory in use, another fingerprint, ...
             self.failed = True
-            sched.count("persistent_open_failed")
+            sched.count(Metric.PERSISTENT_OPEN_FAILED.key)
             log.error("kvtier: persistent tiers stay closed: opening them failed (%s: %s)", type(e).__name__, e)
             return False
         self.closed = []

@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import xxhash
 
 from kvtier.tiers.nvme_block import make_private_dirs
+from kvtier.tiers.counters import Metric
 
 log = logging.getLogger("kvtier.connector")
 
@@ -197,7 +198,7 @@ class TraceRecorder:
         if self._closed:
             return
         if len(self._q) >= QUEUE_MAX:
-            self._count("record_dropped_requests")
+            self._count(Metric.RECORD_DROPPED_REQUESTS.key)
             return
         # vLLM's arrival is wall-clock time: only its age is taken, onto the monotonic clock
         at = time.monotonic() - (time.time() - arrival_s)
@@ -244,17 +245,17 @@ class TraceRecorder:
                     log.warning("kvtier: record_trace: %s was renamed or removed; recording anew at that path",
                                 self.path)
                 self._fd = self._open()
-                self._count("record_reopens")
+                self._count(Metric.RECORD_REOPENS.key)
             if os.fstat(self._fd).st_size + len(line) > self.max_bytes:
                 os.close(self._fd)
                 self._fd = -1
                 os.replace(self.path, self.path + ".1")
                 self._fd = self._open()
-                self._count("record_rotations")
+                self._count(Metric.RECORD_ROTATIONS.key)
             self._append(self._fd, line)
-            self._count("recorded_requests")
+            self._count(Metric.RECORDED_REQUESTS.key)
         except OSError as e:  # a full disk: the record is lost (no partial line), counted, never raised into vLLM
-            self._count("record_errors")
+            self._count(Metric.RECORD_ERRORS.key)
             if not self._warned:
                 self._warned = True
                 log.warning("kvtier: record_trace: %s: %s; requests not recorded are counted (record_errors)",
@@ -270,7 +271,7 @@ class TraceRecorder:
         if self._thread.is_alive():   # still writing: what is left is lost, the file ends on a whole line
             log.warning("kvtier: record_trace: %d requests not written within %.0f s of shutdown",
                         len(self._q), timeout_s)
-            self._count("record_dropped_requests", len(self._q))
+            self._count(Metric.RECORD_DROPPED_REQUESTS.key, len(self._q))
             return
         try:
             if self._fd >= 0:

@@ -22,6 +22,7 @@ from kvtier.tiers.once import Once, cause
 from kvtier.tiers.contract import Medium
 from kvtier.policies.base import RequestInfo
 from kvtier.tiers.base import SlotTier
+from kvtier.tiers.counters import Metric
 
 from .held_requests import StoreHolds
 from .hybrid import GroupRules
@@ -148,7 +149,7 @@ class KVTierScheduler:
         end = min(len(request.block_hashes) * self.rules.hash_tokens, request.num_tokens - 1) // bt
         r.asked = max(0, end - start) if not num_computed_tokens % bt else 0
         if not r.asked:
-            self.ctrl.count("n_lookups")
+            self.ctrl.count(Metric.N_LOOKUPS.key)
             self.ctrl.release(r.req_id)
             return 0
         hit = self._lease(r, num_computed_tokens, end)
@@ -176,7 +177,7 @@ class KVTierScheduler:
         q = r.request
         n, plan, keys = self.rules.lookup(q.block_hashes, local, q.num_tokens, lambda k: self.ctrl.find(k) is not None)
         if not n:
-            self.ctrl.count("n_lookups")
+            self.ctrl.count(Metric.N_LOOKUPS.key)
             self.ctrl.release(r.req_id)
             return 0, [], False
         if self.ctrl.acquire_keys(r.req_id, keys) is None:
@@ -198,14 +199,14 @@ class KVTierScheduler:
             r.tables = [list(t) for t in tables]
         if num_external_tokens <= 0:
             if self.ctrl.release(r.req_id):   # not chosen (MultiConnector) or nothing to load
-                self.count("n_leases_not_chosen")
+                self.count(Metric.N_LEASES_NOT_CHOSEN.key)
             self.ctrl.count_request(r.asked, 0)
             r.asked = 0  # counted once: vLLM calls again (0 tokens) when it schedules a loaded request
             return
         plan = self.rules.accepted(r.plan, r.load_start, num_external_tokens)
         dsts = self.rules.destinations(plan, r.tables)
         if not dsts or self.ctrl.leased(r.req_id) < len(dsts):
-            self.count("alloc_mismatch")
+            self.count(Metric.ALLOC_MISMATCH.key)
             self._once(("alloc_mismatch",), logging.WARNING, "kvtier: request %s: vLLM's blocks differ from "
                        "the planned hit (%d blocks planned, %d tokens accepted): recomputed", r.req_id,
                        len(r.plan), num_external_tokens)
@@ -281,7 +282,7 @@ class KVTierScheduler:
                 else:
                     self._plan_stores(scheduled)
         except Exception as e:  # noqa: BLE001
-            self.count("store_plan_failed")
+            self.count(Metric.STORE_PLAN_FAILED.key)
             self._once(("store_plan",) + cause(e), logging.ERROR,
                        "kvtier: planning this step's stores failed (%s: %s); they are skipped (future misses)",
                        type(e).__name__, e, exc_info=e)

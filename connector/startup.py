@@ -13,6 +13,8 @@ import logging
 import os
 from typing import Any
 
+from kvtier.tiers.counters import Metric
+
 from .config import tier_of
 
 log = logging.getLogger("kvtier.connector")
@@ -181,7 +183,8 @@ def flush_budget_s(limit_s: float) -> float:
 
 
 def short_totals(totals: dict) -> str:
-    keys = ("n_lookups", "hit_tokens", "stored_blocks.cpu", "stored_blocks.nvme", "corrupt_blocks.nvme")
+    keys = (Metric.N_LOOKUPS.key, Metric.HIT_TOKENS.key, Metric.STORED_BLOCKS.at("cpu"), Metric.STORED_BLOCKS.at("nvme"),
+            Metric.CORRUPT_BLOCKS.at("nvme"))
     return ", ".join(f"{k}={int(totals[k])}" for k in keys if totals.get(k))
 
 

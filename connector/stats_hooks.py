@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.tiers.once import cause
 from kvtier.core.serving_stats import HEARTBEAT_S, write_server_state, write_stats
 from kvtier.tiers.contract import Medium
+from kvtier.tiers.counters import HISTOGRAM, OBS_PREFIX, Metric, declared
 
 from .config import load_settings
 from .guard import hook
@@ -42,9 +43,10 @@ class StatsHooks:
             if s is None:
                 return None
             for k, v in list(s.data.items()):
-                if k.startswith(("seconds_loaded.", "seconds_stored.")) and v > 0:
-                    s.data["obs:" + k] = [float(v)]
-                if self.worker.rank != 0 and k.startswith(("blocks_loaded.", "blocks_stored.")):
+                m = declared(k)
+                if m is not None and m.export == HISTOGRAM and "." in k and v > 0:
+                    s.data[OBS_PREFIX + k] = [float(v)]
+                if self.worker.rank != 0 and m in (Metric.BLOCKS_LOADED, Metric.BLOCKS_STORED) and "." in k:
                     del s.data[k]
             return s
         if self.sched is None:
@@ -84,7 +86,7 @@ class StatsHooks:
                     write_stats(t.dir, totals)
                 write_server_state(self._server_state(totals, final))
             except Exception as e:  # noqa: BLE001 - what inspect reads never fails a start, a step or a stop
-                self.sched.count("state_write_errors")
+                self.sched.count(Metric.STATE_WRITE_ERRORS.key)
                 self._once(("server_state",) + cause(e), logging.WARNING,
                            "kvtier: the server's state for kvtier inspect not written: %s", e)
 
@@ -121,9 +123,9 @@ class StatsHooks:
         out: dict[str, float] = {}
         for t in self.sched.tiers:
             if not t.remote:
-                out[f"gauge_resident_blocks.{t.name}"] = int(t.num_used)
-                out[f"gauge_capacity_blocks.{t.name}"] = int(t.capacity_blocks)
-        out["gauge_leased_blocks"] = self.sched.leased_blocks()
+                out[Metric.RESIDENT_BLOCKS.at(t.name)] = int(t.num_used)
+                out[Metric.CAPACITY_BLOCKS.at(t.name)] = int(t.capacity_blocks)
+        out[Metric.LEASED_BLOCKS.key] = self.sched.leased_blocks()
         out.update(self.sched.tenant_gauges())   # bytes each tenant holds per tier (kvtier.core.tenants)
         return out
 

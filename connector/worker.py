@@ -22,6 +22,7 @@ from kvtier.core.executor import Executor
 from kvtier.tiers.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
+from kvtier.tiers.counters import Metric
 from kvtier.tiers.io_hooks import fault_point
 
 from .config import tier_of
@@ -111,7 +112,7 @@ class KVTierWorker(Counting):
         n, warning = fit_pool_slots(self._cpu_tier, lay.block_bytes, self._ranks)
         if warning:
             log.warning("%s", warning)
-            self._count("cpu_pool_shrunk", 1)
+            self._count(Metric.CPU_POOL_SHRUNK.key, 1)
         self._capacity = {0: n}   # the scheduler's tier follows (the first report)
         pool = CpuPool(n, lay.block_bytes, self._pin)
         self.pools = [pool]
@@ -183,7 +184,7 @@ class KVTierWorker(Counting):
                                  rank=self.store_rank, sealer=self._nvme_sealer)
         except Exception as e:  # noqa: BLE001 - any failure to open is a tier unavailable, not a crash
             self._nvme_failed_at = now
-            self._count("nvme_open_failed")
+            self._count(Metric.NVME_OPEN_FAILED.key)
             self._once(("nvme_open",) + cause(e), logging.ERROR,
                        "kvtier: NVMe data file under %s cannot be opened (%s); NVMe loads are recomputed and "
                        "writes dropped until it can (tried again every %.0f s)", meta.nvme_dir, e, NVME_REOPEN_S)
@@ -258,7 +259,7 @@ class KVTierWorker(Counting):
                 li = self.layout.layer_of.get(layer_name)
                 self.kv.wait_layer(events[-1] if li is None else events[li])
         except Exception as e:  # noqa: BLE001 - the host waits instead
-            self._count("layer_wait_failed")
+            self._count(Metric.LAYER_WAIT_FAILED.key)
             self._once(("layer_wait",) + cause(e), logging.ERROR, "kvtier: the forward's wait for %s's loaded "
                        "blocks failed (%s): the host waits for the step's copies instead; any it cannot confirm "
                        "are load errors", layer_name, e)
@@ -398,7 +399,7 @@ class KVTierWorker(Counting):
             log.info("kvtier: shutdown: NVMe write-back flushed, %d blocks in %d batches in %.2f s",
                      n, pending - late, time.monotonic() - t0)
             if n:  # durable on disk; indexed only if the scheduler gets this report
-                self._count("nvme_unreported_blocks", n)
+                self._count(Metric.NVME_UNREPORTED_BLOCKS.key, n)
         ex.close(wait=not (late or late_puts))
         if late or late_puts or copying:  # a write still reads the CPU pool (a copy writes it): leave them
             return final

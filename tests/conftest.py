@@ -78,3 +78,19 @@ def model_dir(tmp_path_factory):
     import vllm_util
     vllm_util.set_env()
     return vllm_util.build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
+
+
+@pytest.fixture(autouse=True)
+def _declared_counters_only(monkeypatch):
+    """Every count in a test goes through `check_declared`: counting a name `Metric` does not
+    declare (tiers/counters.py) fails fast instead of making a series nobody exports."""
+    from kvtier.core.plan import Counting
+    from kvtier.tiers.counters import check_declared
+    count = Counting._count
+
+    def strict(self, key, v=1):
+        check_declared(key)
+        count(self, key, v)
+
+    monkeypatch.setattr(Counting, "_count", strict)
+    monkeypatch.setattr(Counting, "count", strict)

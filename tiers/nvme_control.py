@@ -26,6 +26,7 @@ from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
 from .base import PENDING_SLOT, RESIDENT, SlotTier
 from .contract import Medium
+from .counters import Metric
 from .io_hooks import crash_point
 from .nvme_block import SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint, slot_stride
 from .nvme_dir import (DATA_FILE, INDEX_DIR, FingerprintMismatch, claim_dir, exists_at, fingerprint_diff,
@@ -269,7 +270,7 @@ class NvmeControl(SlotTier):
         except OSError as e:
             self._stale.update(keys)
             self.index_write_errors += 1
-            self._count(f"index_write_errors.{self.name}")
+            self._count(Metric.INDEX_WRITE_ERRORS.at(self.name))
             self._once(("index_write", e.errno), logging.ERROR, "nvme tier %r: index write failed (%s); %d stale "
                        "entries kept until a write succeeds (they can only miss)", self.name, e, len(self._stale))
 

@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from .nvme_block import BlockCodec
+from .counters import Metric
 
 log = logging.getLogger("kvtier.redis")
 
@@ -231,7 +232,7 @@ class Breaker:
                     log.info("kvtier: shared tier %s answers again", self.where)
 
     def fail(self, e: BaseException) -> None:
-        self._count("unreachable")
+        self._count(Metric.UNREACHABLE.key)
         with self._lock:
             first = not self.down
             self.down = True

@@ -25,6 +25,7 @@ from kvtier.tiers.once import Once
 from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import group_by_tier, match_prefix
 from kvtier.tiers.contract import Tier
+from kvtier.tiers.counters import Metric
 
 from kvtier.core.inflight import PENDING, Completion, CopyInFlight, InFlight, Pending, StoreInFlight
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, StoreOp
@@ -130,7 +131,7 @@ class TierController(Completion, Counting):
         blocks = self.match(keys, wait)
         if blocks is PENDING:
             return PENDING
-        self._count("n_lookups")
+        self._count(Metric.N_LOOKUPS.key)
         if not blocks:
             self.leases.release(request_id)
             return None
@@ -143,7 +144,7 @@ class TierController(Completion, Counting):
         lease = self.leases.get(request_id, -1, keys)
         if lease is not None:
             return lease
-        self._count("n_lookups")
+        self._count(Metric.N_LOOKUPS.key)
         blocks = [self.find(k) for k in keys]
         if not keys or any(b is None for b in blocks):
             self.leases.release(request_id)
@@ -156,7 +157,7 @@ class TierController(Completion, Counting):
     def release(self, request_id: str) -> int:
         n = self.leases.release(request_id)
         if n:
-            self._count("leases_released")
+            self._count(Metric.LEASES_RELEASED.key)
         return n
 
     def expire(self) -> None:
@@ -191,14 +192,14 @@ class TierController(Completion, Counting):
             op.checksums, op.keys = tier.load_fields(op.slots, keys_of[t], checksums)
             tier.hit(op.slots, info, keys_of[t])
             n = len(op.slots)
-            self._count(f"hit_blocks.{tier.name}", n)
-            self._count(f"hit_tokens.{tier.name}", n * self.block_tokens)
+            self._count(Metric.HIT_BLOCKS.at(tier.name), n)
+            self._count(Metric.HIT_TOKENS.at(tier.name), n * self.block_tokens)
             if self.tenants is not None:
                 self.tenants.count_hits(tier, n, info.tenant)
             if t > 0:
                 self._plan_promotion(op, keys_of[t], info, pos_of[t])
-        self._count("hit_tokens", lease.num_blocks * self.block_tokens if tokens is None else tokens)
-        self._count("n_loads")
+        self._count(Metric.HIT_TOKENS.key, lease.num_blocks * self.block_tokens if tokens is None else tokens)
+        self._count(Metric.N_LOADS.key)
         out = list(ops.values())
         self._plan.loads.extend(out)
         return out
@@ -250,7 +251,7 @@ class TierController(Completion, Counting):
         op_id = next(self._op_ids)
         self.inflight.add_store(op_id, StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want]))
         self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
-        self._count(f"store_planned_blocks.{top.name}", len(slots))
+        self._count(Metric.STORE_PLANNED_BLOCKS.at(top.name), len(slots))
         for t in self._through:  # written through from the top tier
             lower = [j for j, k in enumerate(ks) if not self.holds(k, t)]
             lower = self._admit(t, lower, [ks[j] for j in lower], info)
@@ -259,7 +260,7 @@ class TierController(Completion, Counting):
 
     def count_dropped(self, t: int, n: int) -> None:
         """`n` blocks found no room in tier `t` (every slot pinned or being copied down)."""
-        self._count(f"store_dropped_blocks.{self.names[t]}", n)
+        self._count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), n)
 
     def _admit(self, t: int, items: list, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list:
         pol = self.admission[t]
@@ -268,7 +269,7 @@ class TierController(Completion, Counting):
         ok = pol.admit(keys, info)
         out = [x for x, a in zip(items, ok) if a]
         if len(out) < len(items):
-            self._count(f"not_admitted_blocks.{self.names[t]}", len(items) - len(out))
+            self._count(Metric.NOT_ADMITTED_BLOCKS.at(self.names[t]), len(items) - len(out))
         return out
 
     def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]], t: int | None = None) -> int:
@@ -279,13 +280,13 @@ class TierController(Completion, Counting):
         if not src:
             return 0
         if not self.tiers[t].ready:   # a persistent tier waiting for the model's identity
-            self._count(f"not_open_blocks.{self.names[t]}", len(src))
+            self._count(Metric.NOT_OPEN_BLOCKS.at(self.names[t]), len(src))
             return 0
         keys = [k for _, k in src]
         who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
         room = self._room(t, len(src), who)
         if room < len(src):
-            self._count(f"store_dropped_blocks.{self.names[t]}", len(src) - room)
+            self._count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), len(src) - room)
             src, keys = src[:room], keys[:room]
         if not src:
             return 0
@@ -295,7 +296,7 @@ class TierController(Completion, Counting):
         op_id = next(self._op_ids)
         self.inflight.add_copy(op_id, CopyInFlight(src_tier, src, t, slots))
         self._plan.copies.append(CopyOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
-        self._count(f"store_planned_blocks.{self.names[t]}", len(src))
+        self._count(Metric.STORE_PLANNED_BLOCKS.at(self.names[t]), len(src))
         return len(src)
 
     # ---- room: eviction and write-back ---------------------------------------------------
@@ -362,7 +363,7 @@ class TierController(Completion, Counting):
     def _evict(self, t: int, slots: Sequence[int]) -> None:
         gone = self.tiers[t].evict(slots)
         self._clean[t] -= len(gone)
-        self._count(f"evicted_blocks.{self.names[t]}", len(gone))
+        self._count(Metric.EVICTED_BLOCKS.at(self.names[t]), len(gone))
         if self._evict_hooks[t]:
             on_evict = self.admission[t].on_evict
             for k in gone:
@@ -384,8 +385,8 @@ class TierController(Completion, Counting):
     def count_request(self, asked_blocks: int, hit_blocks: int) -> None:
         """A request's outcome: of `asked_blocks` looked up, `hit_blocks` were served."""
         miss = max(0, asked_blocks - hit_blocks)
-        self._count("miss_blocks", miss)
-        self._count("miss_tokens", miss * self.block_tokens)
+        self._count(Metric.MISS_BLOCKS.key, miss)
+        self._count(Metric.MISS_TOKENS.key, miss * self.block_tokens)
 
     def has_plan(self) -> bool:
         return not self._plan.is_empty()
@@ -469,7 +470,7 @@ class TierController(Completion, Counting):
         if pending:
             log.warning("kvtier: %d blocks still being copied down at shutdown: not committed (misses after a "
                         "restart, never served)", pending)
-            self._count("uncommitted_at_close", pending)
+            self._count(Metric.UNCOMMITTED_AT_CLOSE.key, pending)
         self.leases.expire(float("inf"))
         for t in reversed(self.tiers):  # lower tiers first: their in-flight I/O may read an upper pool
             t.close()

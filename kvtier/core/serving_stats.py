@@ -13,6 +13,8 @@ import os
 import stat
 import time
 
+from kvtier.tiers.counters import Metric
+
 log = logging.getLogger("kvtier.connector")
 
 STATS_FILE = "serving-stats.json"
@@ -71,13 +73,13 @@ def read_stats(nvme_dir: str) -> dict | None:
 def hit_ratios(stats: dict) -> dict:
     """Block hit ratio overall and per tier from written totals (hits / blocks looked up)."""
     t = stats.get("totals", {})
-    hits = {k.split(".", 1)[1]: int(v) for k, v in t.items() if k.startswith("hit_blocks.")}
+    hits = {k.split(".", 1)[1]: int(v) for k, v in t.items() if k.startswith(Metric.HIT_BLOCKS.at(""))}
     for k in list(hits):  # planned from the shared tier but gone at load: recomputed, not hits
-        hits[k] -= int(t.get(f"gone_blocks.{k}", 0))
-    asked = sum(hits.values()) + int(t.get("miss_blocks", 0)) + sum(
-        int(v) for k, v in t.items() if k.startswith("gone_blocks."))
+        hits[k] -= int(t.get(Metric.GONE_BLOCKS.at(k), 0))
+    asked = sum(hits.values()) + int(t.get(Metric.MISS_BLOCKS.key, 0)) + sum(
+        int(v) for k, v in t.items() if k.startswith(Metric.GONE_BLOCKS.at("")))
     out = {"pid": stats.get("pid"), "age_s": round(max(0.0, time.time() - float(stats.get("time", 0))), 1),
-           "lookups": int(t.get("n_lookups", 0)), "blocks_looked_up": asked,
+           "lookups": int(t.get(Metric.N_LOOKUPS.key, 0)), "blocks_looked_up": asked,
            "hit_ratio": sum(hits.values()) / asked if asked else 0.0}
     out["hit_ratio_by_tier"] = {k: v / asked if asked else 0.0 for k, v in sorted(hits.items())}
     from kvtier.core.tenants import tenant_counters

@@ -25,14 +25,15 @@ from kvtier.core.executor import Executor
 from kvtier.core.outside import Buffers
 from kvtier.core.leases import Lease
 from kvtier.core.plan import Plan, Report
+from kvtier.tiers.counters import Metric
 
 log = logging.getLogger("kvtier.startup")
 
 
-_PER_TIER = {"hits": "hit_blocks", "stored": "stored_blocks", "not_admitted": "not_admitted_blocks",
-             "dropped_full": "store_dropped_blocks", "evicted": "evicted_blocks", "demoted": "demoted_blocks",
-             "promoted": "promoted_blocks", "corrupt": "corrupt_blocks", "bytes_read": "bytes_loaded",
-             "bytes_written": "bytes_stored"}
+_PER_TIER = {"hits": Metric.HIT_BLOCKS, "stored": Metric.STORED_BLOCKS, "not_admitted": Metric.NOT_ADMITTED_BLOCKS,
+             "dropped_full": Metric.STORE_DROPPED_BLOCKS, "evicted": Metric.EVICTED_BLOCKS,
+             "demoted": Metric.DEMOTED_BLOCKS, "promoted": Metric.PROMOTED_BLOCKS, "corrupt": Metric.CORRUPT_BLOCKS,
+             "bytes_read": Metric.BYTES_LOADED, "bytes_written": Metric.BYTES_STORED}
 
 
 @dataclass
@@ -45,9 +46,9 @@ class StackMetrics:
 
     @classmethod
     def of(cls, totals: dict[str, float]) -> "StackMetrics":
-        m = cls(lookups=int(totals.get("n_lookups", 0)), misses=int(totals.get("miss_blocks", 0)))
+        m = cls(lookups=int(totals.get(Metric.N_LOOKUPS.key, 0)), misses=int(totals.get(Metric.MISS_BLOCKS.key, 0)))
         for attr, key in _PER_TIER.items():
-            pre = key + "."
+            pre = key.at("")
             m.per_tier[attr] = {k[len(pre):]: int(v) for k, v in totals.items() if k.startswith(pre) and v}
         return m
 
@@ -166,7 +167,7 @@ class TierStack:
         returns blocks stored."""
         if self.with_data and srcs is None:
             raise ValueError("put without data on a stack built with data")
-        top = f"stored_blocks.{self.tiers[0].name}"
+        top = Metric.STORED_BLOCKS.at(self.tiers[0].name)
         before = self.ctrl.total(top)
         todo = list(range(len(keys)))
         admit = True
@@ -185,7 +186,7 @@ class TierStack:
         """Copy every resident block of tier `ti` that the next tier lacks down to it (kept above)."""
         if ti + 1 >= len(self.tiers):
             return 0
-        key = f"demoted_blocks.{self.tiers[ti + 1].name}"
+        key = Metric.DEMOTED_BLOCKS.at(self.tiers[ti + 1].name)
         before = self.ctrl.total(key)
         self.ctrl.flush(ti, batch)
         for op in self.ctrl.take_plan().copies:  # one batch at a time, for the progress bar

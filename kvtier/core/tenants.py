@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from kvtier.core.tenants_config import OTHER, quota_blocks
 from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
+from kvtier.tiers.counters import Metric
 
 
 def _no_count(key: str, v: float = 1) -> None:
@@ -61,7 +62,7 @@ class TenantEviction(EvictionPolicy):
                 claimed[s] = -1
             self.usage[a] += len(ss)
             self.subs[a].on_insert(ss, [keys[i] for i in idx], info)
-            self.count(f"tenant_stored_blocks.{self.tier}|{self.labels[a]}", len(ss))
+            self.count(Metric.TENANT_STORED_BLOCKS.at(self.tier, self.labels[a]), len(ss))
 
     def on_hit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         owner = self.owner
@@ -82,7 +83,7 @@ class TenantEviction(EvictionPolicy):
             for s in ss:
                 owner[s] = -1
             self.usage[a] -= len(ss)
-            self.count(f"tenant_evicted_blocks.{self.tier}|{self.labels[a]}", len(ss))
+            self.count(Metric.TENANT_EVICTED_BLOCKS.at(self.tier, self.labels[a]), len(ss))
 
     def contains(self, slot: int) -> bool:
         return self.owner[slot] >= 0
@@ -245,7 +246,7 @@ class Tenants:
         return ev.choose(acc[free:free + need], _Pins(tier), acc[:free])
 
     def count_hits(self, tier: Any, n: int, tenant: str | None) -> None:
-        self.count(f"tenant_hit_blocks.{tier.name}|{self.label(tenant)}", n)
+        self.count(Metric.TENANT_HIT_BLOCKS.at(tier.name, self.label(tenant)), n)
 
     # ---- what they hold -------------------------------------------------------------------
     def gauges(self) -> dict[str, int]:
@@ -254,7 +255,7 @@ class Tenants:
         for name, ev in self.split.items():
             bb = self.cfg.block_bytes
             for a, lab in enumerate(self.labels):
-                out[f"gauge_tenant_bytes.{name}|{lab}"] = ev.usage[a] * bb
+                out[Metric.TENANT_BYTES.at(name, lab)] = ev.usage[a] * bb
         return out
 
     def stats(self, totals: dict[str, float] | None = None) -> dict[str, dict]:

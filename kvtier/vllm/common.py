@@ -21,6 +21,7 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 
 from kvtier.core.builder import build_tier
 from kvtier.tiers.once import Once
+from kvtier.tiers.counters import Event
 
 from .options import chunk_fingerprint, tier_stack
 
@@ -63,13 +64,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._rows = None
         self._primary_kv_view = None
 
-    def count(self, event: str, n: int = 1) -> None:
+    def count(self, event: Event, n: int = 1) -> None:
         if n:
-            self.counters[event] = self.counters.get(event, 0) + n
+            self.counters[event.label] = self.counters.get(event.label, 0) + n
 
     def failed(self, what: str, e: BaseException) -> None:
         """A hook that failed: logged once per cause, counted."""
-        self.count(f"{what}_errors")
+        self.count(Event.errors_of(what))
         self._once((what, type(e).__name__), logging.ERROR, "kvtier: secondary tier %s: %s failed: %s",
                    self.tier_type, what, e)
 

@@ -16,12 +16,14 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from kvtier.tiers.counters import Event
+
 MISS_TTL_S = 2.0
 MISSES_MAX = 1 << 16
 
 
 class BatchedLookup:
-    def __init__(self, tier, count: Callable[[str, int], None]) -> None:
+    def __init__(self, tier, count: Callable[[Event, int], None]) -> None:
         self.tier = tier
         self._count = count
         self._batch: dict[bytes, None] = {}                       # asked this step, in order
@@ -50,7 +52,7 @@ class BatchedLookup:
             self._resolve(fut)
             return self.ask(key) if key not in self._asked else None
         if time.monotonic() - t0 > self._patience:
-            self._count("lookup_timeouts", 1)
+            self._count(Event.LOOKUP_TIMEOUTS, 1)
             self._miss([k for k in self._keys_of.pop(fut, []) if k in self._asked and self._asked[k][0] is fut])
             return False
         return None
@@ -76,7 +78,7 @@ class BatchedLookup:
         except Exception:  # noqa: BLE001 - counted as unreachable
             found = None
         if found is None:
-            self._count("lookup_failures", 1)
+            self._count(Event.LOOKUP_FAILURES, 1)
             found = [False] * len(keys)
         else:
             mine = set(keys)

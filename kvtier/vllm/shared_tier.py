@@ -27,6 +27,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from kvtier.tiers.handles import IOHandle, IOResult
+from kvtier.tiers.counters import Event
 
 from .common import KvtierSecondaryTier
 from .shared_lookup import BatchedLookup
@@ -60,7 +61,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         try:
             if self.tier.conn.breaker.down:
-                self.count("lookups_server_down")
+                self.count(Event.LOOKUPS_SERVER_DOWN)
                 return LookupResult.MISS
             if key in self._failed:
                 return LookupResult.MISS
@@ -120,7 +121,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
         if job.load:
             if lost:   # gone (the server evicted it), corrupt, foreign or unreachable: a miss from now on
                 self.tier.note_gone(lost)
-                self.count("load_misses", len(lost))
+                self.count(Event.LOAD_MISSES, len(lost))
                 for k in lost:
                     self._failed[k] = None
                 while len(self._failed) > FAILED_MAX:
@@ -134,7 +135,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
             self._failed.pop(k, None)
         self._lookups.forget_miss(good)
         if lost:
-            self.count("store_errors", len(lost))
+            self.count(Event.STORE_ERRORS, len(lost))
         self.finish(job.job_id, not lost, t0=job.t0, nbytes=r.nbytes)
 
     def get_finished_jobs(self) -> list[JobResult]:
