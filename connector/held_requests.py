@@ -16,6 +16,8 @@ import logging
 import time
 from typing import Any, Iterable
 
+from kvtier.tiers.counters import Metric
+
 log = logging.getLogger("kvtier.connector")
 
 HOLD_LIMIT_S = 60.0   # the longest a worker holds a request for its stores
@@ -99,7 +101,7 @@ class SendingRequests:
         for rid in out:
             del self.held[rid]
         if late:
-            self.count("held_release_timeouts", late)
+            self.count(Metric.HELD_RELEASE_TIMEOUTS.key, late)
             self.once(("held_timeout",), logging.ERROR, "kvtier: %d finished requests released after %.0f s with "
                       "their stores still copying (the compute stream still waits for those copies)",
                       late, self.limit_s)

@@ -86,6 +86,8 @@ class Metric(Enum):
                             "Shared tier: bad values rewritten since (left in place).")
     BAD_DELETE_FAILED_BLOCKS = ("bad_delete_failed_blocks", TIER, None, None,
                                 "Shared tier: bad values whose delete failed.")
+    HELD_RELEASE_TIMEOUTS = ("held_release_timeouts", NONE, COUNTER, "held_release_timeouts",
+                             "Finished requests vLLM held for stores still copying, released at the time bound.")
     SKIPPED_BLOCKS = ("skipped_blocks", TIER, None, None, "Shared tier: reads not sent, the server unreachable.")
     PUT_SKIPPED_BLOCKS = ("put_skipped_blocks", TIER, None, None,
                           "Shared tier: writes not sent, the server unreachable.")

@@ -277,7 +277,7 @@ class RedisTier(_RemoteBase):
         if not fut.done():
             if time.monotonic() - t0 < self.settings.timeout_s + self.settings.connect_timeout_s:
                 return None
-            self._count(Metric.LOOKUP_TIMEOUTS.key)
+            self._count(Metric.LOOKUP_TIMEOUTS)
             del self._probes[rest]
             return n
         del self._probes[rest]
@@ -285,7 +285,7 @@ class RedisTier(_RemoteBase):
 
     def _answer(self, found: list[bool] | None, keys: Sequence[bytes]) -> int:
         if found is None:
-            self._count(Metric.LOOKUP_FAILURES.key)
+            self._count(Metric.LOOKUP_FAILURES)
             return 0
         m = next((i for i, f in enumerate(found) if not f), len(found))
         m = len(self._clean(keys[:m]))  # marked bad while the answer was on its way

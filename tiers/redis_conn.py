@@ -232,7 +232,7 @@ class Breaker:
                     log.info("kvtier: shared tier %s answers again", self.where)
 
     def fail(self, e: BaseException) -> None:
-        self._count(Metric.UNREACHABLE.key)
+        self._count(Metric.UNREACHABLE)
         with self._lock:
             first = not self.down
             self.down = True

@@ -32,6 +32,7 @@ from .contract import Medium
 from .resp_reader import Redirected, RespReader
 from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text
 from .sealing import FAILED, NOT_OURS, RECORD_BYTES, TAG_BYTES
+from .counters import Metric
 
 log = logging.getLogger("kvtier.redis")
 
@@ -103,12 +104,12 @@ class RedisData:
         self._warned: set[str] = set()
         self._inflight: set = set()
 
-    def count(self, key: str, v: float = 1) -> None:
-        """Add to `counters[key]`, and to the bound counter as `<key>.<tier name>`."""
+    def count(self, m: Metric, v: float = 1) -> None:
+        """Add to `counters[<key>]`, and to the bound counter as `<key>.<tier name>`."""
         with self._lock:
-            self.counters[key] = self.counters.get(key, 0) + v
+            self.counters[m.key] = self.counters.get(m.key, 0) + v
         if self._ext_count is not None:
-            self._ext_count(f"{key}.{self.name}", v)
+            self._ext_count(m.at(self.name), v)
 
     def bind_counter(self, count: Callable[[str, float], None]) -> None:
         self._ext_count = count
@@ -150,10 +151,10 @@ class RedisData:
         """Read and verify the blocks named by `keys` into `dsts` (CPU tensors of block_bytes);
         ok[i] False: a miss; bad[i] True: it failed verification. `slots` are placeholders (the
         server names blocks by key) and there is no expected tag (the header is checked)."""
-        return self._submit(self._get, keys, dsts, "get", "skipped_blocks")
+        return self._submit(self._get, keys, dsts, "get", Metric.SKIPPED_BLOCKS)
 
     def _submit(self, fn, keys: Sequence[bytes], bufs: Sequence[torch.Tensor], what: str,
-                skipped: str) -> IOHandle:
+                skipped: Metric) -> IOHandle:
         """`fn(keys, bufs)` on the pool in batches of `batch_bytes`; none while the breaker is open
         (all not ok, counted in `skipped`)."""
         if keys is None or len(keys) != len(bufs):
@@ -328,15 +329,15 @@ class RedisData:
                missing: int) -> IOResult:
         """The batch's result; bad values (key, SHA-1, why) counted, logged once per cause, deleted."""
         if missing:
-            self.count("missing_blocks", missing)
+            self.count(Metric.MISSING_BLOCKS, missing)
         errors = [f"{k.hex()[:16]}: {why}" for k, _, why in dropped]
         bad: list[bool] = []
         if dropped:
             ours = [(k, d) for k, d, why in dropped if not why.startswith(NOT_OURS)]
-            self.count("corrupt_blocks", len(dropped))
+            self.count(Metric.CORRUPT_BLOCKS, len(dropped))
             sealed = sum(why.startswith(FAILED) for _, _, why in dropped)
             if sealed:  # of those, the ones that did not open (`sealing`)
-                self.count("decrypt_failed_blocks", sealed)
+                self.count(Metric.DECRYPT_FAILED_BLOCKS, sealed)
             for _, _, why in dropped:
                 self._warn_once("bad:" + _cause(why), "kvtier: shared tier %s: a value failed verification (%s): "
                                 "not served, %s, and a miss for later lookups (counted in %s; more of this cause "
@@ -349,7 +350,7 @@ class RedisData:
                 self.drop_bad(ours)
             names = {k for k, _, _ in dropped}
             bad = [k in names and not o for k, o in zip(keys, ok)]
-        self.count("bytes_read", nbytes)
+        self.count(Metric.BYTES_READ, nbytes)
         return IOResult(ok=ok, nbytes=nbytes, errors=errors, bad=bad)
 
     def drop_bad(self, items: Sequence[tuple[bytes, str]]) -> int:
@@ -366,18 +367,18 @@ class RedisData:
                                 "value (%s: %s); it stays a miss here (counted in bad_delete_failed_blocks)",
                                 self.s.where, type(e).__name__, error_text(e))
         if deleted:
-            self.count("bad_deleted_blocks", deleted)
+            self.count(Metric.BAD_DELETED_BLOCKS, deleted)
         if len(items) - deleted - failed:
-            self.count("bad_rewritten_blocks", len(items) - deleted - failed)
+            self.count(Metric.BAD_REWRITTEN_BLOCKS, len(items) - deleted - failed)
         if failed:
-            self.count("bad_delete_failed_blocks", failed)
+            self.count(Metric.BAD_DELETE_FAILED_BLOCKS, failed)
         return deleted
 
     def write(self, slots: Sequence[int], srcs: Sequence[torch.Tensor],
               keys: Sequence[bytes] | None = None) -> IOHandle:
         """Seal and write the blocks under their `keys` (SET, pipelined; `slots`: placeholders);
         ok[i] False: not written (counted, logged once)."""
-        return self._submit(self._put, keys, srcs, "put", "put_skipped_blocks")
+        return self._submit(self._put, keys, srcs, "put", Metric.PUT_SKIPPED_BLOCKS)
 
     def seal(self, key: bytes, src: torch.Tensor) -> bytearray:
         """The value stored for `key`, in one buffer: header then payload (one copy)."""
@@ -425,17 +426,17 @@ class RedisData:
             res = pipe.execute(raise_on_error=False)
         except Exception as e:
             self.breaker.fail(e)
-            self.count("put_failed_blocks", len(keys))
+            self.count(Metric.PUT_FAILED_BLOCKS, len(keys))
             return IOResult(ok=[False] * len(keys), errors=[f"{self.s.where}: {type(e).__name__}"])
         self.breaker.ok()
         ok = [r is True or r == b"OK" for r in res]
         errs = [f"{type(r).__name__}: {r}" for r in res if isinstance(r, Exception)]
         if errs:  # e.g. OOM with maxmemory and a noeviction policy
-            self.count("put_failed_blocks", len(errs))
+            self.count(Metric.PUT_FAILED_BLOCKS, len(errs))
             self._warn_once("put:" + errs[0][:40], "kvtier: shared tier %s refused writes: %s (counted in "
                             "put_failed_blocks; set maxmemory-policy allkeys-lru)", self.s.where, errs[0])
         n = sum(ok) * self.block_bytes
-        self.count("bytes_written", n)
+        self.count(Metric.BYTES_WRITTEN, n)
         return IOResult(ok=ok, nbytes=n, errors=errs)
 
     def sync(self) -> None:

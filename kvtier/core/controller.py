@@ -426,7 +426,7 @@ class TierController(Completion, Counting):
         gone = tier.limit(n)
         self._wb_max[t] = max(1, min(self._wb_max[t], n // 4))
         if gone:
-            self._count(f"evicted_blocks.{tier.name}", len(gone))
+            self._count(Metric.EVICTED_BLOCKS.at(tier.name), len(gone))
         log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
                     "pool) is smaller", tier.name, n, was)
 

@@ -31,6 +31,7 @@ from kvtier.core.write_behind import CopiesDown
 from kvtier.core.outside import Outside
 from kvtier.tiers.contract import DataPlane, Medium
 from kvtier.tiers.io_hooks import fault_point
+from kvtier.tiers.counters import Metric
 
 log = logging.getLogger("kvtier.executor")
 
@@ -225,11 +226,11 @@ class Executor(Failures, Counting):
             self.report.loaded(op.req_id, not bad)
             n = sum(oks)
             if n:
-                self._count(f"bytes_loaded.{name}", n * self.block_bytes)
-                self._count(f"seconds_loaded.{name}", busy / max(1, len(done)))
-                self._count(f"blocks_loaded.{name}", n)
+                self._count(Metric.BYTES_LOADED.at(name), n * self.block_bytes)
+                self._count(Metric.SECONDS_LOADED.at(name), busy / max(1, len(done)))
+                self._count(Metric.BLOCKS_LOADED.at(name), n)
             if bad:
-                self._count(f"blocks_load_failed.{name}", len(bad))
+                self._count(Metric.BLOCKS_LOAD_FAILED.at(name), len(bad))
 
     # ---- asynchronous loads (the shared tier: reads ahead, copied in a later step) ---------------
     def load_async(self, ops: Sequence[LoadOp]) -> None:
@@ -344,9 +345,9 @@ class Executor(Failures, Counting):
             self.report.stored(op.op_id, [True] * len(op.slots))
             by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
         for name, n in by_tier.items():
-            self._count(f"bytes_stored.{name}", n * self.block_bytes)
-            self._count(f"seconds_stored.{name}", dt)
-            self._count(f"blocks_stored.{name}", n)
+            self._count(Metric.BYTES_STORED.at(name), n * self.block_bytes)
+            self._count(Metric.SECONDS_STORED.at(name), dt)
+            self._count(Metric.BLOCKS_STORED.at(name), n)
 
     def store_lost(self, planned: list, e: BaseException) -> set[tuple[int, int]]:
         """These stores' copies failed or were given up: not stored; returns their (tier, slot)s."""

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from kvtier.tiers.once import cause
 from kvtier.core.plan import CopyOp, LoadOp, StoreOp
+from kvtier.tiers.counters import Metric
 
 
 class Failures:
@@ -30,7 +31,7 @@ class Failures:
             self.once(("load_copies",) + cause(e), logging.ERROR, "kvtier: copying %d loads into the KV failed: "
                        "%s (each request's copies retried on their own; those that fail again are load "
                        "errors)", len(jobs), e)
-            self._count("load_copy_failed")
+            self._count(Metric.LOAD_COPY_FAILED.key)
             by_op: dict[int, list] = {}
             for at, j in jobs:
                 by_op.setdefault(at, []).append(j)
@@ -93,7 +94,7 @@ class Failures:
         else:
             self._add_errors(ids)
         self.report.loaded(req_id, False)
-        self._count("blocks_load_failed", len(ids))
+        self._count(Metric.BLOCKS_LOAD_FAILED.key, len(ids))
         self.once(("load_failed", why), logging.WARNING,
                    "kvtier: %d blocks of %s not loaded (%s): reported as load errors, recomputed", len(ids), req_id,
                    why)
@@ -132,4 +133,4 @@ class Failures:
         for op in copies:
             self.report.copied(op.op_id, [-1] * len(op.src_slots))
             n += len(op.src_slots)
-        self._count("blocks_store_dropped", n)
+        self._count(Metric.BLOCKS_STORE_DROPPED.key, n)

@@ -30,6 +30,7 @@ from kvtier.tiers.contract import DataPlane, Medium
 from kvtier.tiers.cpu_pool import copy_blocks
 from kvtier.tiers.handles import DoneHandle, IOResult
 from kvtier.tiers.io_hooks import fault_point
+from kvtier.tiers.counters import Metric
 
 HOST, FILE, SHARED, OUTSIDE = Medium.HOST, Medium.FILE, Medium.SHARED, Medium.OUTSIDE
 
@@ -120,14 +121,14 @@ class ReadLoad:
                     try:
                         ex.copy_now([job])
                     except Exception as e:  # noqa: BLE001 - load errors
-                        ex.count("load_copy_failed")
+                        ex.count(Metric.LOAD_COPY_FAILED.key)
                         ex.once(("load_copy", ex.name(op.tier)) + cause(e), logging.ERROR,
                                 "kvtier: copying %d blocks of %s into the KV failed: %s (load errors, "
                                 "recomputed)", len(good), op.req_id, e)
                         ok = [False] * len(ok)
             oks.extend(ok)
         if corrupt:
-            ex.count(f"corrupt_blocks.{ex.name(op.tier)}", len(corrupt))
+            ex.count(Metric.CORRUPT_BLOCKS.at(ex.name(op.tier)), len(corrupt))
             ex.report.corrupt(op.tier, corrupt)
             ex.once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
                     "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, ex.name(op.tier), errors[:2])
@@ -231,8 +232,8 @@ class HostCopy:
                 continue
             ex.report.copied(op.op_id, [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots])
             n = len(op.slots)
-            ex.count(f"bytes_stored.{ex.name(op.tier)}", n * ex.block_bytes)
-            ex.count(f"blocks_stored.{ex.name(op.tier)}", n)
+            ex.count(Metric.BYTES_STORED.at(ex.name(op.tier)), n * ex.block_bytes)
+            ex.count(Metric.BLOCKS_STORED.at(ex.name(op.tier)), n)
 
 
 class BehindCopy:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from kvtier.core.plan import Report
 from kvtier.policies.base import NO_INFO, RequestInfo
 from kvtier.tiers.contract import Tier
+from kvtier.tiers.counters import Metric
 
 log = logging.getLogger("kvtier.core.controller")
 
@@ -154,9 +155,9 @@ class Completion:
             bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
             if good:
                 st.commit(tier, good)
-                self._count(f"stored_blocks.{tier.name}", len(good))
+                self._count(Metric.STORED_BLOCKS.at(tier.name), len(good))
                 if st.promotion:
-                    self._count(f"promoted_blocks.{tier.name}", len(good))
+                    self._count(Metric.PROMOTED_BLOCKS.at(tier.name), len(good))
                     if st.exclusive_from is not None:
                         lower, src = st.exclusive_from
                         ok_keys = {k for s, k, ok in zip(st.slots, st.keys, oks) if ok}
@@ -165,25 +166,25 @@ class Completion:
                 tier.abort(bad)
             elif bad:
                 tier.abort(bad)
-                self._count(f"store_failed_blocks.{tier.name}", len(bad))
+                self._count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
                 self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
             self.inflight.landed(st.tier, st.keys)
         for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
             tier = self.tiers[t]
             tier.quarantine(slots)
-            self._count(f"corrupt_blocks.{tier.name}", len(slots))
+            self._count(Metric.CORRUPT_BLOCKS.at(tier.name), len(slots))
         for op_id, by_rank in sorted(rep.written_by_rank().items()):
             self._complete_copy(op_id, by_rank)
         if rep.gone and self.remote is not None:  # found by lookup, gone (or bad) at load: a miss
             self.tiers[self.remote].note_gone(rep.gone)
-            self._count(f"gone_blocks.{self.names[self.remote]}", len(rep.gone))
+            self._count(Metric.GONE_BLOCKS.at(self.names[self.remote]), len(rep.gone))
         if rep.bad and self.remote is not None:  # failed verification: remembered, the next lookup misses
             self.tiers[self.remote].note_bad(rep.bad)
-            self._count(f"bad_blocks.{self.names[self.remote]}", len(rep.bad))
+            self._count(Metric.BAD_BLOCKS.at(self.names[self.remote]), len(rep.bad))
         for rid, ok in rep.loaded.items():
             self.release(rid)
             if not ok:
-                self._count("load_failed_requests")
+                self._count(Metric.LOAD_FAILED_REQUESTS.key)
         for lower, src in exclusive:  # exclusive promotion: the lower copy leaves once read up
             tier = self.tiers[lower]
             gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
@@ -217,12 +218,12 @@ class Completion:
                 bad = [s for s, _ in good] + bad
                 good = []
             else:
-                self._count(f"stored_blocks.{tier.name}", len(good))
-                self._count(f"demoted_blocks.{tier.name}", len(good))
+                self._count(Metric.STORED_BLOCKS.at(tier.name), len(good))
+                self._count(Metric.DEMOTED_BLOCKS.at(tier.name), len(good))
         if bad:
             tier.abort(bad)
-            self._count(f"store_failed_blocks.{tier.name}", len(bad))
-            self._count(f"io_errors.{tier.name}", len(bad))
+            self._count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
+            self._count(Metric.IO_ERRORS.at(tier.name), len(bad))
             self.errors.append(f"tier {tier.name}: {len(bad)} of {len(cp.slots)} block writes failed "
                                f"(kept in {src_tier.name}, not indexed)")
         self.inflight.landed(cp.tier, [k for _, k in cp.src])
@@ -234,9 +235,9 @@ class Completion:
         good = [k for (_, k), c in zip(cp.src, sums) if c != -1]
         if good:
             tier.note_written(good)
-            self._count(f"stored_blocks.{tier.name}", len(good))
+            self._count(Metric.STORED_BLOCKS.at(tier.name), len(good))
         if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
-            self._count(f"store_failed_blocks.{tier.name}", len(cp.src) - len(good))
+            self._count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(cp.src) - len(good))
         self.inflight.landed(cp.tier, [k for _, k in cp.src])
         for s, k in cp.src:
             src_tier.unpin_if(s, k)

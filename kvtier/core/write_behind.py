@@ -18,6 +18,7 @@ from typing import Any, Sequence
 from kvtier.core.handlers import handler
 from kvtier.tiers.once import cause
 from kvtier.core.plan import CopyOp
+from kvtier.tiers.counters import Metric
 
 Done = tuple[list[tuple[Any, list[int]]], float, list[str]]   # ([(op, per-slot tags)], seconds, errors)
 
@@ -139,6 +140,6 @@ class CopiesDown:
                     ex.once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
                                "source copies stay; counted in store_failed_blocks)", name, errors[0])
                 if name is not None:
-                    ex.count(f"bytes_stored.{name}", n * ex.block_bytes)
-                    ex.count(f"seconds_stored.{name}", dt)
-                    ex.count(f"blocks_stored.{name}", n)
+                    ex.count(Metric.BYTES_STORED.at(name), n * ex.block_bytes)
+                    ex.count(Metric.SECONDS_STORED.at(name), dt)
+                    ex.count(Metric.BLOCKS_STORED.at(name), n)
