@@ -154,6 +154,11 @@ class TierController(Completion, Counting):
     def leased(self, request_id: str) -> int:
         return self.leases.held(request_id)
 
+    def take_errors(self) -> list[str]:
+        """Write failures since the last call, once (the CLI's exit status)."""
+        out, self.errors = self.errors, []
+        return out
+
     def release(self, request_id: str) -> int:
         n = self.leases.release(request_id)
         if n:

@@ -392,8 +392,12 @@ class Executor(Failures, Counting):
 
     @property
     def errors(self) -> list[str]:
-        """I/O errors of copies down since the caller last cleared them (the CLI's exit)."""
-        return self.down.errors
+        """I/O errors of copies down since the caller last took them (the CLI's exit)."""
+        return list(self.down.errors)
+
+    def take_errors(self) -> list[str]:
+        """The I/O errors of copies down so far, once."""
+        return self.down.take_errors()
 
     @property
     def corrupt_blocks(self) -> int:

@@ -128,10 +128,10 @@ class TierStack:
             return {}
         blocks = dsts if dsts is not None else (srcs if srcs is not None else [])
         rep, loaded = self.execute(plan, blocks)
-        self.ctrl.errors.clear()
+        self.ctrl.take_errors()   # only this plan's failures make this call fail
         self.ctrl.complete(rep)
-        if self.ctrl.errors:
-            raise OSError(errno.EIO, "; ".join(self.ctrl.errors[:2] + self.executor.errors[:1]))
+        if errors := self.ctrl.take_errors():
+            raise OSError(errno.EIO, "; ".join(errors[:2] + self.executor.errors[:1]))
         return loaded
 
     def execute(self, plan: Plan, blocks: Sequence[torch.Tensor]) -> tuple[Any, dict[int, bool]]:
@@ -140,7 +140,7 @@ class TierStack:
         ex = self.executor
         if self.with_data:
             ex.bind(Buffers(blocks, self.block_bytes))
-        ex.errors.clear()
+        ex.take_errors()   # the engine's words for this plan only
         rep = ex.run(plan)
         bad = ex.take_load_errors()
         return rep, {b: b not in bad for op in plan.loads for b in op.block_ids}
@@ -221,6 +221,9 @@ class NullExecutor:
     """Moves nothing and reports every op done (replay and simulation without data)."""
 
     errors: list[str] = []
+
+    def take_errors(self) -> list[str]:
+        return []
 
     def run(self, plan: Plan) -> Report:
         return Report.of_plan(plan, ok=True)

@@ -99,6 +99,11 @@ class CopiesDown:
     def __len__(self) -> int:
         return len(self.writes) + len(self.puts)
 
+    def take_errors(self) -> list[str]:
+        """The engine's errors since the last call, once."""
+        out, self.errors = self.errors, []
+        return out
+
     def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
         """DRAM -> DRAM, file or shared tier, each op by the handler of its (source medium,
         destination medium) (`kvtier.core.handlers`): each op's per-slot result (the block's tag,
