@@ -45,23 +45,29 @@ def canonical_rows(caches, blocks):
     return [torch.cat([probes.canonical(t, b) for t in caches.values()]) for b in blocks]
 
 
+def nvme_rig(tmp_path, streams, caches):
+    """A worker of 8 unpinned DRAM slots over `caches` copying on `streams`, its hooks, the
+    metadata fields that name its NVMe tier, and that tier's control plane."""
+    from kvtier.connector.nvme import NvmeControl
+    from kvtier.policies.lru import LRU
+
+    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=streams)
+    w.register_kv_caches(caches)
+    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
+    return w, Hooks(w), nv, NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))
+
+
 def test_a_store_is_reported_and_written_down_only_after_its_copy_ran(tmp_path):
     """Step 1 queues the store and its NVMe copy; the copies have not run, so step 1 reports
     neither and the data file is untouched. Once the device ran them, the next step's poll reports
     the store, then writes and checksums the CPU slots: loaded back through those checksums, the
     blocks are the source's bytes."""
-    from kvtier.connector.nvme import NvmeControl
-    from kvtier.policies.lru import LRU
     from kvtier.tiers.nvme_block import slot_stride
 
     caches = flash_caches(blocks=NB)
     orig = {n: t.clone() for n, t in caches.items()}
     st = CountingStreams()
-    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=st)
-    w.register_kv_caches(caches)
-    h = Hooks(w)
-    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
-    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))
+    w, h, nv, ctl = nvme_rig(tmp_path, st, caches)
     keys = [b"k0", b"k1", b"k2"]
     _, rep = h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2], [1, 2, 3])],
                                    copies=[CopyOp(2, [0, 1, 2], [10, 11, 12], keys)], **nv), [])
@@ -138,14 +144,7 @@ class FailingQuery(probes.DeferredStreams):
 
 
 def test_a_store_whose_copy_failed_commits_nothing(tmp_path):
-    from kvtier.connector.nvme import NvmeControl
-    from kvtier.policies.lru import LRU
-
-    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=FailingQuery())
-    w.register_kv_caches(flash_caches(blocks=NB))
-    h = Hooks(w)
-    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
-    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))
+    w, h, nv, ctl = nvme_rig(tmp_path, FailingQuery(), flash_caches(blocks=NB))
     _, rep = h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1], [1, 2])],
                                    copies=[CopyOp(2, [0, 1], [3, 4], [b"k0", b"k1"])], **nv), [])
     assert rep.stored == {1: [False, False]} and rep.copied == {2: [-1, -1]}
@@ -224,17 +223,10 @@ def test_staging_rows_are_reused_only_after_the_copies_that_read_them(tmp_path):
     """Two steps of NVMe loads through the same staging rows, the device not running between them:
     the second step's reads overwrite the rows only after the first step's copies ran (the host
     waits there, once), so both steps' blocks are the stored bytes."""
-    from kvtier.connector.nvme import NvmeControl
-    from kvtier.policies.lru import LRU
-
     caches = flash_caches(blocks=NB)
     orig = {n: t.clone() for n, t in caches.items()}
     st = CountingStreams()
-    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=st)
-    w.register_kv_caches(caches)
-    h = Hooks(w)
-    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
-    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, LRU(16))
+    w, h, nv, ctl = nvme_rig(tmp_path, st, caches)
     keys = [b"k0", b"k1", b"k2", b"k3"]
     h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2, 3], [1, 2, 3, 4])],
                           copies=[CopyOp(2, [0, 1, 2, 3], [10, 11, 12, 13], keys)], **nv), [])

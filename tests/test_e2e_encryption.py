@@ -23,12 +23,6 @@ NVME_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    U.set_env()
-    return U.build_tiny_llama(tmp_path_factory.mktemp("tinyllama"))
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return U.prompts(N_PROMPTS, BLOCKS, seed=11)
 
