@@ -6,6 +6,7 @@ holds a non-string value, and remembered; the server is not reported unreachable
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 from pathlib import Path
@@ -230,4 +231,28 @@ def test_native_tier_wrong_typed_values_are_load_misses_not_a_server_down(tmp_pa
         assert tier.all_counters()["server.corrupt_blocks"] == 3
     finally:
         dep.close()
+        cl.close()
+
+
+# ---- the spill manifest kept on the server (kvtier spill / restore) ------------------------------
+
+def test_a_wrong_typed_spill_manifest_is_damaged_not_a_server_down(redis_server):
+    from kvtier.cli.manifest import get_shared_manifest, put_shared_manifest
+    from kvtier.tiers.redis import RedisTier
+
+    t = RedisTier("shared", RedisSettings(url=redis_server.url, timeout_s=5, connect_timeout_s=5),
+                  {"model": "wrong-type-manifest"}, BB)
+    cl = redis_server.client()
+    try:
+        plant(cl, t.ns.prefix + b"manifest:7", "hash")
+        for seed in (7, None):   # by seed, and the newest of those found by SCAN
+            with pytest.raises(OSError) as e:
+                get_shared_manifest(t, seed)
+            assert e.value.errno == errno.EINVAL and "another Redis type" in str(e.value)
+            assert "\n" not in str(e.value)
+        assert not t.conn.breaker.down and "unreachable" not in t.conn.counters
+        put_shared_manifest(t, 7, 0, [])   # written again (SET replaces any type): a manifest again
+        assert get_shared_manifest(t, 7)["seed"] == 7
+    finally:
+        t.close()
         cl.close()
