@@ -256,3 +256,44 @@ def test_a_wrong_typed_spill_manifest_is_damaged_not_a_server_down(redis_server)
     finally:
         t.close()
         cl.close()
+
+
+# ---- the connector: scheduler adapter and worker, without vLLM -----------------------------------
+
+@pytest.mark.parametrize("async_loads", [False, True])
+def test_connector_wrong_typed_values_are_load_errors_not_a_server_down(redis_server, async_loads):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_connector_shared import BS, Req, _ask, _instance, _step
+
+    tag = f"wrongtype-{async_loads}"
+    hashes = [f"{tag}-{i}".encode().ljust(32, b"_") for i in range(4)]
+    a, wa, ca, fp = _instance(redis_server.url, tag, async_loads)
+    b, wb, cb, _ = _instance(redis_server.url, tag, async_loads)
+    cl = redis_server.client()
+    try:
+        req = Req("ra", hashes, 4 * BS + 1)
+        _ask(a, req)
+        a.on_alloc(req, [list(range(5))], 0)
+        _step(a, wa, [("ra", req.num_tokens, list(range(5)))])
+        for t in cb.values():
+            t.zero_()
+        rb = Req("rb", hashes, 4 * BS + 1)
+        assert _ask(b, rb) == 4 * BS
+        names = [Namespace(fp).name(h + (0).to_bytes(4, "big")) for h in hashes]
+        plant(cl, names[2], "hash")                          # found by the lookup, wrong-typed at load
+        plant(cl, names[3], "list")
+        b.on_alloc(rb, [[20, 21, 22, 23, 24]], 4 * BS)
+        _step(b, wb, [])
+        assert wb.take_load_errors() == {22, 23}             # vLLM recomputes from block 2
+        for ta, tb in zip(ca.values(), cb.values()):         # blocks 0-1 loaded byte-exact
+            assert torch.equal(tb[20], ta[0]) and torch.equal(tb[21], ta[1])
+        assert [cl.exists(n) for n in names] == [1, 1, 0, 0]  # the planted values deleted
+        assert b.ctrl.totals["bad_blocks.shared"] == 2
+        assert wb.totals["corrupt_blocks.shared"] == 2 and wb.totals["wrong_type_blocks.shared"] == 2
+        for tot in (b.ctrl.totals, wb.totals):
+            assert not [k for k in tot if k.startswith(("unreachable", "skipped_blocks", "lookup_failures"))], tot
+        assert _ask(b, Req("rc", hashes, 4 * BS + 1)) == 2 * BS   # remembered: the lookup stops there
+    finally:
+        for x in (a, b, wa, wb):
+            x.close()
+        cl.close()
