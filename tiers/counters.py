@@ -79,6 +79,8 @@ class Metric(Enum):
                          "Shared tier: block writes the server refused or lost.")
     BAD_BLOCKS = ("bad_blocks", TIER, None, None, "Shared tier: blocks read back corrupt or foreign at load.")
     DECRYPT_FAILED_BLOCKS = ("decrypt_failed_blocks", TIER, None, None, "Shared tier: sealed values that failed to open.")
+    WRONG_TYPE_BLOCKS = ("wrong_type_blocks", TIER, None, None,
+                         "Shared tier: values of another Redis type (a list, a hash, ...) under a block's key, read as bad.")
     BYTES_READ = ("bytes_read", TIER, None, None, "Shared tier: bytes read from the server.")
     BYTES_WRITTEN = ("bytes_written", TIER, None, None, "Shared tier: bytes written to the server.")
     BAD_DELETED_BLOCKS = ("bad_deleted_blocks", TIER, None, None, "Shared tier: bad values deleted from the server.")

@@ -2,9 +2,11 @@
 
 A value is the block's keyed header (`nvme_block.BlockCodec`, sealed with the fleet's secret,
 naming key, fingerprint namespace, rank, length and payload hash) then the payload. A value that
-is absent (the server evicted it), truncated, foreign or corrupt is a miss for that block,
+is absent (the server evicted it), truncated, foreign, corrupt or of another Redis type (a list,
+a hash, ...: its GET answers WRONGTYPE, the rest of the batch is served) is a miss for that block,
 counted, never bytes handed on; a bad one is deleted on the server if it still holds that very
-value (`drop_bad`: a script compares its SHA-1, so a good value written since stays) and is
+value (`drop_bad`: a script compares its SHA-1, or for another type checks it is still not a
+string, so a good value written since stays) and is
 reported `bad` (the controller remembers it: the next lookup misses). Transfers run on a small thread pool, each thread one pipeline
 of at most `batch_bytes` of values per round trip; the caller polls or waits on the handle.
 Puts copy no payload: the header is sealed on its own and the client's `ZeroCopyPacker` sends
@@ -37,8 +39,15 @@ from .counters import Metric
 log = logging.getLogger("kvtier.redis")
 
 EXISTS_BATCH = 2048   # keys per pipelined EXISTS round trip
-# delete a key only while it holds the value whose SHA-1 is ARGV[1] (the bad value read)
-DROP_IF_SAME = ("local v = redis.call('GET', KEYS[1]) "
+NOT_A_STRING = "not-a-string"   # `drop_bad`'s digest of a value of another Redis type (a list, a hash, ...)
+WRONG_TYPE = "wrong type: a value of another Redis type (list, hash, set, ...), not a string"
+# delete a key only while it holds the bad value read: the string whose SHA-1 is ARGV[1], or, for
+# NOT_A_STRING, any value but a string (a block written since is a string: it stays)
+DROP_IF_SAME = ("local t = redis.call('TYPE', KEYS[1])['ok'] "
+                "if ARGV[1] == '" + NOT_A_STRING + "' then "
+                "if t ~= 'string' and t ~= 'none' then return redis.call('DEL', KEYS[1]) end return 0 end "
+                "if t ~= 'string' then return 0 end "
+                "local v = redis.call('GET', KEYS[1]) "
                 "if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0")
 
 
@@ -73,6 +82,12 @@ def _wrong_size(codec, k: bytes, n: int, bb: int) -> str:
         return (f"{NOT_OURS}: a plaintext value, this tier is encrypted" if codec.sealer is not None
                 else f"{NOT_OURS}: an encrypted value, this tier has no encryption key")
     return "truncated value" if n < h + bb else "value too long"
+
+
+def _wrong_type(reply) -> bool:
+    """A pipeline's reply for a key holding another Redis type: that value is bad, the server fine."""
+    from redis.exceptions import ResponseError
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
 
 
 def _cause(why: str) -> str:
@@ -202,7 +217,7 @@ class RedisData:
                 groups.setdefault(node.name, (node, []))[1].append(i)
         except Exception:  # no slot table yet (never connected): redis-py's own path
             return self._get_pipeline(keys, dsts)
-        ok = [False] * len(keys)
+        ok, bad = [False] * len(keys), [False] * len(keys)
         nbytes, errors = 0, []
         for node, idx in groups.values():
             ks, ds = [keys[i] for i in idx], [dsts[i] for i in idx]
@@ -210,18 +225,22 @@ class RedisData:
             r = self._get_direct(ks, ds, rc.connection_pool) if rc is not None else None
             if r is None:
                 r = self._get_pipeline(ks, ds)
-            for i, o in zip(idx, r.ok):
-                ok[i] = o
+            for j, i in enumerate(idx):
+                ok[i] = r.ok[j]
+                bad[i] = bool(r.bad) and r.bad[j]
             nbytes += r.nbytes
             errors += r.errors
-        return IOResult(ok=ok, nbytes=nbytes, errors=errors)
+        return IOResult(ok=ok, nbytes=nbytes, errors=errors, bad=bad if any(bad) else [])
 
     def _get_pipeline(self, keys: list[bytes], dsts: list[torch.Tensor]) -> IOResult:
         try:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
                 pipe.get(self.ns.name(k))
-            vals = pipe.execute()
+            vals = pipe.execute(raise_on_error=False)
+            failed = next((v for v in vals if isinstance(v, Exception) and not _wrong_type(v)), None)
+            if failed is not None:
+                raise failed
         except Exception as e:
             self.breaker.fail(e)
             return IOResult(ok=[False] * len(keys), errors=[f"{self.s.where}: {type(e).__name__}"])
@@ -235,6 +254,10 @@ class RedisData:
             if v is None:
                 missing += 1
                 ok.append(False)
+                continue
+            if isinstance(v, Exception):  # WRONGTYPE: a list, a hash, ... under the block's key
+                ok.append(False)
+                dropped.append((k, NOT_A_STRING, WRONG_TYPE))
                 continue
             h = codec.header_size(k)
             why = (_wrong_size(codec, k, len(v), bb) if len(v) != h + bb else
@@ -276,6 +299,10 @@ class RedisData:
                 if line == b"_":  # RESP3's null
                     missing += 1
                     ok.append(False)
+                    continue
+                if line.startswith(b"-WRONGTYPE"):  # a list, a hash, ... under the block's key
+                    ok.append(False)
+                    dropped.append((k, NOT_A_STRING, WRONG_TYPE))
                     continue
                 if line.startswith((b"-MOVED", b"-ASK")):
                     raise Redirected()
@@ -338,14 +365,17 @@ class RedisData:
             sealed = sum(why.startswith(FAILED) for _, _, why in dropped)
             if sealed:  # of those, the ones that did not open (`sealing`)
                 self.count(Metric.DECRYPT_FAILED_BLOCKS, sealed)
-            for _, _, why in dropped:
+            wrong = sum(d == NOT_A_STRING for _, d, _ in dropped)
+            if wrong:  # of those, values of another Redis type
+                self.count(Metric.WRONG_TYPE_BLOCKS, wrong)
+            for _, d, why in dropped:
                 self._warn_once("bad:" + _cause(why), "kvtier: shared tier %s: a value failed verification (%s): "
                                 "not served, %s, and a miss for later lookups (counted in %s; more of this cause "
                                 "not logged)", self.s.where, why,
                                 "left on the server (another reader may hold its key)" if why.startswith(NOT_OURS)
                                 else "deleted on the server unless rewritten since",
-                                "corrupt_blocks and decrypt_failed_blocks" if why.startswith(FAILED)
-                                else "corrupt_blocks")
+                                "corrupt_blocks and decrypt_failed_blocks" if why.startswith(FAILED) else
+                                "corrupt_blocks and wrong_type_blocks" if d == NOT_A_STRING else "corrupt_blocks")
             if ours:
                 self.drop_bad(ours)
             names = {k for k, _, _ in dropped}

@@ -153,12 +153,17 @@ def _shared_manifest_name(shared: Any, seed: int) -> bytes:
 
 
 def _on_server(shared: Any, fn: Callable[[Any], Any]) -> Any:
-    """fn(redis client); a server error is an OSError naming the server (and trips its breaker)."""
+    """fn(redis client); a server error is an OSError naming the server (and trips its breaker); a
+    manifest key holding another Redis type (WRONGTYPE) is a damaged manifest, the server fine."""
     try:
         return fn(shared.conn.client)
     except Exception as e:   # redis-py's ConnectionError, TimeoutError, ResponseError, cluster errors
         if not type(e).__module__.startswith("redis"):
             raise
+        if str(e).startswith("WRONGTYPE"):
+            where = f"on shared tier {shared.settings.where} (namespace {shared.ns.ns})"
+            raise OSError(errno.EINVAL, f"spill manifest {where} is damaged: its key holds a value of another "
+                          f"Redis type (a list, a hash, ...), not a string", where) from None
         shared.conn.breaker.fail(e)
         raise OSError(errno.EHOSTUNREACH, f"shared tier {shared.settings.where}: {type(e).__name__}: "
                       f"{str(e).splitlines()[0] if str(e) else ''}", shared.settings.where) from None
