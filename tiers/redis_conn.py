@@ -7,7 +7,8 @@
 - `Breaker`: a dead or slow server is one warning, a counter per failure, misses meanwhile, and
   reconnection attempts with exponential backoff; one info line when it answers again.
 
-Credentials never reach a log line: `redact(url)` is what is shown.
+Credentials never reach a log line: `where` (the URL through `redact.redact`) is what is shown,
+and `RedisSettings` prints no URL, password or secret (its repr and str are `where`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from .nvme_block import BlockCodec
 from .counters import Metric
+from .redact import redact
 
 log = logging.getLogger("kvtier.redis")
 
@@ -57,17 +59,7 @@ class RedisSettings:
     def __repr__(self) -> str:  # never the password or the secret
         return f"RedisSettings({self.where}, timeout {self.timeout_s}s, pool {self.pool_size})"
 
-
-def redact(url: str) -> str:
-    """`url` without user name and password."""
-    u = urlsplit(url)
-    if u.username is None and u.password is None:
-        return url
-    host = u.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = ("***@" if u.username or u.password else "") + host + (f":{u.port}" if u.port else "")
-    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+    __str__ = __repr__
 
 
 class Parts(tuple):
@@ -245,6 +237,5 @@ class Breaker:
 
 
 def error_text(e: BaseException) -> str:
-    """An exception's text, first line, with any URL redacted."""
-    s = str(e).splitlines()[0] if str(e) else ""
-    return " ".join(redact(w) if "://" in w else w for w in s.split(" "))
+    """An exception's text, first line, with every password in it redacted (`redact`)."""
+    return redact(str(e).splitlines()[0] if str(e) else "")
