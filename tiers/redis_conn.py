@@ -113,13 +113,14 @@ def _packer_class():
 _CONN_CLASSES: dict = {}
 
 
-def _connection_class(ssl: bool):
-    """A redis-py Connection (SSLConnection) class whose packer is `ZeroCopyPacker`: the way to
-    give RedisCluster's node connections our packer (it drops a `command_packer` argument)."""
-    if ssl not in _CONN_CLASSES:
-        from redis.connection import Connection, SSLConnection
+def _connection_class(scheme: str):
+    """A redis-py Connection (SSLConnection for rediss://, UnixDomainSocketConnection for unix://)
+    class whose packer is `ZeroCopyPacker`: the way to give RedisCluster's node connections our
+    packer (it drops a `command_packer` argument)."""
+    if scheme not in _CONN_CLASSES:
+        from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
         packer = _packer_class()
-        base = SSLConnection if ssl else Connection
+        base = {"rediss": SSLConnection, "unix": UnixDomainSocketConnection}.get(scheme, Connection)
 
         class ZeroCopyConnection(base):  # type: ignore[valid-type, misc]
             def __init__(self, *a, **kw):
@@ -128,8 +129,8 @@ def _connection_class(ssl: bool):
                 self._command_packer = packer(self._buffer_cutoff, self.encoder.encode)
 
         ZeroCopyConnection.__name__ = "ZeroCopy" + base.__name__
-        _CONN_CLASSES[ssl] = ZeroCopyConnection
-    return _CONN_CLASSES[ssl]
+        _CONN_CLASSES[scheme] = ZeroCopyConnection
+    return _CONN_CLASSES[scheme]
 
 
 def connect(s: RedisSettings, plain: bool = False) -> Any:
@@ -150,17 +151,18 @@ def connect(s: RedisSettings, plain: bool = False) -> Any:
         kw["username"] = s.username
     if s.password:
         kw["password"] = s.password
-    tls = urlsplit(s.url).scheme == "rediss"
+    scheme = urlsplit(s.url).scheme
+    tls = scheme == "rediss"
     if tls and s.tls_ca:
         kw["ssl_ca_certs"] = s.tls_ca
     if s.cluster:
         from redis.cluster import RedisCluster
         if not tls and not plain:  # a rediss:// URL makes RedisCluster override connection_class with its own
-            kw["connection_class"] = _connection_class(False)
+            kw["connection_class"] = _connection_class("redis")
         client = RedisCluster.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
     else:
         if not plain:
-            kw["connection_class"] = _connection_class(tls)  # from_url keeps an explicit connection_class
+            kw["connection_class"] = _connection_class(scheme)  # from_url keeps an explicit connection_class
         client = redis.Redis.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
     client.kvtier_zero_copy = not plain and not (s.cluster and tls)
     return client

@@ -1,0 +1,256 @@
+"""No secret is ever printed (issue 33 item 5): strict encryption keys, and no Redis password in
+any URL form in anything kvtier prints.
+
+Keys: a key file holds exactly 32 raw bytes or 64 hex digits (one newline allowed), a variable
+64 hex digits; anything else is one config line (exit 2; vLLM's start refused) naming the field
+and the file or variable, never the key. Passwords: a real redis-server with `requirepass`, the
+real CLI (spill, restore, inspect text and --json, bench --redis) with the password in each URL
+form kvtier takes, the right one, a wrong one and no server at all: the password string is in no
+stdout, stderr or log record.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli.main import main
+from kvtier.core.config import ConfigError, parse_config
+from kvtier.tiers.redact import redact
+from kvtier.tiers.redis_conn import RedisSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = bytes(range(200, 232))          # a raw key (not text)
+PW = "Pw-s3cr3t-7Hq"                  # the server's password: must never be printed
+WRONG = "Wr0ng-pw-K9z"                # a wrong one: never printed either
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+def _nvme_cfg(tmp_path: Path, enc: str, name: str = "stack.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(f"""
+block_bytes: 64KiB
+tiers:
+  - {{name: cpu, kind: cpu, capacity_blocks: 8}}
+  - {{name: nvme, kind: nvme, path: {tmp_path}/nvme, capacity_blocks: 32, io: posix, encryption: {enc}}}
+""")
+    return str(p)
+
+
+def _key_file(tmp_path: Path, name: str, data: bytes) -> str:
+    p = tmp_path / name
+    p.write_bytes(data)
+    os.chmod(p, 0o600)
+    return str(p)
+
+
+GOOD_FILES = {"raw": KEY, "hex": KEY.hex().encode(), "hex-lf": KEY.hex().encode() + b"\n",
+              "hex-crlf": KEY.hex().encode() + b"\r\n", "HEX": KEY.hex().upper().encode()}
+BAD_FILES = {"hex-128-bit": KEY.hex()[:32].encode(),                 # 32 bytes: once taken as a raw key
+             "hex-128-bit-lf": KEY.hex()[:32].encode() + b"\n",
+             "passphrase-32": b"correct horse battery staple 123",   # 32 bytes of text
+             "raw-33": KEY + b"\x01", "raw-lf": KEY + b"\n", "base64": b"yMnKy8zNzs/Q0dLT1NXW19jZ2tvc3d7f4OHi4+Tl5uc=\n",
+             "empty": b"", "hex-two-lf": KEY.hex().encode() + b"\n\n", "hex-63": KEY.hex()[:63].encode() + b"\n"}
+
+
+@pytest.mark.parametrize("name", sorted(GOOD_FILES))
+def test_key_file_forms_taken(tmp_path, capsys, name):
+    p = _key_file(tmp_path, "k", GOOD_FILES[name])
+    assert main(["spill", "--config", _nvme_cfg(tmp_path, f"{{key_file: {p}}}"), "--blocks", "2", "-q"]) == 0
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_key_file_other_forms_are_one_config_line(tmp_path, capsys, name):
+    data = BAD_FILES[name]
+    p = _key_file(tmp_path, "k", data)
+    rc = main(["spill", "--config", _nvme_cfg(tmp_path, f"{{key_file: {p}}}"), "--blocks", "2", "-q"])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert lines[0].startswith("kvtier: error: config error: ") and f"tiers[nvme].encryption.key_file {p}: " in lines[0]
+    assert "expected exactly 32 raw bytes, or 64 hex digits and at most one newline" in lines[0]
+    body = data.strip()
+    assert not body or body.decode("latin-1") not in out + err
+    assert not (tmp_path / "nvme").exists()     # refused before anything was written
+
+
+@pytest.mark.parametrize("value", [KEY.hex()[:32], "correct horse battery staple 123", "hunter2", "",
+                                   "yMnKy8zNzs/Q0dLT1NXW19jZ2tvc3d7f4OHi4+Tl5uc=", KEY.hex() + "0"])
+def test_key_env_takes_64_hex_digits_only(tmp_path, capsys, monkeypatch, value):
+    monkeypatch.setenv("KVTIER_TEST_KEY", KEY.hex())
+    monkeypatch.setenv("KVTIER_TEST_OLD", value)
+    cfg = _nvme_cfg(tmp_path, "{key_env: KVTIER_TEST_KEY, read_keys: [{key_env: KVTIER_TEST_OLD}]}")
+    rc = main(["spill", "--config", cfg, "--blocks", "2", "-q"])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1, err
+    assert "tiers[nvme].encryption.read_keys[0].key_env $KVTIER_TEST_OLD: " in lines[0]
+    assert lines[0].endswith("expected exactly 64 hex digits")
+    assert not value or value not in out + err
+    monkeypatch.setenv("KVTIER_TEST_OLD", KEY.hex().upper() + "\n")     # the one form, one newline
+    assert main(["spill", "--config", cfg, "--blocks", "2", "-q"]) == 0
+
+
+def test_a_bad_key_refuses_vllms_start_in_one_line(tmp_path, monkeypatch):
+    """The class methods vLLM calls before it builds the connector read the keys: a 128-bit hex key
+    refuses the start with the one line (`connector/start_check.py`), never the key."""
+    from kvtier.connector.start_check import StartChecks, StartRefused
+    p = _key_file(tmp_path, "k", KEY.hex()[:32].encode() + b"\n")
+    cfg = _nvme_cfg(tmp_path, f"{{key_file: {p}}}")
+    with pytest.raises(StartRefused) as e:
+        StartChecks.requires_piecewise_for_cudagraph({"config": cfg})
+    line = e.value.code
+    assert line.startswith(f"kvtier: error: {cfg}: tiers[nvme].encryption.key_file {p}: not a 256-bit key")
+    assert "\n" not in line and KEY.hex()[:32] not in line
+    monkeypatch.setenv("KVTIER_TEST_KEY", "a passphrase, not a key")
+    with pytest.raises(StartRefused, match=r"encryption.key_env \$KVTIER_TEST_KEY: not a 256-bit key"):
+        StartChecks.requires_piecewise_for_cudagraph({"config": _nvme_cfg(tmp_path, "{key_env: KVTIER_TEST_KEY}",
+                                                                          "env.yaml")})
+    _key_file(tmp_path, "k", KEY)
+    assert StartChecks.requires_piecewise_for_cudagraph({"config": cfg}) is True
+
+
+# ---- passwords ----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _forms(srv, sock: str, pw: str) -> dict[str, tuple[str, str]]:
+    """form -> (the redis tier's YAML fields, the URL a `bench --redis` takes or '')."""
+    hp = f"{srv.host}:{srv.port}"
+    return {"userinfo": (f'url: "redis://:{pw}@{hp}/0"', f"redis://:{pw}@{hp}/0"),
+            "user-and-password": (f'url: "redis://default:{pw}@{hp}/0"', f"redis://default:{pw}@{hp}/0"),
+            "query": (f'url: "redis://{hp}/0?password={pw}"', f"redis://{hp}/0?password={pw}"),
+            "unix-query": (f'url: "unix://{sock}?db=0&password={pw}"', f"unix://{sock}?db=0&password={pw}"),
+            "yaml-field": (f'url: "redis://{hp}/0", password: "{pw}"', ""),
+            "env-url": ('url: "${KVTIER_TEST_SHARED_URL}"', "")}
+
+
+def _shared_cfg(tmp_path: Path, fields: str, data: str = "a") -> str:
+    p = tmp_path / "shared.yaml"
+    p.write_text(f"""
+block_bytes: 64KiB
+model: secrets-test
+tiers:
+  - {{name: cpu, kind: cpu, capacity_blocks: 8}}
+  - {{name: nvme, kind: nvme, path: {tmp_path}/{data}, capacity_blocks: 32, io: posix}}
+  - {{name: shared, kind: redis, {fields}, timeout_s: 2, connect_timeout_s: 2}}
+policy: {{demotion: write_back}}
+""")
+    return str(p)
+
+
+class Printed:
+    """Everything the commands printed and logged in one test: stdout, stderr, log records (their
+    messages, arguments and tracebacks, as caplog formats them)."""
+
+    def __init__(self, capsys, caplog) -> None:
+        self.capsys, self.caplog, self.text = capsys, caplog, []
+
+    def run(self, *argv: str) -> int:
+        rc = main(list(argv))
+        out, err = self.capsys.readouterr()
+        self.text += [out, err]
+        if "--json" in argv and out.strip():
+            json.loads(out.strip().splitlines()[-1])   # still one valid JSON object
+        return rc
+
+    def all(self) -> str:
+        return "\n".join(self.text + [self.caplog.text] + [repr(r.args) for r in self.caplog.records])
+
+
+@pytest.fixture(scope="module")
+def pw_server(tmp_path_factory):
+    """One redis-server with `requirepass PW`, on TCP and on a unix socket."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import redis_util
+    d = tmp_path_factory.mktemp("sock")
+    srv = redis_util.RedisServer(password=PW, extra={"unixsocket": str(d / "r.sock"), "unixsocketperm": "700"})
+    srv.start()
+    yield srv, str(d / "r.sock")
+    srv.close()
+
+
+@pytest.mark.parametrize("form", ["userinfo", "user-and-password", "query", "unix-query", "yaml-field", "env-url"])
+def test_no_password_printed_by_the_cli(tmp_path, capsys, caplog, monkeypatch, pw_server, form):
+    """The right password (the commands work), a wrong one and a server that is not there (the
+    error paths): neither password in any output, any log record or any --json object."""
+    caplog.set_level(logging.DEBUG)
+    srv, sock = pw_server
+    p = Printed(capsys, caplog)
+    dead = type("Dead", (), {"host": "127.0.0.1", "port": _free_port()})()
+    for i, (pw, where, ok) in enumerate(((PW, srv, True), (WRONG, srv, False), (PW, dead, False))):
+        fields, url = _forms(where, sock if where is srv else str(tmp_path / "absent.sock"), pw)[form]
+        monkeypatch.setenv("KVTIER_TEST_SHARED_URL", f"redis://{where.host}:{where.port}/0?password={pw}")
+        cfg = _shared_cfg(tmp_path, fields, data=f"a{i}")
+        assert p.run("spill", "--config", cfg, "--blocks", "4", "--seed", "3", "-q") == 0
+        assert p.run("spill", "--config", cfg, "--blocks", "4", "--seed", "3", "-q", "--json") == 0
+        cfg = _shared_cfg(tmp_path, fields, data=f"b{i}")     # nothing on disk: from the server
+        rc = p.run("restore", "--config", cfg, "--verify", "-q")
+        assert (rc == 0) == ok, p.text[-1]
+        assert p.run("restore", "--config", cfg, "--verify", "-q", "--json") == rc
+        p.run("inspect", "--config", cfg)
+        p.run("inspect", "--config", cfg, "--json")
+        if url:
+            rc = p.run("bench", "--skip-nvme", "--skip-cpu", "--skip-encrypted", "--redis", url, "--total",
+                       "256KiB", "--repeat", "1", "--sizes", "128KiB", "--json")
+            assert (rc == 0) == ok, p.text[-2:]
+    printed = p.all()
+    assert ("***" in printed) == (form != "yaml-field")   # the servers are named, their URL's passwords hidden
+    assert PW not in printed and WRONG not in printed
+
+
+def test_no_password_printed_by_a_cli_process(tmp_path, pw_server):
+    """The CLI as a process at DEBUG (tracebacks logged): the wrong password of a ?password= URL."""
+    srv, _ = pw_server
+    url = f"redis://{srv.host}:{srv.port}/0?password={WRONG}"
+    cfg = _shared_cfg(tmp_path, f'url: "{url}"')
+    for argv in (["restore", "--config", cfg, "--verify"], ["inspect", "--config", cfg, "--json"],
+                 ["bench", "--skip-nvme", "--skip-cpu", "--redis", url, "--sizes", "128KiB", "--total", "256KiB"]):
+        r = subprocess.run([sys.executable, "-m", "kvtier", "--log-level", "DEBUG", *argv], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+        assert WRONG not in r.stdout + r.stderr and f"{srv.port}/0?password=***" in r.stdout + r.stderr, r.stderr
+
+
+def test_config_errors_and_reprs_never_show_a_password():
+    """A bad URL's error, a password of the wrong type, the settings' and the config's repr/str."""
+    base = [{"name": "cpu", "kind": "cpu", "capacity_blocks": 4}]
+    for tier, shown in (({"url": f"http://:{PW}@h/0"}, "http://:***@h/0"),
+                        ({"url": f"redis://h/0?password={PW}", "password": 12345}, "password: Input should be"),
+                        ({"url": f"redis://h/0", "secret": 67890}, "secret: Input should be")):
+        with pytest.raises(ConfigError) as e:
+            parse_config({"tiers": base + [{"name": "s", "kind": "redis", **tier}]}, check_env=False)
+        assert shown in str(e.value) and PW not in str(e.value) and "12345" not in str(e.value) \
+            and "67890" not in str(e.value)
+    cfg = parse_config({"tiers": base + [{"name": "s", "kind": "redis", "url": f"redis://u:{PW}@h/0?password={PW}",
+                                          "password": PW, "secret": PW}]}, check_env=False)
+    s = RedisSettings.of(cfg.tiers[1])
+    for text in (repr(cfg), str(cfg), repr(cfg.tiers[1]), repr(s), str(s), s.where):
+        assert PW not in text, text
+    assert s.where == "redis://u:***@h/0?password=***"
+
+
+@pytest.mark.parametrize("text, shown", [
+    (f"redis://:{PW}@h:6379/0", "redis://:***@h:6379/0"),
+    (f"rediss://alice:{PW}@h:6380/2", "rediss://alice:***@h:6380/2"),
+    (f"redis://h:6379/0?password={PW}&db=1", "redis://h:6379/0?password=***&db=1"),
+    (f"unix:///run/r.sock?db=0&password={PW}", "unix:///run/r.sock?db=0&password=***"),
+    (f"unix://:{PW}@/run/r.sock", "unix://:***@/run/r.sock"),
+    (f"redis://:{PW}@h:port/0", "redis://:***@h:port/0"),                 # not a URL urlsplit reads
+    (f"Error connecting to redis://:{PW}@h:1/0 (refused)", "Error connecting to redis://:***@h:1/0 (refused)"),
+    (f"Connection(password='{PW}', host='h')", "Connection(password='***', host='h')"),
+    (f'{{"password": "{PW}", "hit_tokens": 3}}', '{"password": "***", "hit_tokens": 3}'),
+    (f"  password: {PW}", "  password: ***"),
+    ("redis://h:6379/0", "redis://h:6379/0"), ("tiers.1.password: Input should be", "tiers.1.password: Input should be"),
+])
+def test_redact(text, shown):
+    assert redact(text) == shown
