@@ -33,13 +33,13 @@ WRONG = "Wr0ng-pw-K9z"                # a wrong one: never printed either
 
 
 # ---- keys ---------------------------------------------------------------------------------------
-def _nvme_cfg(tmp_path: Path, enc: str, name: str = "stack.yaml") -> str:
+def _nvme_cfg(tmp_path: Path, enc: str, name: str = "stack.yaml", data: str = "nvme") -> str:
     p = tmp_path / name
     p.write_text(f"""
 block_bytes: 64KiB
 tiers:
   - {{name: cpu, kind: cpu, capacity_blocks: 8}}
-  - {{name: nvme, kind: nvme, path: {tmp_path}/nvme, capacity_blocks: 32, io: posix, encryption: {enc}}}
+  - {{name: nvme, kind: nvme, path: {tmp_path}/{data}, capacity_blocks: 32, io: posix, encryption: {enc}}}
 """)
     return str(p)
 
@@ -60,25 +60,26 @@ BAD_FILES = {"hex-128-bit": KEY.hex()[:32].encode(),                 # 32 bytes:
              "empty": b"", "hex-two-lf": KEY.hex().encode() + b"\n\n", "hex-63": KEY.hex()[:63].encode() + b"\n"}
 
 
-@pytest.mark.parametrize("name", sorted(GOOD_FILES))
-def test_key_file_forms_taken(tmp_path, capsys, name):
-    p = _key_file(tmp_path, "k", GOOD_FILES[name])
-    assert main(["spill", "--config", _nvme_cfg(tmp_path, f"{{key_file: {p}}}"), "--blocks", "2", "-q"]) == 0
-
-
-@pytest.mark.parametrize("name", sorted(BAD_FILES))
-def test_key_file_other_forms_are_one_config_line(tmp_path, capsys, name):
-    data = BAD_FILES[name]
-    p = _key_file(tmp_path, "k", data)
-    rc = main(["spill", "--config", _nvme_cfg(tmp_path, f"{{key_file: {p}}}"), "--blocks", "2", "-q"])
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1, err
-    assert lines[0].startswith("kvtier: error: config error: ") and f"tiers[nvme].encryption.key_file {p}: " in lines[0]
-    assert "expected exactly 32 raw bytes, or 64 hex digits and at most one newline" in lines[0]
-    body = data.strip()
-    assert not body or body.decode("latin-1") not in out + err
-    assert not (tmp_path / "nvme").exists()     # refused before anything was written
+def test_key_file_takes_its_two_forms_only(tmp_path, capsys):
+    """32 raw bytes or 64 hex digits (one newline) spill; any other content is one config line
+    naming the field and the file and what it takes, exit 2, nothing written, no byte of the key."""
+    for name, data in GOOD_FILES.items():
+        p = _key_file(tmp_path, f"good-{name}", data)
+        cfg = _nvme_cfg(tmp_path, f"{{key_file: {p}}}", data=f"nvme-{name}")
+        assert main(["spill", "--config", cfg, "--blocks", "2", "-q"]) == 0, (name, capsys.readouterr().err)
+    capsys.readouterr()
+    for name, data in BAD_FILES.items():
+        p = _key_file(tmp_path, f"bad-{name}", data)
+        rc = main(["spill", "--config", _nvme_cfg(tmp_path, f"{{key_file: {p}}}", "bad.yaml"), "--blocks", "2", "-q"])
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1, (name, err)
+        assert lines[0].startswith("kvtier: error: config error: ")
+        assert f"tiers[nvme].encryption.key_file {p}: not a 256-bit key" in lines[0], (name, lines[0])
+        assert lines[0].endswith("expected exactly 32 raw bytes, or 64 hex digits and at most one newline")
+        body = data.strip()
+        assert not body or body.decode("latin-1") not in out + err
+        assert not (tmp_path / "nvme").exists(), name     # refused before anything was written
 
 
 @pytest.mark.parametrize("value", [KEY.hex()[:32], "correct horse battery staple 123", "hunter2", "",
@@ -254,3 +255,37 @@ def test_config_errors_and_reprs_never_show_a_password():
 ])
 def test_redact(text, shown):
     assert redact(text) == shown
+
+
+# ---- in vLLM ------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_no_password_in_vllms_start_state_or_trace(tmp_path, monkeypatch, capsys, caplog, pw_server):
+    """kvtier in real vLLM with `redis_url` holding `?password=`: the connector's start lines, every
+    log record, the server's state file (and `kvtier inspect --server`) and the recorded trace
+    name the server with `***` for the password; blocks still reach the server (the URL works)."""
+    import vllm_util as U
+    if not U.vllm_available():
+        pytest.skip("vLLM not installed")
+    srv, _ = pw_server
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("KVTIER_RUN_DIR", str(tmp_path / "run"))
+    U.set_env()
+    model = U.build_tiny_llama(tmp_path / "m")
+    trace = tmp_path / "trace.jsonl"
+    url = f"redis://{srv.host}:{srv.port}/0?password={PW}"
+    llm = U.make_llm(model, U.kvtier_config(cpu_capacity_blocks=8, redis_url=url, model_identity="secrets-test",
+                                            record_trace=str(trace)))
+    try:
+        U.generate(llm, U.prompts(2, 3, seed=5), max_tokens=2)
+        assert main(["inspect", "--server"]) == 0
+        assert srv.client().dbsize() > 0                # the blocks reached the password-protected server
+    finally:
+        U.shutdown(llm)
+    out, err = capsys.readouterr()
+    state = "".join(p.read_text() for p in (tmp_path / "run").glob("*.json"))
+    printed = "\n".join([out, err, caplog.text, state, trace.read_text()[:4096]] +
+                        [repr(r.args) for r in caplog.records])
+    assert "kvtier connector (scheduler) started" in caplog.text and state
+    assert f"{srv.port}/0?password=***" in caplog.text
+    assert PW not in printed
