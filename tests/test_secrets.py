@@ -181,33 +181,38 @@ def pw_server(tmp_path_factory):
     srv.close()
 
 
-@pytest.mark.parametrize("form", ["userinfo", "user-and-password", "query", "unix-query", "yaml-field", "env-url"])
-def test_no_password_printed_by_the_cli(tmp_path, capsys, caplog, monkeypatch, pw_server, form):
-    """The right password (the commands work), a wrong one and a server that is not there (the
-    error paths): neither password in any output, any log record or any --json object."""
+FORMS = ("userinfo", "user-and-password", "query", "unix-query", "yaml-field", "env-url")
+
+
+def test_no_password_printed_by_the_cli(tmp_path, capsys, caplog, monkeypatch, pw_server):
+    """Each form of giving the password; the right one (the commands work), a wrong one and a
+    server that is not there (the error paths): neither password in any output, any log record or
+    any --json object."""
     caplog.set_level(logging.DEBUG)
     srv, sock = pw_server
-    p = Printed(capsys, caplog)
     dead = type("Dead", (), {"host": "127.0.0.1", "port": _free_port()})()
-    for i, (pw, where, ok) in enumerate(((PW, srv, True), (WRONG, srv, False), (PW, dead, False))):
-        fields, url = _forms(where, sock if where is srv else str(tmp_path / "absent.sock"), pw)[form]
-        monkeypatch.setenv("KVTIER_TEST_SHARED_URL", f"redis://{where.host}:{where.port}/0?password={pw}")
-        cfg = _shared_cfg(tmp_path, fields, data=f"a{i}")
-        assert p.run("spill", "--config", cfg, "--blocks", "4", "--seed", "3", "-q") == 0
-        assert p.run("spill", "--config", cfg, "--blocks", "4", "--seed", "3", "-q", "--json") == 0
-        cfg = _shared_cfg(tmp_path, fields, data=f"b{i}")     # nothing on disk: from the server
-        rc = p.run("restore", "--config", cfg, "--verify", "-q")
-        assert (rc == 0) == ok, p.text[-1]
-        assert p.run("restore", "--config", cfg, "--verify", "-q", "--json") == rc
-        p.run("inspect", "--config", cfg)
-        p.run("inspect", "--config", cfg, "--json")
-        if url:
-            rc = p.run("bench", "--skip-nvme", "--skip-cpu", "--skip-encrypted", "--redis", url, "--total",
-                       "256KiB", "--repeat", "1", "--sizes", "128KiB", "--json")
-            assert (rc == 0) == ok, p.text[-2:]
-    printed = p.all()
-    assert ("***" in printed) == (form != "yaml-field")   # the servers are named, their URL's passwords hidden
-    assert PW not in printed and WRONG not in printed
+    for form in FORMS:
+        p = Printed(capsys, caplog)
+        caplog.clear()
+        for i, (pw, where, ok) in enumerate(((PW, srv, True), (WRONG, srv, False), (PW, dead, False))):
+            fields, url = _forms(where, sock if where is srv else str(tmp_path / "absent.sock"), pw)[form]
+            monkeypatch.setenv("KVTIER_TEST_SHARED_URL", f"redis://{where.host}:{where.port}/0?password={pw}")
+            cfg = _shared_cfg(tmp_path, fields, data=f"{form}-a{i}")
+            assert p.run("spill", "--config", cfg, "--blocks", "4", "--seed", "3", "-q") == 0
+            assert p.run("spill", "--config", cfg, "--blocks", "4", "--seed", "3", "-q", "--json") == 0
+            cfg = _shared_cfg(tmp_path, fields, data=f"{form}-b{i}")     # nothing on disk: from the server
+            rc = p.run("restore", "--config", cfg, "--verify", "-q")
+            assert (rc == 0) == ok, (form, p.text[-1])
+            assert p.run("restore", "--config", cfg, "--verify", "-q", "--json") == rc
+            p.run("inspect", "--config", cfg)
+            p.run("inspect", "--config", cfg, "--json")
+            if url:
+                rc = p.run("bench", "--skip-nvme", "--skip-cpu", "--skip-encrypted", "--redis", url, "--total",
+                           "256KiB", "--repeat", "1", "--sizes", "128KiB", "--json")
+                assert (rc == 0) == ok, (form, p.text[-2:])
+        printed = p.all()
+        assert ("***" in printed) == (form != "yaml-field"), form   # servers named, their URL's passwords hidden
+        assert PW not in printed and WRONG not in printed, form
 
 
 def test_no_password_printed_by_a_cli_process(tmp_path, pw_server):
