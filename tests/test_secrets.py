@@ -285,12 +285,31 @@ def test_no_password_in_vllms_start_state_or_trace(tmp_path, monkeypatch, capsys
         U.generate(llm, U.prompts(2, 3, seed=5), max_tokens=2)
         assert main(["inspect", "--server"]) == 0
         assert srv.client().dbsize() > 0                # the blocks reached the password-protected server
+        metrics = _metrics_text(llm)
     finally:
         U.shutdown(llm)
     out, err = capsys.readouterr()
     state = "".join(p.read_text() for p in (tmp_path / "run").glob("*.json"))
-    printed = "\n".join([out, err, caplog.text, state, trace.read_text()[:4096]] +
+    printed = "\n".join([out, err, caplog.text, state, trace.read_text()[:4096], metrics] +
                         [repr(r.args) for r in caplog.records])
+    assert 'tier="shared"' in metrics
     assert "kvtier connector (scheduler) started" in caplog.text and state
     assert f"{srv.port}/0?password=***" in caplog.text
     assert PW not in printed
+
+
+def _metrics_text(llm) -> str:
+    """/metrics as vLLM's API server makes it: the connector's `build_prom_metrics` on this
+    engine's config, fed the scheduler's totals, rendered by prometheus_client."""
+    import prometheus_client
+
+    import kvtier.connector as C
+    reg = prometheus_client.CollectorRegistry()
+    types = {}
+    for base in (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram):
+        types[base] = type(base.__name__, (base,), {"__init__": lambda self, *a, _b=base, **k:
+                                                     _b.__init__(self, *a, registry=reg, **k)})
+    sc = [c for c in C.live_connectors("scheduler") if c.sched is not None][0]
+    m = type(sc).build_prom_metrics(llm.llm_engine.vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    m.observe(dict(sc.sched.totals))
+    return prometheus_client.generate_latest(reg).decode()
