@@ -313,3 +313,20 @@ def _metrics_text(llm) -> str:
     m = type(sc).build_prom_metrics(llm.llm_engine.vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
     m.observe(dict(sc.sched.totals))
     return prometheus_client.generate_latest(reg).decode()
+
+
+def test_plan_suggests_no_password(tmp_path, capsys):
+    """`kvtier plan`'s suggested YAML of a stack whose shared tier has a password in its URL: the
+    URL comes from $KVTIER_REDIS_URL, its default shown with `***`; the YAML still loads."""
+    from kvtier.offline.workloads import generate, write_trace
+    trace = tmp_path / "chat.jsonl"
+    write_trace(generate("chat", seed=1, block_tokens=128, conversations=40, duration_s=120), trace, 128)
+    for url in (f"redis://127.0.0.1:6390/0?password={PW}", f"redis://:{PW}@127.0.0.1:6390/0"):
+        cfg = tmp_path / "s.yaml"
+        cfg.write_text("block_bytes: 1MiB\nblock_tokens: 128\ntiers:\n  - {name: cpu, kind: cpu, capacity: 1GiB}\n"
+                       f"  - {{name: shared, kind: redis, url: '{url}'}}\n")
+        assert main(["plan", "--trace", str(trace), "-c", str(cfg), "--target-hit", "0.5"]) == 0
+        assert main(["plan", "--trace", str(trace), "-c", str(cfg), "--target-hit", "0.5", "--json"]) == 0
+        out, err = capsys.readouterr()
+        assert "${KVTIER_REDIS_URL:-redis://" in out and "***" in out
+        assert PW not in out + err

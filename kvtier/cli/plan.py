@@ -345,8 +345,8 @@ def _yaml(base: StackConfig, capacity: dict[str, int], head: str) -> str:
             d["capacity"] = capacity[t.name]
         if isinstance(d.get("capacity"), int):
             d["capacity"] = _size_str(d["capacity"])
-        if "url" in d and (redact(d["url"]) != d["url"] or "@" in d["url"]):   # credentials: not copied
-            d["url"] = "${KVTIER_REDIS_URL}"
+        if "url" in d and redact(d["url"]) != d["url"]:   # a password: not copied (the URL from the environment)
+            d["url"] = f"${{KVTIER_REDIS_URL:-{redact(d['url'])}}}"
         lines.append("  - " + yaml.safe_dump(d, default_flow_style=True, sort_keys=False).strip())
     pol = {k: v for k, v in base.policy.model_dump().items() if k != "params" or v}
     lines.append("policy: " + yaml.safe_dump(pol, default_flow_style=True, sort_keys=False).strip())
