@@ -91,7 +91,8 @@ def _check_params(params: dict[str, Any], registries) -> None:
 
 
 class KeySource(_Model):
-    """Where an AES-256 key comes from: a file (0600; 32 raw bytes or 64 hex digits) or a variable."""
+    """Where an AES-256 key comes from: a file (0600; exactly 32 raw bytes or 64 hex digits) or a
+    variable (64 hex digits); read and checked by `tiers/sealing.py` when the tier is built."""
 
     key_file: str | None = None
     key_env: str | None = None
