@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 from kvtier.tiers.once import cause
+from kvtier.tiers.redact import redact
 from kvtier.tiers.counters import Metric
 
 from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of
@@ -65,7 +66,7 @@ class SafeAnswers:
         self._once(("hook", name) + cause(e), logging.ERROR,
                    "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
                    "(counted in hook_errors; later failures of this kind are logged at DEBUG)",
-                   name, type(e).__name__, e, exc_info=e)
+                   name, type(e).__name__, redact(str(e)), exc_info=e)
 
     def _register_failed(self, kv_caches: dict) -> None:
         log.error("kvtier: worker rank %s runs without kvtier: every planned load is recomputed, "

@@ -19,6 +19,7 @@ from kvtier.core.builder import build_tier, build_tiers
 
 from kvtier.core.identity import ModelIdentity
 from kvtier.tiers.counters import Metric
+from kvtier.tiers.redact import redact
 
 log = logging.getLogger("kvtier.connector")
 
@@ -67,7 +68,8 @@ class PersistentTiers:
         except Exception as e:  # noqa: BLE001 - a directory in use, another fingerprint, ...
             self.failed = True
             sched.count(Metric.PERSISTENT_OPEN_FAILED.key)
-            log.error("kvtier: persistent tiers stay closed: opening them failed (%s: %s)", type(e).__name__, e)
+            log.error("kvtier: persistent tiers stay closed: opening them failed (%s: %s)", type(e).__name__,
+                      redact(str(e)))
             return False
         self.closed = []
         sched.persistent_open(ident.value)

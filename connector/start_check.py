@@ -9,9 +9,10 @@ earlier, and both read the config here (`load_settings`, the checks `__init__` r
   is profiled and allocated and before any connector object is built (always, unless
   `VLLM_KV_CACHE_LAYOUT` or a layout in vLLM's cache config makes vLLM skip the question).
 
-A config that fails there raises `StartRefused`, a `SystemExit` whose code is the line
-`kvtier: error: <file>: <field>: <cause>`: Python prints it as the process ends, without a
-traceback. An engine core refused so also leaves the line for its parent (vLLM's API server,
+Both read the encrypted tiers' keys too (`tiers/sealing.py`): a key that cannot be read or is
+not a 256-bit key refuses the start like a bad field. A config that fails there raises
+`StartRefused`, a `SystemExit` whose code is the line `kvtier: error: <file>: <field>: <cause>`:
+Python prints it as the process ends, without a traceback. An engine core refused so also leaves the line for its parent (vLLM's API server,
 which then fails with a traceback of its own), and the parent prints it again as it exits: the
 line ends the server's output.
 """
@@ -27,6 +28,7 @@ import time
 from typing import Any
 
 from kvtier.core.serving_stats import run_dir
+from kvtier.tiers.redact import redact
 
 from .config import load_settings
 
@@ -40,19 +42,24 @@ class StartRefused(SystemExit):
 
 
 def error_line(err: BaseException) -> str:
-    """A config error as `kvtier: error: <file>: <field>: <cause>` (several causes joined by '; ')."""
+    """A config error as `kvtier: error: <file>: <field>: <cause>` (several causes joined by '; '),
+    never a password (`redact`)."""
     first, *rest = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or ["(no message)"]
     if first.endswith(INVALID) and rest:
         first = f"{first[:-len(INVALID)]}: {'; '.join(rest)}"
     elif rest:
         first = " ".join([first, *rest])
-    return PREFIX + first.removeprefix("kvtier: ")
+    return PREFIX + redact(first.removeprefix("kvtier: "))
 
 
 def check_config(extra: dict[str, Any] | None) -> None:
-    """Raise StartRefused when `kv_connector_extra_config` (and the YAML it names) is not a valid config."""
+    """Raise StartRefused when `kv_connector_extra_config` (and the YAML it names) is not a valid
+    config, or an encrypted tier's key cannot be read or is not a 256-bit key."""
+    from kvtier.core.builder import tier_sealer
     try:
-        load_settings(extra)
+        cfg = load_settings(extra)
+        for t in cfg.storage_tiers():
+            tier_sealer(cfg, t)
     except ValueError as e:   # ConfigError, an unknown key
         line = error_line(e)
         if multiprocessing.parent_process() is not None:

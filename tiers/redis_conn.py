@@ -7,7 +7,8 @@
 - `Breaker`: a dead or slow server is one warning, a counter per failure, misses meanwhile, and
   reconnection attempts with exponential backoff; one info line when it answers again.
 
-Credentials never reach a log line: `redact(url)` is what is shown.
+Credentials never reach a log line: `where` (the URL through `redact.redact`) is what is shown,
+and `RedisSettings` prints no URL, password or secret (its repr and str are `where`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from .nvme_block import BlockCodec
 from .counters import Metric
+from .redact import redact
 
 log = logging.getLogger("kvtier.redis")
 
@@ -57,17 +59,7 @@ class RedisSettings:
     def __repr__(self) -> str:  # never the password or the secret
         return f"RedisSettings({self.where}, timeout {self.timeout_s}s, pool {self.pool_size})"
 
-
-def redact(url: str) -> str:
-    """`url` without user name and password."""
-    u = urlsplit(url)
-    if u.username is None and u.password is None:
-        return url
-    host = u.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = ("***@" if u.username or u.password else "") + host + (f":{u.port}" if u.port else "")
-    return urlunsplit((u.scheme, netloc, u.path, u.query, u.fragment))
+    __str__ = __repr__
 
 
 class Parts(tuple):
@@ -121,13 +113,14 @@ def _packer_class():
 _CONN_CLASSES: dict = {}
 
 
-def _connection_class(ssl: bool):
-    """A redis-py Connection (SSLConnection) class whose packer is `ZeroCopyPacker`: the way to
-    give RedisCluster's node connections our packer (it drops a `command_packer` argument)."""
-    if ssl not in _CONN_CLASSES:
-        from redis.connection import Connection, SSLConnection
+def _connection_class(scheme: str):
+    """A redis-py Connection (SSLConnection for rediss://, UnixDomainSocketConnection for unix://)
+    class whose packer is `ZeroCopyPacker`: the way to give RedisCluster's node connections our
+    packer (it drops a `command_packer` argument)."""
+    if scheme not in _CONN_CLASSES:
+        from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
         packer = _packer_class()
-        base = SSLConnection if ssl else Connection
+        base = {"rediss": SSLConnection, "unix": UnixDomainSocketConnection}.get(scheme, Connection)
 
         class ZeroCopyConnection(base):  # type: ignore[valid-type, misc]
             def __init__(self, *a, **kw):
@@ -136,8 +129,8 @@ def _connection_class(ssl: bool):
                 self._command_packer = packer(self._buffer_cutoff, self.encoder.encode)
 
         ZeroCopyConnection.__name__ = "ZeroCopy" + base.__name__
-        _CONN_CLASSES[ssl] = ZeroCopyConnection
-    return _CONN_CLASSES[ssl]
+        _CONN_CLASSES[scheme] = ZeroCopyConnection
+    return _CONN_CLASSES[scheme]
 
 
 def connect(s: RedisSettings, plain: bool = False) -> Any:
@@ -158,17 +151,18 @@ def connect(s: RedisSettings, plain: bool = False) -> Any:
         kw["username"] = s.username
     if s.password:
         kw["password"] = s.password
-    tls = urlsplit(s.url).scheme == "rediss"
+    scheme = urlsplit(s.url).scheme
+    tls = scheme == "rediss"
     if tls and s.tls_ca:
         kw["ssl_ca_certs"] = s.tls_ca
     if s.cluster:
         from redis.cluster import RedisCluster
         if not tls and not plain:  # a rediss:// URL makes RedisCluster override connection_class with its own
-            kw["connection_class"] = _connection_class(False)
+            kw["connection_class"] = _connection_class("redis")
         client = RedisCluster.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
     else:
         if not plain:
-            kw["connection_class"] = _connection_class(tls)  # from_url keeps an explicit connection_class
+            kw["connection_class"] = _connection_class(scheme)  # from_url keeps an explicit connection_class
         client = redis.Redis.from_url(s.url, max_connections=s.pool_size, retry=Retry(NoBackoff(), 0), **kw)
     client.kvtier_zero_copy = not plain and not (s.cluster and tls)
     return client
@@ -245,6 +239,5 @@ class Breaker:
 
 
 def error_text(e: BaseException) -> str:
-    """An exception's text, first line, with any URL redacted."""
-    s = str(e).splitlines()[0] if str(e) else ""
-    return " ".join(redact(w) if "://" in w else w for w in s.split(" "))
+    """An exception's text, first line, with every password in it redacted (`redact`)."""
+    return redact(str(e).splitlines()[0] if str(e) else "")

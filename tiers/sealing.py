@@ -11,15 +11,18 @@ Opening fails (a reason, never an exception) for a block sealed under a key this
 not read, or one whose ciphertext, nonce, tag, key or deployment differ from what was sealed:
 a block copied to another key's slot or into another deployment does not open.
 
-Keys come from a file (32 raw bytes, or 64 hex digits and an optional newline; the file must
-be a regular file of this user, readable by nobody else: mode 0600 or 0400) or from an
-environment variable (64 hex digits).
+Keys come from a file (exactly 32 raw bytes, not text; or exactly 64 hex digits and at most one
+newline; the file must be a regular file of this user, readable by nobody else: mode 0600 or
+0400) or from an environment variable (exactly 64 hex digits). Anything else (a passphrase, a
+128-bit hex key, base64, an empty file) is refused with one line naming the field and the file
+or variable, never a byte of the key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 from typing import Sequence
 
@@ -43,22 +46,45 @@ def key_id(key: bytes) -> bytes:
     return hashlib.blake2b(b"kvtier block key id", key=key, digest_size=ID_BYTES).digest()
 
 
-def _decode(raw: bytes, where: str) -> bytes:
-    if len(raw) == KEY_BYTES:
+_HEX = re.compile(rb"[0-9A-Fa-f]{%d}" % (2 * KEY_BYTES))
+_TEXT = re.compile(rb"[\x20-\x7e\t\r\n]*")
+FILE_FORM = f"exactly {KEY_BYTES} raw bytes, or {2 * KEY_BYTES} hex digits and at most one newline"
+ENV_FORM = f"exactly {2 * KEY_BYTES} hex digits"
+
+
+def _one_newline_off(raw: bytes) -> bytes:
+    return raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def decode_key_file(raw: bytes) -> bytes | None:
+    """The 256-bit key a key file's bytes hold, or None: 32 raw bytes (not text: 32 characters are
+    a passphrase, or a hex key of 128 bits), or 64 hex digits and at most one newline."""
+    if len(raw) == KEY_BYTES and not _TEXT.fullmatch(raw):
         return raw
-    text = raw.strip()
-    if len(text) == 2 * KEY_BYTES:
-        try:
-            return bytes.fromhex(text.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            pass
-    raise BadKey(f"{where}: expected a 256-bit key (32 raw bytes or 64 hex digits), got {len(raw)} bytes "
-                    f"that are neither")
+    text = _one_newline_off(raw)
+    return bytes.fromhex(text.decode("ascii")) if _HEX.fullmatch(text) else None
 
 
-def read_key_file(path: str) -> bytes:
-    """The key in `path`; refused unless it is a regular file of this user with mode 0600 or 0400."""
-    where = f"encryption key file {path}"
+def decode_key_env(value: str) -> bytes | None:
+    """The 256-bit key a variable holds (64 hex digits, at most one newline), or None."""
+    text = _one_newline_off(value.encode("utf-8", "surrogateescape"))
+    return bytes.fromhex(text.decode("ascii")) if _HEX.fullmatch(text) else None
+
+
+def _what(raw: bytes) -> str:
+    """What a refused key holds, by its shape alone (never a byte of it)."""
+    body = _one_newline_off(raw)
+    if not body:
+        return "it is empty"
+    if re.fullmatch(rb"[0-9A-Fa-f]+", body):
+        return f"it holds {len(body)} hex digits"
+    return f"it holds {len(raw)} bytes" + (" of text" if _TEXT.fullmatch(raw) else "")
+
+
+def read_key_file(path: str, field: str = "encryption.key_file") -> bytes:
+    """The key in `path`; refused unless it is a regular file of this user with mode 0600 or 0400
+    holding a key in the one form (`decode_key_file`). `field`: the config field, for the message."""
+    where = f"{field} {path}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -75,19 +101,29 @@ def read_key_file(path: str) -> bytes:
         raw = os.read(fd, 4 * KEY_BYTES)
     finally:
         os.close(fd)
-    return _decode(raw, where)
+    key = decode_key_file(raw)
+    if key is None:
+        raise BadKey(f"{where}: not a 256-bit key ({_what(raw)}); expected {FILE_FORM}")
+    return key
 
 
-def read_key_env(name: str) -> bytes:
-    """The key in environment variable `name` (64 hex digits)."""
+def read_key_env(name: str, field: str = "encryption.key_env") -> bytes:
+    """The key in environment variable `name` (`decode_key_env`)."""
     v = os.environ.get(name)
-    if not v:
-        raise BadKey(f"encryption key variable ${name} is not set")
-    return _decode(v.encode(), f"encryption key variable ${name}")
+    if v is None:
+        raise BadKey(f"{field} ${name}: not set; expected {ENV_FORM}")
+    key = decode_key_env(v)
+    if key is None:
+        raise BadKey(f"{field} ${name}: not a 256-bit key ({_what(v.encode('utf-8', 'surrogateescape'))}); "
+                     f"expected {ENV_FORM}")
+    return key
 
 
-def load_key(key_file: str | None, key_env: str | None) -> bytes:
-    return read_key_file(key_file) if key_file else read_key_env(key_env or "")
+def load_key(key_file: str | None, key_env: str | None, field: str = "encryption") -> bytes:
+    """The key of one `KeySource` (`field`: where it is in the config, e.g. encryption.read_keys[0])."""
+    if key_file:
+        return read_key_file(key_file, field + ".key_file")
+    return read_key_env(key_env or "", field + ".key_env")
 
 
 class Sealer:
@@ -137,4 +173,5 @@ def sealer_of(enc) -> Sealer | None:
     """The `Sealer` of a tier's `encryption` config (None when absent); a bad key: `BadKey`."""
     if enc is None:
         return None
-    return Sealer(load_key(enc.key_file, enc.key_env), [load_key(k.key_file, k.key_env) for k in enc.read_keys])
+    return Sealer(load_key(enc.key_file, enc.key_env),
+                  [load_key(k.key_file, k.key_env, f"encryption.read_keys[{i}]") for i, k in enumerate(enc.read_keys)])

@@ -40,10 +40,12 @@ def check_seed(seed: int | None) -> None:
 
 
 def print_result(args: argparse.Namespace, result: dict, text) -> None:
+    """`result` as JSON (--json) or as `text(result)`; through `redact`: never a password."""
+    from kvtier.tiers.redact import redact, redact_all
     if args is not None and getattr(args, "json", False):
-        print(json.dumps(result, default=str), flush=True)
+        print(json.dumps(redact_all(result), default=str), flush=True)
     else:
-        print(text(result), flush=True)
+        print(redact(text(result)), flush=True)
 
 
 def progress(args: argparse.Namespace, total: int, desc: str):

@@ -109,7 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-class _Formatter(logging.Formatter):
+class _Redacting(logging.Formatter):
+    """Every line (a traceback too) through `redact`: no password is ever printed."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from kvtier.tiers.redact import redact
+        return redact(super().format(record))
+
+
+class _Formatter(_Redacting):
     """The CLI's log lines: `LEVEL logger: message`, without a second `kvtier:` prefix."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -129,7 +137,7 @@ class _StderrHandler(logging.StreamHandler):
 
 
 _STARTUP = _StderrHandler()
-_STARTUP.setFormatter(logging.Formatter("%(message)s"))
+_STARTUP.setFormatter(_Redacting("%(message)s"))
 
 
 class _Terminated(BaseException):
@@ -171,7 +179,9 @@ def _error_line(e: BaseException) -> str:
 
 
 def _fail(args: argparse.Namespace, msg: str, code: int, result: dict | None = None) -> int:
-    msg = " ".join(msg.split())
+    from kvtier.tiers.redact import redact, redact_all
+    msg = redact(" ".join(msg.split()))
+    result = redact_all(result)
     if getattr(args, "json", False):
         out = {"error": {"message": msg, "exit": code, "command": getattr(args, "command", None)}}
         if result is not None:

@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 from kvtier.offline.blockgen import block_data
+from kvtier.tiers.redis_conn import error_text
 
 MANIFEST = "spill-manifest.json"
 MANIFEST_FORMAT = 2   # 2: one record per spill (`spills`); 1 (no `format`): the last spill's only
@@ -166,4 +167,4 @@ def _on_server(shared: Any, fn: Callable[[Any], Any]) -> Any:
                           f"Redis type (a list, a hash, ...), not a string", where) from None
         shared.conn.breaker.fail(e)
         raise OSError(errno.EHOSTUNREACH, f"shared tier {shared.settings.where}: {type(e).__name__}: "
-                      f"{str(e).splitlines()[0] if str(e) else ''}", shared.settings.where) from None
+                      f"{error_text(e)}", shared.settings.where) from None

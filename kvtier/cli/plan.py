@@ -331,6 +331,7 @@ def _yaml(base: StackConfig, capacity: dict[str, int], head: str) -> str:
     """`base` as YAML with the tiers named in `capacity` resized (bytes); credentials are left out."""
     import yaml
     from kvtier.core.config import parse_config
+    from kvtier.tiers.redact import redact
     keep = ("name", "kind", "capacity", "capacity_blocks", "path", "io", "url", "cluster", "eviction", "admission")
     lines = [f"# {head}", f"block_bytes: {_size_str(base.block_bytes)}"]
     if base.block_tokens != 512:
@@ -344,8 +345,8 @@ def _yaml(base: StackConfig, capacity: dict[str, int], head: str) -> str:
             d["capacity"] = capacity[t.name]
         if isinstance(d.get("capacity"), int):
             d["capacity"] = _size_str(d["capacity"])
-        if "@" in str(d.get("url", "")):
-            d["url"] = "${KVTIER_REDIS_URL}"
+        if "url" in d and redact(d["url"]) != d["url"]:   # a password: not copied (the URL from the environment)
+            d["url"] = f"${{KVTIER_REDIS_URL:-{redact(d['url'])}}}"
         lines.append("  - " + yaml.safe_dump(d, default_flow_style=True, sort_keys=False).strip())
     pol = {k: v for k, v in base.policy.model_dump().items() if k != "params" or v}
     lines.append("policy: " + yaml.safe_dump(pol, default_flow_style=True, sort_keys=False).strip())

@@ -104,7 +104,7 @@ def tier_sealer(cfg: StackConfig, t: TierConfig | None) -> Any:
     try:
         return sealer_of(t.encryption)
     except BadKey as e:
-        raise ConfigError(f"{cfg.source}: tiers[{t.name}].encryption: {e}") from None
+        raise ConfigError(f"{cfg.source}: tiers[{t.name}].{e}") from None
 
 
 def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None = None,

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from kvtier.core.errors import ConfigError
 from kvtier.core.fit import check_environment, fit_to_machine
 from kvtier.core.tenants_config import TenantsConfig, check_tenants
+from kvtier.tiers.redact import redact
 from kvtier.tiers.units import parse_size
 
 DEFAULT_CONFIG = "cpu-nvme.yaml"
@@ -90,7 +91,8 @@ def _check_params(params: dict[str, Any], registries) -> None:
 
 
 class KeySource(_Model):
-    """Where an AES-256 key comes from: a file (0600; 32 raw bytes or 64 hex digits) or a variable."""
+    """Where an AES-256 key comes from: a file (0600; exactly 32 raw bytes or 64 hex digits) or a
+    variable (64 hex digits); read and checked by `tiers/sealing.py` when the tier is built."""
 
     key_file: str | None = None
     key_env: str | None = None
@@ -127,13 +129,14 @@ class TierConfig(_Model):
     url: str = "${KVTIER_REDIS_URL:-redis://localhost:6379/0}"
     cluster: bool = False              # a Redis Cluster (url names one node; the rest are discovered)
     username: str | None = None        # ACL user (or in the url); "${ENV}" is expanded
-    password: str | None = None        # AUTH password (or in the url); "${ENV}" is expanded, never logged
+    password: str | None = Field(default=None, repr=False)  # AUTH password (or in the url); "${ENV}" is
+                                                            # expanded; never printed
     tls_ca: str | None = None          # CA file for rediss:// (default: the system's)
     timeout_s: float = Field(default=1.0, gt=0, le=60)          # per command; a slow server is a miss
     connect_timeout_s: float = Field(default=0.5, gt=0, le=60)
     pool_size: int = Field(default=16, ge=1, le=1024)           # connections per client
     batch_bytes: int = 16 << 20        # values per pipeline round trip
-    secret: str | None = None          # the fleet's shared block secret ("${KVTIER_SHARED_SECRET}")
+    secret: str | None = Field(default=None, repr=False)  # the fleet's block secret ("${KVTIER_SHARED_SECRET}")
     encryption: EncryptionConfig | None = None   # nvme, redis: AES-256-GCM at rest
     # per-tier policy overrides
     eviction: str | None = None
@@ -161,6 +164,9 @@ class TierConfig(_Model):
         if not 1 << 16 <= n <= 1 << 30:
             raise ValueError("must be between 64 KiB and 1 GiB")
         return n
+
+    def __repr_args__(self):   # the url without its password; no password or secret (repr=False)
+        return [(k, redact(v) if k == "url" else v) for k, v in super().__repr_args__()]
 
     @field_validator("url")
     @classmethod
@@ -304,6 +310,9 @@ class StackConfig(_Model):
         return fp
 
 
+_UNSHOWN = ("password", "secret")   # fields whose value an error never echoes
+
+
 def _format_validation(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -313,7 +322,10 @@ def _format_validation(err: ValidationError, source: str) -> str:
             msg = "unknown key"
         got = e.get("input")
         scalar = e["type"] not in ("extra_forbidden", "missing") and isinstance(got, (str, int, float, bool))
-        lines.append(f"{loc}: {msg}" + (f" (got {got!r})" if scalar and ", got " not in msg else ""))
+        if scalar and str(e["loc"][-1]) in _UNSHOWN:   # a credential: its type, never its value
+            got, scalar = None, False
+            msg += f" (got {type(e.get('input')).__name__}: not shown)"
+        lines.append(redact(f"{loc}: {msg}" + (f" (got {got!r})" if scalar and ", got " not in msg else "")))
     return f"{source}: invalid configuration\n  " + "\n  ".join(lines)
 
 
