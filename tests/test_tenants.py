@@ -297,6 +297,8 @@ def test_quota_sizes_that_no_longer_fit_a_shrunk_tier_are_scaled_down(caplog):
     assert [q[x]["dram"]["quota_blocks"] for x in ("a", "b", "other")] == [8, 4, 4]   # other: 25% of 16
     assert s.ctrl.totals["tenant_quotas_clamped.dram"] == 2
     assert len([r for r in caplog.records if "scaled down" in r.getMessage()]) == 1
+    s.clear()                                         # fresh policies: the same quotas, no error
+    assert [s.ctrl.stats()["tenants"][x]["dram"]["quota_blocks"] for x in ("a", "b", "other")] == [8, 4, 4]
 
 
 def test_tenant_of_a_request():

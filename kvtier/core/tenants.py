@@ -215,16 +215,16 @@ class Tenants:
         """The controller's counter: what the accounts count goes there."""
         self.count = count
 
-    def attach(self, tier: Any, resized: bool = False) -> None:
+    def attach(self, tier: Any, strict: bool = True) -> None:
         """Split `tier`'s eviction policy by account, or, already split, re-derive its quotas from
         its capacity now (the controller calls this on every capacity change); blocks already
         resident (a persistent tier's restored index) are charged to `other`. Sizes that do not
-        fit: a ConfigError, or (`resized`: the tier shrank at run time) scaled down, warned once
-        and counted."""
+        fit: a ConfigError (`strict`: the configured capacity), else (the tier shrank at run time)
+        scaled down, warned once and counted."""
         if tier.remote or not tier.ready:
             return   # a closed persistent tier is attached when it opens (TierController.open_tier)
         cap = tier.capacity_blocks
-        q = self._quotas(tier.name, cap, resized)
+        q = self._quotas(tier.name, cap, strict)
         if isinstance(tier.eviction, TenantEviction):
             tier.eviction.requota(cap, [q[n] for n in self.labels])
             return
@@ -235,11 +235,11 @@ class Tenants:
         tier.eviction = split
         self.split[tier.name] = split
 
-    def _quotas(self, tier: str, cap: int, resized: bool) -> dict[str, int]:
+    def _quotas(self, tier: str, cap: int, strict: bool) -> dict[str, int]:
         try:
             return quota_blocks(self.cfg, tier, cap)
         except ConfigError as e:
-            if not resized:
+            if strict:
                 raise
             self._once(("clamped", tier), logging.WARNING, "kvtier: %s: tier %s shrank: the quota sizes are "
                        "scaled down to fit", e, tier)
