@@ -169,6 +169,51 @@ def test_no_tenant_is_pushed_below_its_guaranteed_share(ops, policy, demotion):
         assert {x: split.usage[i] for i, x in enumerate("abc") if split.usage[i]} == held(s, ks)[t]
 
 
+
+SHARES = [{"a": .5, "b": .25, "c": 0}, {"a": .3, "b": .4, "c": .1}]   # QUOTAS as fractions
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(st.one_of(
+           st.tuples(st.sampled_from("abc"), st.sampled_from(["put", "hit"]), st.integers(1, 14)),
+           st.tuples(st.sampled_from([0, 1]), st.just("shrink"), st.integers(1, 20))), min_size=1, max_size=40),
+       policy=st.sampled_from(["lru", "arc", "s3fifo"]), demotion=st.sampled_from(["write_through", "write_back"]))
+def test_the_guaranteed_share_holds_across_resizes(ops, policy, demotion):
+    """The property above with the workers' reports of smaller pools interleaved: the quotas
+    follow each tier's capacity, no store or hit pushes another tenant below min(its quota now,
+    what it held), and a tenant under its quota stores into the top tier up to it (taking it back
+    from the borrowers)."""
+    s, ks = stack(quotas=QUOTAS, tiers=TIERS2, policy=policy, demotion=demotion), Keys()
+    mine = {"a": [], "b": [], "c": []}
+    before = held(s, ks)
+    for who, op, n in ops:
+        if op == "shrink":
+            shrink(s, who, n)
+            before = held(s, ks)
+            continue
+        quota = [{x: int(f * t.capacity_blocks) for x, f in sh.items()} for sh, t in zip(SHARES, s.tiers)]
+        if op == "put" or not mine[who]:
+            keys = ks.new(who, n)
+            mine[who].append(keys)
+            put(s, keys, who)
+        else:
+            keys = mine[who][n % len(mine[who])]
+            s.get(keys, info=RequestInfo(keys=keys, tenant=who))
+        now = held(s, ks)
+        for t in range(2):
+            for x in "abc":
+                if x != who:
+                    assert now[t].get(x, 0) >= min(quota[t][x], before[t].get(x, 0)), (t, x, who, now, before)
+        if op == "put":
+            assert now[0].get(who, 0) >= min(quota[0][who], before[0].get(who, 0) + n), (who, n, now, before)
+        before = now
+        assert s.ctrl.pinned_blocks() == 0
+    for t, tier in enumerate(s.tiers):
+        split = s.ctrl.tenants.split[tier.name]
+        assert split.quotas[:3] == [int(SHARES[t][x] * tier.capacity_blocks) for x in "abc"]
+        assert {x: split.usage[i] for i, x in enumerate("abc") if split.usage[i]} == held(s, ks)[t]
+
+
 # ---- config -------------------------------------------------------------------------------
 
 def cfg(tenants, tiers=None):
@@ -183,6 +228,9 @@ def cfg(tenants, tiers=None):
     ({"quotas": {"a": {"g": "10%"}}}, r"^<dict>: tenants.quotas.a.g: quotas apply to cpu and nvme tiers, not a gpu"),
     ({"quotas": {"a": {"dram": "150%"}}}, r"tenants.quotas: a: a share must be between 0% and 100%"),
     ({"quotas": {"other": {"dram": "1%"}}}, r"tenants.quotas: 'other': a tenant name"),
+    ({"quotas": {"a|b": {"dram": "1%"}}},
+     r"^<dict>: tenants.quotas: 'a\|b': a tenant name is 1-64 characters of A-Z a-z 0-9 _ \. - other than 'other'$"),
+    ({"quotas": {"x" * 65: {"dram": "1%"}}}, r"^<dict>: tenants.quotas: 'x{65}': a tenant name is 1-64"),
     ({"key": "request_id"}, r"tenants.key: must be 'cache_salt' or 'kv_transfer_params.<field>'"),
 ])
 def test_config_errors_are_one_line(tenants, want):
@@ -199,6 +247,58 @@ def test_sizes_over_the_capacity_are_refused_when_built():
     c = parse_config(cfg({"quotas": {"a": {"dram": "24KiB"}, "b": {"dram": "20KiB"}}}), check_env=False)
     with pytest.raises(ConfigError, match=r"tenants.quotas: the quotas of tier 'dram' sum to 11 blocks, more than its 10"):
         TierStack.from_config(c, with_data=False)
+
+
+def test_a_request_tenant_that_is_not_a_name_is_other_and_the_exposition_parses(caplog):
+    """A request's tenant with `|`, quotes or a newline is counted as `other` (one log line, a
+    counter per read): the Prometheus exposition keeps its labels (tier `dram`; tenants `a`, `other`)."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+    from types import SimpleNamespace as R
+    from kvtier.connector.metrics import KVTierPromMetrics
+    c = parse_config(cfg({"key": "kv_transfer_params.tenant", "quotas": {"a": {"dram": "50%"}}}), check_env=False)
+    s, ks = TierStack.from_config(c, with_data=False), Keys()
+    ten = s.ctrl.tenants
+    for bad in ("a|b", 'x"}\ny', "a" * 65):
+        who = ten.tenant_of(R(cache_salt=None, kv_transfer_params={"tenant": bad}))
+        assert who is None and ten.label(who) == "other"
+        put(s, ks.new(bad, 2), who)
+    put(s, ks.new("a", 1), ten.tenant_of(R(cache_salt=None, kv_transfer_params={"tenant": "a"})))
+    warned = [r for r in caplog.records if "is not a tenant name" in r.getMessage()]
+    assert len(warned) == 1 and "kv_transfer_params.tenant" in warned[0].getMessage()
+    assert s.ctrl.totals["tenant_not_a_name"] == 3
+
+    reg = prometheus_client.CollectorRegistry()
+    types = {}
+    for base in (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram):
+        types[base] = type(base.__name__, (base,), {"__init__": lambda self, *a, _b=base, **k: _b.__init__(
+            self, *a, registry=reg, **k)})
+
+    class Vcfg:
+        kv_transfer_config = None
+
+    m = KVTierPromMetrics(Vcfg(), types, ["model_name", "engine"], {0: ["tiny", "0"]}, tiers=["dram"])
+    m.observe({**s.ctrl.totals, **ten.gauges()})
+    fams = list(text_string_to_metric_families(prometheus_client.generate_latest(reg).decode()))
+    got = {(f.name, sm.labels["tier"], sm.labels["tenant"]): sm.value for f in fams
+           for sm in f.samples if "tenant" in sm.labels}
+    assert got[("vllm:kvtier_tenant_stored_blocks", "dram", "other")] == 6
+    assert got[("vllm:kvtier_tenant_stored_blocks", "dram", "a")] == 1
+    assert {(t, who) for _, t, who in got} == {("dram", "other"), ("dram", "a")}
+
+
+def test_quota_sizes_that_no_longer_fit_a_shrunk_tier_are_scaled_down(caplog):
+    """Sizes are refused when the stack is built (above); when the workers' pool turns out
+    smaller, they are scaled down to the room the shares leave: one warning, a counter."""
+    s = stack(40, {"a": {"dram": "80KiB"}, "b": {"dram": "40KiB"}, "default": {"dram": "25%"}})   # 20, 10, 10
+    shrink(s, 0, 20)
+    shrink(s, 0, 16)
+    q = s.ctrl.stats()["tenants"]
+    assert [q[x]["dram"]["quota_blocks"] for x in ("a", "b", "other")] == [8, 4, 4]   # other: 25% of 16
+    assert s.ctrl.totals["tenant_quotas_clamped.dram"] == 2
+    assert len([r for r in caplog.records if "scaled down" in r.getMessage()]) == 1
+    s.clear()                                         # fresh policies: the same quotas, no error
+    assert [s.ctrl.stats()["tenants"][x]["dram"]["quota_blocks"] for x in ("a", "b", "other")] == [8, 4, 4]
 
 
 def test_tenant_of_a_request():
@@ -339,3 +439,30 @@ def test_inspect_shows_each_tenant_from_a_serving_directory(tmp_path, capsys):
     assert main(["inspect", "-c", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "tenant alice: cpu: hits 3 stored 0 evicted 0; nvme: hits 0 stored 5 evicted 0" in out, out
+
+
+# ---- a tier resized (the workers' first report) -------------------------------------------
+
+def shrink(s, t, n):
+    """The workers report their pool holds `n` slots of tier `t`: the scheduler's path
+    (connector/worker.py reports `capacity`, the scheduler passes the report to `complete`)."""
+    from kvtier.core.plan import ReportBuilder
+    b = ReportBuilder(rank=0)
+    b.capacity({t: n})
+    s.ctrl.complete(b.take())
+
+
+def test_quotas_follow_the_tier_when_the_workers_report_a_smaller_pool():
+    """(j) TP = 2, `capacity: 50%`: the scheduler resolved the share against the machine (1000
+    blocks), the workers' pool holds 32. The quotas follow: a's 50% is 16 blocks of 32, and a,
+    under it, takes them back from `other` (which filled the tier) where stale quotas (500 each)
+    left a nothing."""
+    s, ks = stack(1000, {"a": {"dram": "50%"}, "default": {"dram": "50%"}}), Keys()
+    shrink(s, 0, 32)
+    t = s.tiers[0]
+    assert t.capacity_blocks == 32
+    assert put(s, ks.new("x", 40), "x") == 40          # other fills the tier (its last 32 held)
+    assert put(s, ks.new("a", 16), "a") == 16
+    assert ks.held(t) == {"x": 16, "a": 16}
+    q = s.ctrl.stats()["tenants"]
+    assert q["a"]["dram"]["quota_blocks"] == 16 and q["other"]["dram"]["quota_blocks"] == 16

@@ -106,6 +106,10 @@ class Metric(Enum):
     TENANT_EVICTED_BLOCKS = ("tenant_evicted_blocks", TENANT, COUNTER, "tenant_evicted_blocks",
                              "A tenant's blocks that left a tier.")
     TENANT_BYTES = ("gauge_tenant_bytes", TENANT, GAUGE, "tenant_bytes", "Bytes a tenant holds in a tier.")
+    TENANT_QUOTAS_CLAMPED = ("tenant_quotas_clamped", TIER, None, None,
+                             "Resizes of a tier whose tenants' quota sizes no longer fit it (scaled down).")
+    TENANT_NOT_A_NAME = ("tenant_not_a_name", NONE, None, None,
+                         "Reads of a request's tenant that is not a tenant name (counted as `other`).")
     # the controller and the scheduler
     LEASES_RELEASED = ("leases_released", NONE, None, None, "Leases released without a load.")
     N_LEASES_NOT_CHOSEN = ("n_leases_not_chosen", NONE, None, None, "Lookups vLLM did not load from.")

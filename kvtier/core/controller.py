@@ -69,8 +69,8 @@ class TierController(Completion, Counting):
         for t in self.tiers:  # their own events (network, index writes) join our counters
             t.bind_counter(self._count)
         self.tenants = tenants
-        for t in self.tiers[:self.nlocal] if tenants is not None else ():
-            tenants.attach(t, self._count)
+        if tenants is not None:
+            tenants.bind_counter(self._count)
         self._index = [t.resident for t in self.tiers[:self.nlocal]]  # read-only: key -> slot
         self.inflight = InFlight(len(self.tiers))              # stores and copies awaiting a report
         self._op_ids = itertools.count(1)
@@ -79,6 +79,8 @@ class TierController(Completion, Counting):
         self._once = Once(log)
         self._wb_max_cfg = writeback_blocks
         self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers]
+        for t in range(self.nlocal):
+            self._settle(t, built=True)
         self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
         # tiers every store is copied to from the top tier: the next (write-through) and the shared tier
         self._through = ([1] if demotion == "write_through" and self.nlocal > 1 else []) + remote
@@ -418,8 +420,7 @@ class TierController(Completion, Counting):
                 n += len(slots)
             if fresh_eviction is not None:
                 t.eviction = fresh_eviction[i]
-                if self.tenants is not None:
-                    self.tenants.attach(t)
+                self._settle(i)
         return n
 
     def _limit(self, t: int, n: int) -> None:
@@ -429,11 +430,19 @@ class TierController(Completion, Counting):
             return
         was = tier.capacity_blocks
         gone = tier.limit(n)
-        self._wb_max[t] = max(1, min(self._wb_max[t], n // 4))
+        self._settle(t)
         if gone:
             self._count(Metric.EVICTED_BLOCKS.at(tier.name), len(gone))
         log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
                     "pool) is smaller", tier.name, n, was)
+
+    def _settle(self, t: int, built: bool = False) -> None:
+        """Local tier `t`'s capacity or policy is set or changed (`built`: at its configured
+        capacity, when built or opened; else cleared or shrunk): every such change comes here, and
+        the write-back batch and the tenants' quotas follow it."""
+        self._wb_max[t] = max(1, min(self._wb_max_cfg, self.tiers[t].capacity_blocks // 4))
+        if self.tenants is not None:
+            self.tenants.attach(self.tiers[t], strict=built)
 
     def open_tier(self, t: int, tier: Tier) -> None:
         """Put `tier` in place of the closed tier at index `t` (`tiers.closed.ClosedTier`: a
@@ -446,9 +455,7 @@ class TierController(Completion, Counting):
         tier.bind_counter(self._count)
         if t < self.nlocal:
             self._index[t] = tier.resident
-            if self.tenants is not None:
-                self.tenants.attach(tier)
-            self._wb_max[t] = max(1, min(self._wb_max_cfg, tier.capacity_blocks // 4))
+            self._settle(t, built=True)
         old.close()
 
     @property

@@ -3,7 +3,7 @@
 An account is a named tenant (YAML `tenants.quotas`) or `other` (every tenant not named, and
 requests without one, together). A block is charged to the account that stored it; copies down
 and promotions keep that owner. A tier's quota per account (`tenants_config.quota_blocks`) is a
-guaranteed share of its slots:
+guaranteed share of its slots, re-derived whenever the tier's capacity changes (`Tenants.attach`):
 
 - free room is anyone's (unused quota is lent out);
 - a tenant that stays within its quota after the store takes its room from the accounts over
@@ -18,11 +18,16 @@ and s3fifo order the blocks within a tenant as they would a whole tier.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Iterator, Sequence
 
-from kvtier.core.tenants_config import OTHER, quota_blocks
+from kvtier.core.errors import ConfigError
+from kvtier.core.tenants_config import OTHER, is_name, quota_blocks
 from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
 from kvtier.tiers.counters import Metric
+from kvtier.tiers.once import Once
+
+log = logging.getLogger("kvtier.core.tenants")
 
 
 def _no_count(key: str, v: float = 1) -> None:
@@ -44,6 +49,12 @@ class TenantEviction(EvictionPolicy):
         self.claimed = [-1] * capacity       # account a pending slot will belong to (set at allocate)
         self.count = count
         self.name = subs[0].name  # type: ignore[misc]
+
+    def requota(self, capacity: int, quotas: Sequence[int]) -> None:
+        """The tier now holds `capacity` slots: these are the accounts' quotas. Slots beyond it
+        (pinned or pending when the tier shrank) keep their owner until released."""
+        self.capacity = capacity
+        self.quotas = list(quotas)
 
     # ---- the policy calls -----------------------------------------------------------------
     def _groups(self, slots: Sequence[int], acct: Callable[[int], int]) -> dict[int, list[int]]:
@@ -173,16 +184,25 @@ class Tenants:
         self._make = make_eviction
         self.count: Callable[..., None] = _no_count
         self.split: dict[str, TenantEviction] = {}   # tier name -> its split policy
+        self._once = Once(log)
 
     # ---- who ------------------------------------------------------------------------------
     def tenant_of(self, request: Any) -> str | None:
-        """A vLLM request's tenant: its cache_salt, or the configured kv_transfer_params field."""
+        """A vLLM request's tenant: its cache_salt, or the configured kv_transfer_params field;
+        None (counted as `other`) when absent or not a tenant name (`tenants_config.NAME`)."""
         if self.kv_field is None:
             v = getattr(request, "cache_salt", None)
         else:
             p = getattr(request, "kv_transfer_params", None)
             v = p.get(self.kv_field) if isinstance(p, dict) else None
-        return v if isinstance(v, str) and v else None
+        if v is None or v == "":
+            return None
+        if not is_name(v):
+            self._once(("not a name",), logging.WARNING, "kvtier: a request's tenant (%s) is not a tenant name "
+                       "(1-64 of A-Z a-z 0-9 _ . -): counted as %r", self.key, OTHER)
+            self.count(Metric.TENANT_NOT_A_NAME.key)
+            return None
+        return v
 
     def account(self, tenant: str | None) -> int:
         return self.index.get(tenant, len(self.labels) - 1) if tenant is not None else len(self.labels) - 1
@@ -191,21 +211,40 @@ class Tenants:
         return self.labels[self.account(tenant)]
 
     # ---- tiers ----------------------------------------------------------------------------
-    def attach(self, tier: Any, count: Callable[..., None] | None = None) -> None:
-        """Split `tier`'s eviction policy by account (again after the tier or its policy changed);
-        blocks already resident (a persistent tier's restored index) are charged to `other`."""
-        if count is not None:
-            self.count = count
-        if isinstance(tier.eviction, TenantEviction) or tier.remote or not tier.ready:
+    def bind_counter(self, count: Callable[..., None]) -> None:
+        """The controller's counter: what the accounts count goes there."""
+        self.count = count
+
+    def attach(self, tier: Any, strict: bool = True) -> None:
+        """Split `tier`'s eviction policy by account, or, already split, re-derive its quotas from
+        its capacity now (the controller calls this on every capacity change); blocks already
+        resident (a persistent tier's restored index) are charged to `other`. Sizes that do not
+        fit: a ConfigError (`strict`: the configured capacity), else (the tier shrank at run time)
+        scaled down, warned once and counted."""
+        if tier.remote or not tier.ready:
             return   # a closed persistent tier is attached when it opens (TierController.open_tier)
         cap = tier.capacity_blocks
-        q = quota_blocks(self.cfg, tier.name, cap)
+        q = self._quotas(tier.name, cap, strict)
+        if isinstance(tier.eviction, TenantEviction):
+            tier.eviction.requota(cap, [q[n] for n in self.labels])
+            return
         split = TenantEviction(cap, [self._make(tier.name, cap) for _ in self.labels],
                                [q[n] for n in self.labels], self.labels, tier.name, self._count)
         for k, s in tier.resident.items():
             split.on_insert([s], [k])
         tier.eviction = split
         self.split[tier.name] = split
+
+    def _quotas(self, tier: str, cap: int, strict: bool) -> dict[str, int]:
+        try:
+            return quota_blocks(self.cfg, tier, cap)
+        except ConfigError as e:
+            if strict:
+                raise
+            self._once(("clamped", tier), logging.WARNING, "kvtier: %s: tier %s shrank: the quota sizes are "
+                       "scaled down to fit", e, tier)
+            self.count(Metric.TENANT_QUOTAS_CLAMPED.at(tier))
+            return quota_blocks(self.cfg, tier, cap, clamp=True)
 
     def _count(self, key: str, v: float = 1) -> None:
         self.count(key, v)

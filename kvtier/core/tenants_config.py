@@ -11,7 +11,9 @@ tenants:
 
 A quota is a size or a share of the tier's capacity; it is the tenant's guaranteed share
 (`kvtier.core.tenants`). Quotas apply to the DRAM and NVMe tiers (vLLM owns the GPU pool, the
-server owns the shared tier's eviction). Errors are one line naming the field.
+server owns the shared tier's eviction). A tenant name (a key of `quotas`, and what a request
+carries as its tenant) is 1-64 characters of `A-Z a-z 0-9 _ . -`. Errors are one line naming the
+field.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ DEFAULT = "default"    # the quotas entry of every tenant not named
 OTHER = "other"        # the account (and metrics label) of those tenants
 MAX_TENANTS = 64       # named tenants (bounded metrics label cardinality)
 _KEY = re.compile(r"^(cache_salt|kv_transfer_params\.[A-Za-z0-9_\-]{1,64})$")
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")   # a tenant's name (a metrics label: no `|`, quotes, newlines)
+
+
+def is_name(v: Any) -> bool:
+    return isinstance(v, str) and NAME.fullmatch(v) is not None
 
 
 def parse_quota(v: Any) -> int | str:
@@ -70,8 +77,9 @@ class TenantsConfig(BaseModel):
             raise ValueError(f"at most {MAX_TENANTS} named tenants (and {DEFAULT!r}), got {len(v)}")
         out: dict[str, dict[str, int | str]] = {}
         for name, per in v.items():
-            if not isinstance(name, str) or not name or name == OTHER:
-                raise ValueError(f"{name!r}: a tenant name is a non-empty string other than {OTHER!r}")
+            if not is_name(name) or name == OTHER:
+                raise ValueError(f"{name!r}: a tenant name is 1-64 characters of A-Z a-z 0-9 _ . - "
+                                 f"other than {OTHER!r}")
             if not isinstance(per, dict):
                 raise ValueError(f"{name}: expected a mapping tier -> quota, got {type(per).__name__}")
             try:
@@ -112,17 +120,27 @@ def check_tenants(cfg: Any) -> None:
                               f"(at most 100%)")
 
 
-def quota_blocks(cfg: Any, tier: str, capacity: int) -> dict[str, int]:
+def quota_blocks(cfg: Any, tier: str, capacity: int, clamp: bool = False) -> dict[str, int]:
     """account -> guaranteed blocks of `tier` (named tenants, then OTHER); sizes and shares resolved
-    against `capacity` blocks. A sum over the capacity is a ConfigError."""
+    against `capacity` blocks. A sum over the capacity is a ConfigError, or with `clamp` (a tier
+    that shrank at run time) the sizes are scaled down to the room the shares leave."""
     ten = cfg.tenants
     out: dict[str, int] = {}
+    sizes: list[str] = []
     for name in ten.named() + [DEFAULT]:
         q = ten.quotas.get(name, {}).get(tier, 0)
         f = share(q)
-        out[OTHER if name == DEFAULT else name] = int(f * capacity) if f is not None else q // cfg.block_bytes
+        acct = OTHER if name == DEFAULT else name
+        out[acct] = int(f * capacity) if f is not None else q // cfg.block_bytes
+        if f is None:
+            sizes.append(acct)
     total = sum(out.values())
     if total > capacity:
-        raise ConfigError(f"{cfg.source}: tenants.quotas: the quotas of tier {tier!r} sum to {total} blocks, "
-                          f"more than its {capacity}")
+        if not clamp:
+            raise ConfigError(f"{cfg.source}: tenants.quotas: the quotas of tier {tier!r} sum to {total} blocks, "
+                              f"more than its {capacity}")
+        asked = sum(out[a] for a in sizes)
+        room = capacity - (total - asked)    # the shares sum to at most 100%: room >= 0
+        for a in sizes:
+            out[a] = out[a] * room // asked
     return out
