@@ -43,27 +43,49 @@ def _ename(e: OSError) -> str:
     return f"[{errno.errorcode.get(e.errno or 0, e.errno)}] {e.strerror}"
 
 
-def _trusted_ancestors(fd: int, path: str) -> None:
-    """Every directory above `fd` belongs to root or this user and is writable by no one else
-    (unless sticky); else UnsafeDir naming the first that is not."""
-    uid, cur, depth = os.geteuid(), os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd), 0
+def _trusted_chain(fd: int, path: str, depth: int = 1) -> None:
+    """The directory `depth` levels above `fd` (0: `fd`'s own), and every one above it, belongs to
+    root or this user and is writable by no one else unless sticky (/tmp); else UnsafeDir naming
+    the first that is not. Walked through `..`: the directories the fd is really in."""
+    cur, below = os.dup(fd), None
     try:
-        below = os.fstat(fd)
-        while True:
-            st = os.fstat(cur)
-            if (st.st_dev, st.st_ino) == (below.st_dev, below.st_ino) or depth > 255:   # the root
-                return
-            if st.st_uid not in (0, uid) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-                up = os.path.normpath(os.path.join(path, *[".."] * (depth + 1)))
-                why = f"owned by uid {st.st_uid}" if st.st_uid not in (0, uid) else \
-                    f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
-                raise UnsafeDir(errno.EPERM, f"{path}: a directory above it ({up}) is {why}: another user "
-                                f"could swap its path; refused", path)
+        for _ in range(depth):
             nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
             os.close(cur)
-            cur, below, depth = nxt, st, depth + 1
+            cur = nxt
+        for up in range(depth, 4096):
+            st = os.fstat(cur)
+            if below is not None and (st.st_dev, st.st_ino) == (below.st_dev, below.st_ino):   # past the root
+                return
+            if st.st_uid not in (0, os.geteuid()) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+                where = os.path.normpath(os.path.join(path, *[".."] * up))
+                why = f"owned by uid {st.st_uid}" if st.st_uid not in (0, os.geteuid()) else \
+                    f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
+                raise UnsafeDir(errno.EPERM, f"{path}: {where} is {why}: another user could swap what is in "
+                                f"it; refused", path)
+            nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
+            os.close(cur)
+            cur, below = nxt, st
     finally:
         os.close(cur)
+
+
+def _check_before_create(path: str) -> None:
+    """The nearest existing directory above a missing `path`, and those above it, are trusted
+    (`_trusted_chain`): nothing is created where another user could swap it."""
+    p = os.path.dirname(path)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise UnsafeDir(e.errno, f"{path}: cannot create it in {p}: {_ename(e)}", path) from None
+    try:
+        _trusted_chain(fd, p, depth=0)
+    except UnsafeDir as e:
+        raise UnsafeDir(e.errno, e.strerror.replace(f"{p}: ", f"{path}: ", 1), path) from None
+    finally:
+        os.close(fd)
 
 
 def _check_dir(fd: int, path: str) -> None:
@@ -89,6 +111,8 @@ class PrivateDir:
         FileNotFoundError when absent and not `create`."""
         path = os.path.abspath(path)
         if create and not os.path.lexists(path):
+            if parents:
+                _check_before_create(path)
             try:
                 make_private_dirs(path)
             except OSError as e:
@@ -98,13 +122,14 @@ class PrivateDir:
         except FileNotFoundError:
             raise
         except OSError as e:
-            why = "a symlink" if e.errno == errno.ELOOP else "not a directory" if e.errno == errno.ENOTDIR \
-                else f"cannot open it: {_ename(e)}"
+            why = f"cannot open it: {_ename(e)}"
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):   # O_NOFOLLOW|O_DIRECTORY on a symlink: ENOTDIR
+                why = "a symlink" if os.path.islink(path) else "not a directory"
             raise UnsafeDir(e.errno, f"{path}: {why}; refused", path) from None
         try:
             _check_dir(fd, path)
             if parents:
-                _trusted_ancestors(fd, path)
+                _trusted_chain(fd, path)
         except BaseException:
             os.close(fd)
             raise
