@@ -209,10 +209,10 @@ def test_a_run_dir_open_to_all_is_refused_with_one_warning(run_dir, caplog, owne
     caplog.set_level(logging.WARNING)
     for _ in range(2):
         assert serving_stats.write_server_state({"stopped": None, "totals": {}}) is None
+    assert serving_stats.read_servers() == []                  # nothing read from it either
     [w] = _warnings(caplog)
     why = f"owned by uid {OTHER}" if owner == "another user" else "writable by group or others"
     assert str(run_dir) in w and why in w, w
-    assert serving_stats.read_servers() == []                  # nothing read from it either
     assert sorted(os.listdir(run_dir)) == ["server-1.json"]
 
 
