@@ -20,7 +20,7 @@ from typing import Callable
 
 import xxhash
 
-from .private_files import PrivateDir, UnsafeDir, pid_alive
+from .private_files import PrivateDir, pid_alive
 
 log = logging.getLogger("kvtier")
 
@@ -66,16 +66,18 @@ class DigestCache:
 
     def _load(self) -> dict[str, list]:
         try:
-            with PrivateDir.open(self.dir, create=False) as d:
-                raw = d.read(CACHE_FILE, MAX_BYTES)
+            d = PrivateDir.open(self.dir, create=False)
         except FileNotFoundError:
             return {}
-        except UnsafeDir as e:
+        except OSError as e:   # UnsafeDir: a symlink, another user's, writable by others
             self._refused = True
-            self.ignored = f"{e.strerror}: the cache is neither read nor written there"
+            self.ignored = f"{e.strerror or e}: the cache is neither read nor written there"
             return {}
-        except OSError as e:   # UnsafeFile: a FIFO, a symlink, another owner's, too big
-            self.ignored = e.strerror
+        try:
+            with d:
+                raw = d.read(CACHE_FILE, MAX_BYTES)
+        except OSError as e:   # UnsafeFile: a FIFO, a symlink, another user's, too big
+            self.ignored = e.strerror or str(e)
             return {}
         if raw is None:
             return {}

@@ -6,7 +6,7 @@ stats, shutdown reports, the spill manifest) are opened here, by the rules of `t
 
 - A directory (`PrivateDir.open`) is created 0700 (missing parents too) when absent. An existing
   one is opened `O_DIRECTORY|O_NOFOLLOW` and checked on its fd: a directory of this user, not
-  writable by group or others (its mode is never changed: kvtier chmods only what it created).
+  writable by group or others (kvtier never changes its mode; one it creates is 0700).
   With `parents=True` (the run and data directories, whose paths default to /tmp and ~/.cache)
   every directory above it, walked up through `..` from its fd, must belong to root or this user
   and be writable by no one else unless sticky (/tmp): no one else can swap a component.
@@ -24,11 +24,13 @@ import errno
 import os
 import secrets
 import stat
+from typing import Callable
 
 from kvtier.tiers.nvme_block import make_private_dirs
 
 TEMP_SUFFIX = ".tmp"
 _RD = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_UP = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC   # walking up: search permission is enough
 
 
 class UnsafeDir(OSError):
@@ -50,7 +52,7 @@ def _trusted_chain(fd: int, path: str, depth: int = 1) -> None:
     cur, below = os.dup(fd), None
     try:
         for _ in range(depth):
-            nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
+            nxt = os.open("..", _UP, dir_fd=cur)
             os.close(cur)
             cur = nxt
         for up in range(depth, 4096):
@@ -63,7 +65,7 @@ def _trusted_chain(fd: int, path: str, depth: int = 1) -> None:
                     f"writable by others (mode {stat.S_IMODE(st.st_mode):04o})"
                 raise UnsafeDir(errno.EPERM, f"{path}: {where} is {why}: another user could swap what is in "
                                 f"it; refused", path)
-            nxt = os.open("..", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=cur)
+            nxt = os.open("..", _UP, dir_fd=cur)
             os.close(cur)
             cur, below = nxt, st
     finally:
@@ -77,7 +79,7 @@ def _check_before_create(path: str) -> None:
     while not os.path.lexists(p):
         p = os.path.dirname(p)
     try:
-        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(p, _UP)
     except OSError as e:
         raise UnsafeDir(e.errno, f"{path}: cannot create it in {p}: {_ename(e)}", path) from None
     try:
@@ -129,7 +131,13 @@ class PrivateDir:
         try:
             _check_dir(fd, path)
             if parents:
-                _trusted_chain(fd, path)
+                try:
+                    _trusted_chain(fd, path)
+                except UnsafeDir:
+                    raise
+                except OSError as e:   # a directory above it not searchable
+                    raise UnsafeDir(e.errno, f"{path}: cannot check the directories above it: {_ename(e)}",
+                                    path) from None
         except BaseException:
             os.close(fd)
             raise
@@ -194,7 +202,7 @@ class PrivateDir:
         except OSError:
             return False
 
-    def remove_temps(self, alive=None) -> int:
+    def remove_temps(self, alive: Callable[[int], bool] | None = None) -> int:
         """Remove the temp files `write` left in processes that died (`alive(pid)` False; None:
         any process); how many."""
         n = 0
