@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
+from kvtier.core.private_files import open_regular, read_file
 from kvtier.tiers.nvme_block import make_private_dirs
 from kvtier.tiers.counters import Metric
 
@@ -48,14 +49,14 @@ MIN_PREFILL_TOKENS = 256   # the prefill speed is stated once this many tokens w
 
 
 def _secret(path: str) -> bytes:
-    """The deployment's id key, created once next to the trace (0600, never replaced)."""
+    """The deployment's id key, created once next to the trace (0600, never replaced; an existing
+    one is read only when a regular file of this user: never through a symlink, never a FIFO)."""
     p = os.path.join(os.path.dirname(os.path.abspath(path)) or ".", "record-secret")
     try:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except FileExistsError:
-        with open(p, "rb") as f:
-            key = f.read(SECRET_BYTES + 1)
-        if len(key) != SECRET_BYTES:
+        key = read_file(p, SECRET_BYTES + 1)
+        if key is None or len(key) != SECRET_BYTES:
             raise ValueError(f"record_trace: {p} is not a {SECRET_BYTES}-byte key (remove it to start anew)")
         return key
     key = os.urandom(SECRET_BYTES)
@@ -68,14 +69,16 @@ def _secret(path: str) -> bytes:
 
 
 def _last_timestamp(path: str) -> float | None:
-    """The latest request timestamp (ms) in the trace at `path` or its rotated copy, or None."""
+    """The latest request timestamp (ms) in the trace at `path` or its rotated copy, or None (a
+    FIFO, a symlink or another user's file there is not read)."""
     for p in (path, path + ".1"):
         try:
-            with open(p, "rb") as f:
-                f.seek(max(0, os.fstat(f.fileno()).st_size - TAIL_BYTES))
-                tail = f.read()
+            fd = open_regular(p, os.O_RDONLY)
         except OSError:
             continue
+        with os.fdopen(fd, "rb") as f:
+            f.seek(max(0, os.fstat(fd).st_size - TAIL_BYTES))
+            tail = f.read()
         seen = []
         for line in tail.splitlines():   # lines go in finish order: the latest arrival is the max
             try:
@@ -138,7 +141,7 @@ class TraceRecorder:
 
     def _open(self) -> int:
         """Open (create) the trace at its path; a header line starts each session and each new file."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        fd = open_regular(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)   # a FIFO there: refused, never waited on
         try:
             self._append(fd, self._header())
         except OSError:

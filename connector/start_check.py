@@ -22,12 +22,11 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
-import stat
 import sys
 import time
 from typing import Any
 
-from kvtier.core.serving_stats import run_dir
+from kvtier.core.serving_stats import open_run_dir, run_dir
 from kvtier.tiers.redact import redact
 
 from .config import load_settings
@@ -67,20 +66,20 @@ def check_config(extra: dict[str, Any] | None) -> None:
         raise StartRefused(line) from None
 
 
+def handoff_name(pid: int) -> str:
+    return f"start-refused.{pid}"
+
+
 def handoff_path(pid: int) -> str:
-    return os.path.join(run_dir(), f"start-refused.{pid}")
+    return os.path.join(run_dir(), handoff_name(pid))
 
 
 def leave_for_parent(line: str) -> None:
-    """The line, for the parent process to print as it exits (best effort: the line is printed here anyway)."""
+    """The line, for the parent process to print as it exits (best effort: the line is printed here
+    anyway; a run directory kvtier may not use, or anything planted in it, never blocks this)."""
     try:
-        os.makedirs(run_dir(), 0o700, exist_ok=True)
-        st = os.lstat(run_dir())
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():   # not this user's directory
-            return
-        fd = os.open(handoff_path(os.getppid()), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(line + "\n")
+        with open_run_dir() as d:
+            d.write(handoff_name(os.getppid()), (line + "\n").encode())
     except OSError:
         pass
 
@@ -89,17 +88,18 @@ def leave_for_parent(line: str) -> None:
 def repeat_a_childs_refusal() -> None:
     """At the exit of a process that ends on an error: the line a child refused its start with, if
     one left it since this module was loaded here, printed last (and removed at any exit)."""
-    path = handoff_path(os.getpid())
+    name = handoff_name(os.getpid())
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd) as f:
-            st, line = os.fstat(f.fileno()), f.read(4096).strip()
-        os.unlink(path)
-    except (OSError, ValueError):   # none left, or not text
+        with open_run_dir(create=False) as d:
+            try:
+                st = d.lstat(name)
+                line = (d.read(name, 4096) or b"").decode().strip()
+            finally:
+                d.unlink(name)
+    except (OSError, ValueError):   # none left, not text, not a regular file of this user, no run dir
         return
     failed = getattr(sys, "last_value", None) is not None   # set only for an uncaught exception
-    if failed and st.st_uid == os.getuid() and st.st_mtime >= LOADED_AT - 1 and line.startswith(PREFIX) \
-            and "\n" not in line:
+    if failed and st.st_mtime >= LOADED_AT - 1 and line.startswith(PREFIX) and "\n" not in line:
         print(line, file=sys.stderr, flush=True)
 
 

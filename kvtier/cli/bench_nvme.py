@@ -35,8 +35,12 @@ def _raw(path: str, src: memoryview, dst: memoryview, chunk: int, threads: int,
     page unique), so the limit is not flattered by caches, dedup or compression.
     """
     total = len(src) // ALIGN * ALIGN
-    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags, 0o644)
+    try:
+        os.unlink(path)   # one a killed run left (a symlink planted there: removed, never followed)
+    except FileNotFoundError:
+        pass
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
     try:
         os.posix_fallocate(fd, 0, total)
         offs = list(range(0, total, chunk))

@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any, Callable
 
+from kvtier.core.private_files import PrivateDir, pid_alive
 from kvtier.offline.blockgen import block_data
 from kvtier.tiers.redis_conn import error_text
 
@@ -26,32 +27,14 @@ def write_manifest(nvme: Any, spills: list[dict]) -> None:
             "dir": nvme.dir, "fingerprint": nvme.fingerprint, "spills": spills}
     data = _manifest_doc(body).encode()
     path = os.path.join(nvme.dir, MANIFEST)
-    tmp = MANIFEST + ".tmp"
-    dfd = os.open(nvme.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
-            try:
-                while data:
-                    data = data[os.write(fd, data):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
-            os.fsync(dfd)
-        except OSError as e:
-            try:
-                os.unlink(tmp, dir_fd=dfd)
-            except OSError:
-                pass
-            name = errno.errorcode.get(e.errno or 0, str(e.errno))
-            raise OSError(e.errno, f"cannot write the spill manifest {path}: [{name}] {e.strerror}", path) from None
-    finally:
-        os.close(dfd)
+        with PrivateDir.open(nvme.dir, create=False, parents=False) as d:
+            d.remove_temps(pid_alive)   # a spill killed while writing it
+            d.write(MANIFEST, data, fsync=True)
+    except OSError as e:
+        name = errno.errorcode.get(e.errno or 0, str(e.errno))
+        why = e.strerror.rsplit("] ", 1)[-1] if e.strerror else e
+        raise OSError(e.errno, f"cannot write the spill manifest {path}: [{name}] {why}", path) from None
 
 
 def read_manifest_if_dir(path: str) -> dict | None:

@@ -1,15 +1,17 @@
 """Per-file digests of model weights, cached in the data directory so a restart re-reads nothing.
 
-One JSON file, `weights-digests.json` (0600, in a 0700 directory), maps a weight file's real
+One JSON file, `weights-digests.json` (0600, in a 0700 directory: `private_files`), maps a weight file's real
 path to its xxh3-128 digest and the (device, inode, size, mtime_ns, ctime_ns) it had when it
 was read. An entry is used only when all five still match the open file; anything else (another
 inode, a write, `touch`, a copy over it) re-hashes. A cache file that does not parse, has
 another shape, or is not a regular file of this user is ignored (everything re-hashed) and
-replaced; it is never trusted blindly.
+replaced; it is never trusted blindly. A data directory kvtier may not write in (a symlink,
+another user's, writable by others) is one warning, and every file is hashed again.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -18,11 +20,14 @@ from typing import Callable
 
 import xxhash
 
+from .private_files import PrivateDir, pid_alive
+
 log = logging.getLogger("kvtier")
 
 CACHE_FILE = "weights-digests.json"
 CACHE_VERSION = 1
 READ_BYTES = 8 << 20
+MAX_BYTES = 64 << 20
 _HEX = set("0123456789abcdef")
 
 
@@ -55,27 +60,27 @@ class DigestCache:
         self.dir = data_dir
         self.entries: dict[str, list] = {}
         self.ignored: str | None = None          # why the file on disk was not used
+        self._refused = False                    # the directory is not kvtier's to write: said once (ignored)
         if data_dir is not None:
             self.entries = self._load()
 
     def _load(self) -> dict[str, list]:
-        path = os.path.join(self.dir, CACHE_FILE)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            d = PrivateDir.open(self.dir, create=False)
         except FileNotFoundError:
             return {}
-        except OSError as e:
-            self.ignored = f"cannot open ({e.strerror})"
+        except OSError as e:   # UnsafeDir: a symlink, another user's, writable by others
+            self._refused = True
+            self.ignored = f"{e.strerror or e}: the cache is neither read nor written there"
             return {}
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                self.ignored = "not a regular file of this user"
-                return {}
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                raw = f.read(64 << 20)
-        finally:
-            os.close(fd)
+            with d:
+                raw = d.read(CACHE_FILE, MAX_BYTES)
+        except OSError as e:   # UnsafeFile: a FIFO, a symlink, another user's, too big
+            self.ignored = e.strerror or str(e)
+            return {}
+        if raw is None:
+            return {}
         try:
             doc = json.loads(raw)
             if doc.get("version") != CACHE_VERSION or not isinstance(doc.get("files"), dict):
@@ -100,35 +105,29 @@ class DigestCache:
         self.entries[path] = stat_key(st) + [digest]
 
     def save(self) -> str | None:
-        """Write the cache (0600, renamed into place); the error text when it cannot."""
-        if self.dir is None:
+        """Write the cache (0600, renamed into place, see `private_files`); the error text when it
+        cannot. None also when its directory was refused at load (`ignored` said so: one warning)."""
+        if self.dir is None or self._refused:
             return None
         self.entries = {p: e for p, e in self.entries.items() if os.path.exists(p)}   # files gone: dropped
-        tmp = os.path.join(self.dir, f".{CACHE_FILE}.{os.getpid()}.tmp")
+        body = json.dumps({"version": CACHE_VERSION, "files": self.entries}, sort_keys=True).encode()
         try:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            try:
-                os.write(fd, json.dumps({"version": CACHE_VERSION, "files": self.entries}, sort_keys=True).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, os.path.join(self.dir, CACHE_FILE))
+            with PrivateDir.open(self.dir) as d:
+                d.remove_temps(pid_alive)
+                d.write(CACHE_FILE, body, fsync=True)
         except OSError as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            return f"{e.filename or self.dir}: {e.strerror or e}"
+            return e.strerror or str(e)
         return None
 
 
 def file_digest(path: str, cache: DigestCache, on_bytes: Callable[[int], None]) -> tuple[str, int, bool]:
     """(xxh3-128 hex of the whole file at `path`, its size, whether it came from the cache: its
     stat still matches). `on_bytes(n)` is told every chunk read. Raises OSError naming the file."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO never blocks the start
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
         hit = cache.lookup(path, st)
         if hit is not None:
             return hit, st.st_size, True

@@ -10,28 +10,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 
 from kvtier.tiers.counters import Metric
+
+from .private_files import PrivateDir, pid_alive, read_file
 
 log = logging.getLogger("kvtier.connector")
 
 STATS_FILE = "serving-stats.json"
 
 
-def write_private(path: str, obj: dict, fsync: bool) -> str:
-    """`obj` as JSON at `path` (0600, O_NOFOLLOW, written then renamed into place)."""
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, json.dumps(obj).encode())
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    return path
+def write_private(path: str, obj: dict, fsync: bool, parents: bool = False) -> str:
+    """`obj` as JSON at `path`, in an existing directory of this user's (`private_files`: 0600,
+    a fresh temp file renamed into place; nothing planted there is followed or blocks)."""
+    with PrivateDir.open(os.path.dirname(path), create=False, parents=parents) as d:
+        return d.write(os.path.basename(path), json.dumps(obj).encode(), fsync=fsync)
 
 
 _DONE: set[str] = set()   # what this process did once: warned, pruned
@@ -60,11 +54,7 @@ def write_stats(nvme_dir: str, totals: dict[str, float]) -> None:
 def read_stats(nvme_dir: str) -> dict | None:
     """What `write_stats` left, or None (no serving scheduler wrote it, or it is unreadable)."""
     try:
-        fd = os.open(os.path.join(nvme_dir, STATS_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            d = json.loads(f.read(1 << 20))
+        d = json.loads(read_file(os.path.join(nvme_dir, STATS_FILE), 1 << 20) or b"null")
         return d if isinstance(d, dict) and isinstance(d.get("totals"), dict) else None
     except (OSError, ValueError):
         return None
@@ -98,7 +88,7 @@ KEEP_S = 86400.0       # the state of a server gone for longer is removed (by th
 
 def run_dir() -> str:
     """Where serving schedulers leave their state: $KVTIER_RUN_DIR, else $XDG_RUNTIME_DIR/kvtier,
-    else /tmp/kvtier-UID (0700, this user's)."""
+    else /tmp/kvtier-UID (0700, this user's: `private_files`)."""
     d = os.environ.get("KVTIER_RUN_DIR")
     if d:
         return os.path.abspath(os.path.expanduser(d))
@@ -106,86 +96,67 @@ def run_dir() -> str:
     return os.path.join(x, "kvtier") if x else f"/tmp/kvtier-{os.getuid()}"
 
 
-def _own_dir(d: str) -> bool:
-    """`d` exists (made 0700 when missing), is a directory, not a link, and is this user's."""
-    try:
-        os.mkdir(d, 0o700)
-    except FileExistsError:
-        pass
-    except OSError:
-        return False
-    st = os.lstat(d)
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+def open_run_dir(create: bool = True) -> PrivateDir:
+    """run_dir(), opened by `PrivateDir.open` (UnsafeDir: another user's, writable by others, ...)."""
+    return PrivateDir.open(run_dir(), create=create)
 
 
 def write_server_state(state: dict) -> str | None:
     """This server's state (see `kvtier inspect --server`) as run_dir()/server-PID.json; best
     effort: a directory it cannot use is logged once."""
-    d = run_dir()
     try:
-        if not _own_dir(d):
-            raise OSError(f"{d}: not a directory of this user's")
-        if _first("pruned"):
-            _prune(d)
-        return write_private(os.path.join(d, f"{STATE_PREFIX}{os.getpid()}.json"),
-                             {**state, "pid": os.getpid(), "time": time.time()}, fsync=False)
+        with open_run_dir() as d:
+            if _first("pruned"):
+                _prune(d)
+            return d.write(f"{STATE_PREFIX}{os.getpid()}.json",
+                           json.dumps({**state, "pid": os.getpid(), "time": time.time()}).encode())
     except OSError as e:
         if _first("server_warned"):
             log.warning("kvtier: cannot leave the server's state in %s: %s (kvtier inspect --server will not "
-                        "find it; set KVTIER_RUN_DIR)", d, e)
+                        "find it; set KVTIER_RUN_DIR)", run_dir(), e.strerror or e)
         return None
 
 
-def _prune(d: str) -> None:
-    """States of servers gone for more than KEEP_S: removed (once per process)."""
-    for n in os.listdir(d):
-        pid = n[len(STATE_PREFIX):-len(".json")] if n.startswith(STATE_PREFIX) and n.endswith(".json") else ""
+def _prune(d: PrivateDir) -> None:
+    """States of servers gone for more than KEEP_S, and temp files of dead writers: removed (once
+    per process; an unlink never follows a symlink nor opens a FIFO)."""
+    d.remove_temps(pid_alive)
+    for n in d.names():
+        stem = n.removesuffix(".tmp")   # server-PID.json.tmp: an earlier version's temp name
+        pid = stem[len(STATE_PREFIX):-len(".json")] if n.startswith(STATE_PREFIX) and stem.endswith(".json") else ""
         try:
-            if pid.isdigit() and not pid_alive(int(pid)) and time.time() - os.lstat(os.path.join(d, n)).st_mtime > KEEP_S:
-                os.unlink(os.path.join(d, n))
+            if pid.isdigit() and not pid_alive(int(pid)) and time.time() - d.lstat(n).st_mtime > KEEP_S:
+                d.unlink(n)
         except OSError:
             pass
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_servers(pid: int | None = None) -> list[dict]:
     """The states servers left in run_dir() (newest first), each with `status`: "serving", "not
     answering" (a live pid, no state for STALE_S) or "not running" (exited or shut down), and
-    `age_s` (seconds since it last wrote)."""
-    d = run_dir()
+    `age_s` (seconds since it last wrote). A run directory kvtier may not use holds none."""
     try:
-        names = sorted(n for n in os.listdir(d) if n.startswith(STATE_PREFIX) and n.endswith(".json"))
+        d = open_run_dir(create=False)
     except OSError:
         return []
-    out = []
-    for n in names:
-        if pid is not None and n != f"{STATE_PREFIX}{pid}.json":
-            continue
-        try:
-            fd = os.open(os.path.join(d, n), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    continue
-                s = json.loads(f.read(1 << 22))
-        except (OSError, ValueError):
-            continue
-        if not isinstance(s, dict) or not isinstance(s.get("pid"), int):
-            continue
-        age = max(0.0, time.time() - float(s.get("time", 0)))
-        if s.get("stopped") or not pid_alive(s["pid"]):
-            s["status"] = "not running"
-        else:
-            s["status"] = "serving" if age <= STALE_S else "not answering"
-        s["age_s"] = round(age, 1)
-        s["file"] = os.path.join(d, n)
-        out.append(s)
+    with d:
+        names = sorted(n for n in d.names() if n.startswith(STATE_PREFIX) and n.endswith(".json"))
+        out = []
+        for n in names:
+            if pid is not None and n != f"{STATE_PREFIX}{pid}.json":
+                continue
+            try:
+                s = json.loads(d.read(n, 1 << 22) or b"null")
+            except (OSError, ValueError):
+                continue
+            if not isinstance(s, dict) or not isinstance(s.get("pid"), int):
+                continue
+            age = max(0.0, time.time() - float(s.get("time", 0)))
+            if s.get("stopped") or not pid_alive(s["pid"]):
+                s["status"] = "not running"
+            else:
+                s["status"] = "serving" if age <= STALE_S else "not answering"
+            s["age_s"] = round(age, 1)
+            s["file"] = d.join(n)
+            out.append(s)
     return sorted(out, key=lambda s: -float(s.get("time", 0)))
