@@ -242,8 +242,11 @@ class TierController(Completion, Counting):
         """Plan storing blocks (caller's block ids `srcs`) into the top tier; blocks the top tier
         holds or is receiving are skipped. Returns (indices of the blocks planned, the store op
         id or 0, indices admitted that found no room now: counted as dropped unless the caller
-        will `retry` them)."""
+        will `retry` them). A block whose top-tier copy failed to load is stored afresh."""
         top = self.tiers[0]
+        stale = [s for k in keys if k in self.failed and (s := top.find(k)) is not None and not top.get_block(s).ref_cnt]
+        if stale:  # a top-tier copy whose load failed: replaced by this fresh one
+            self._evict(0, stale)
         want = [i for i, k in enumerate(keys) if not self.holds(k, 0)]
         if want and admit:
             want = self._admit(0, want, [keys[i] for i in want], info)
