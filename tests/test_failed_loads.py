@@ -88,13 +88,12 @@ def test_failed_nvme_load_is_not_offered_until_rewritten(tmp_path, monkeypatch, 
         want = keys[:4] if chain else [keys[0], keys[2], keys[1], keys[3]]   # two "groups"' blocks
         with caplog.at_level(logging.WARNING, logger="kvtier.core.controller"):
             assert _load(s, ex, "r1", want, chain) == 0
+        # no lookup offers them: not the prefix, not a block, not a several-group hit
+        assert all(s.ctrl.find(k) is None for k in keys[:4]) and s.ctrl.acquire_keys("r2", keys[:4]) is None
+        assert s.lookup(keys) == 0 and s.lookup(keys[4:]) == N - 4 and s.ctrl.find(keys[4]) is not None
         t = s.ctrl.totals
         assert t["failed_load_blocks.nvme"] == 4 and t["blocks_load_failed.nvme"] == 4
         assert len([r for r in caplog.records if "not offered again until rewritten" in r.getMessage()]) == 1
-        # no lookup offers them: not the prefix, not a block, not a several-group hit
-        assert s.lookup(keys) == 0 and s.lookup(keys[4:]) == N - 4
-        assert all(s.ctrl.find(k) is None for k in keys[:4]) and s.ctrl.acquire_keys("r2", keys[:4]) is None
-        assert s.ctrl.find(keys[4]) is not None
         # an I/O-failed block keeps its index entry and its bytes; a bad one is quarantined
         assert sum(k in s.tiers[1] for k in keys[:4]) == (0 if kind == "verify" else 4)
         # a second load attempt cannot happen: nothing more fails
@@ -119,7 +118,7 @@ def test_failed_dram_load_is_stored_afresh(tmp_path, monkeypatch):
         monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))
         assert _load(s, s.executor, "r1", keys[8:], True) == 0
         monkeypatch.setattr(io_hooks.HOOKS, "fault", None)
-        assert s.ctrl.totals["failed_load_blocks.cpu"] == 4 and s.lookup(keys[8:]) == 0
+        assert s.lookup(keys[8:]) == 0 and s.ctrl.totals["failed_load_blocks.cpu"] == 4
         assert s.put(keys[8:], data[8:]) == 4                         # stored afresh, not skipped as held
         got = [torch.zeros(BB, dtype=torch.uint8) for _ in range(4)]
         assert s.get(keys[8:], got) == 4 and all(torch.equal(g, d) for g, d in zip(got, data[8:]))
@@ -144,7 +143,7 @@ def test_failed_shared_tier_load_is_not_offered_until_rewritten(redis_server, mo
         monkeypatch.setattr(io_hooks.HOOKS, "fault", ("load_copy", "error", 1))
         assert _load(s, s.executor, "r1", keys, True) == 0
         monkeypatch.setattr(io_hooks.HOOKS, "fault", None)
-        assert s.ctrl.totals["failed_load_blocks.shared"] == 4 and s.lookup(keys) == 0
+        assert s.lookup(keys) == 0 and s.ctrl.totals["failed_load_blocks.shared"] == 4
         assert s.put(keys, data) == 4
         got = [torch.zeros(BB, dtype=torch.uint8) for _ in range(4)]
         assert s.get(keys, got) == 4 and all(torch.equal(g, d) for g, d in zip(got, data))
