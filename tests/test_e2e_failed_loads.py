@@ -112,7 +112,8 @@ def test_hybrid_model_nvme_read_errors_are_not_offered_again(gemma, prompts, bas
         with capsys.disabled():
             print(f"\n[kvtier e2e] hybrid, NVMe read:{kind}: {steps} steps, "
                   f"{wt.get('blocks_load_failed.nvme', 0)} blocks failed, "
-                  f"{t.get('failed_load_blocks.nvme', 0)} remembered, {t.get('load_failed_requests', 0)} requests failed")
+                  f"{t.get('failed_load_blocks.nvme', 0)} remembered, "
+                  f"{t.get('load_failed_requests', 0)} requests failed")
         assert out == baseline                                     # recomputed: vLLM's own tokens
         # each request's hit was offered once, each of its blocks failed once and is remembered
         assert t["hit_blocks.nvme"] == PROMPTS * HIT and t["load_failed_requests"] == PROMPTS

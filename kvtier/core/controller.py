@@ -244,7 +244,8 @@ class TierController(Completion, Counting):
         id or 0, indices admitted that found no room now: counted as dropped unless the caller
         will `retry` them). A block whose top-tier copy failed to load is stored afresh."""
         top = self.tiers[0]
-        stale = [s for k in keys if k in self.failed and (s := top.find(k)) is not None and not top.get_block(s).ref_cnt]
+        stale = [s for k in keys if k in self.failed and (s := top.find(k)) is not None
+                 and not top.get_block(s).ref_cnt]
         if stale:  # a top-tier copy whose load failed: replaced by this fresh one
             self._evict(0, stale)
         want = [i for i, k in enumerate(keys) if not self.holds(k, 0)]
