@@ -64,6 +64,10 @@ class Metric(Enum):
     CORRUPT_BLOCKS = ("corrupt_blocks", TIER, COUNTER, "checksum_failures",
                       "Blocks that failed checksum verification on read.")
     IO_ERRORS = ("io_errors", TIER, COUNTER, "io_errors", "I/O errors of a tier (reads and writes).")
+    FAILED_LOAD_BLOCKS = ("failed_load_blocks", TIER, COUNTER, "failed_load_remembered_blocks",
+                          "Blocks whose load failed, remembered: not offered again until rewritten.")
+    FAILED_LOADS_FORGOTTEN = ("failed_loads_forgotten", NONE, COUNTER, "failed_loads_forgotten",
+                              "Remembered failed loads forgotten past the memory's cap (may be offered once more).")
     # the shared tier
     GONE_BLOCKS = ("gone_blocks", TIER, COUNTER, "gone_blocks",
                    "Shared tier: blocks found by lookup, absent or bad at load (recomputed).")

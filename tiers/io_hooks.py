@@ -5,6 +5,7 @@ KVTIER_FAULT=<point>:<kind>:N  fails the N-th and every later pass through <poin
                                bytes, then fails with ENOSPC)
     fsync:EIO:N                fdatasyncs
     read:EIO:N                 data-file reads (preadv calls / kvikio preads): their blocks fail
+                               (any errno name: EISDIR, ENOENT, ...)
     load_copy:error:N          queuings of a load's copies into vLLM's KV (a batch, or one request's
                                copies on the retry after a batch failed)
     store_copy:error:N         queuings of a step's KV -> DRAM copies

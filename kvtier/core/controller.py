@@ -27,6 +27,7 @@ from kvtier.tiers.base import group_by_tier, match_prefix
 from kvtier.tiers.contract import Tier
 from kvtier.tiers.counters import Metric
 
+from kvtier.core.failed_loads import DEFAULT_CAP, FailedLoads
 from kvtier.core.inflight import PENDING, Completion, CopyInFlight, InFlight, Pending, StoreInFlight
 from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, StoreOp
 
@@ -40,12 +41,13 @@ class TierController(Completion, Counting):
                  admission: Sequence[AdmissionPolicy | None] | None = None,
                  promotion: PromotionPolicy | None = None, demotion: str = "write_through",
                  lease_timeout_s: float = 300.0, ranks: int = 1, writeback_blocks: int = 256,
-                 tenants: Any = None) -> None:
+                 tenants: Any = None, failed_loads_cap: int = DEFAULT_CAP) -> None:
         """`tiers`: top (fastest) first. `admission[i]`: whether a block is worth writing to
         tier i (None or "all": every block). `promotion`: where a lower-tier hit goes (None:
         served in place). `ranks`: workers that each write a shard of every block (a copy to
         NVMe commits once every rank reported). `writeback_blocks`: the write-back batch.
-        `tenants`: per-tenant quotas and counters (`kvtier.core.tenants.Tenants`), or None."""
+        `tenants`: per-tenant quotas and counters (`kvtier.core.tenants.Tenants`), or None.
+        `failed_loads_cap`: keys whose load failed remembered at most (`kvtier.core.failed_loads`)."""
         if demotion not in DEMOTION:
             raise ValueError(f"demotion must be one of {DEMOTION}, got {demotion!r}")
         self._init_counters()
@@ -77,6 +79,7 @@ class TierController(Completion, Counting):
         self._plan = Plan()
         self.errors: list[str] = []   # write failures since the caller last cleared it (loud offline)
         self._once = Once(log)
+        self.failed = FailedLoads(failed_loads_cap)   # failed loads: not offered until rewritten
         self._wb_max_cfg = writeback_blocks
         self._wb_max = [max(1, min(writeback_blocks, t.capacity_blocks // 4)) for t in self.tiers]
         for t in range(self.nlocal):
@@ -92,17 +95,21 @@ class TierController(Completion, Counting):
 
     def match(self, keys: Sequence[bytes], wait: bool = True) -> list[tuple[int, int]] | Pending:
         """(tier, slot) of each block of the present prefix (the topmost copy); a shared-tier
-        block's slot is -1. PENDING when `wait` is False and the shared tier is still asked."""
-        blocks = list(zip(*match_prefix(self._index, keys)))
-        if self.remote is not None and len(blocks) < len(keys):
+        block's slot is -1. PENDING when `wait` is False and the shared tier is still asked. The
+        prefix ends at a block whose load failed (`failed`) until it is rewritten."""
+        local = list(zip(*match_prefix(self._index, keys)))
+        blocks = local[:self.failed.clean(keys, len(local))]
+        if self.remote is not None and len(blocks) == len(local) < len(keys):
             n = self.tiers[self.remote].probe(keys[len(blocks):], wait)
             if n is None:
                 return PENDING
-            blocks.extend([(self.remote, -1)] * n)
+            blocks.extend([(self.remote, -1)] * self.failed.clean(keys[len(blocks):], n))
         return blocks
 
     def find(self, key: bytes) -> tuple[int, int] | None:
-        """(tier, slot) of the topmost local copy of a block, or None."""
+        """(tier, slot) of the topmost local copy of a block, or None (also while its load failed)."""
+        if key in self.failed:
+            return None
         for t, idx in enumerate(self._index):
             s = idx.get(key)
             if s is not None:
@@ -237,8 +244,12 @@ class TierController(Completion, Counting):
         """Plan storing blocks (caller's block ids `srcs`) into the top tier; blocks the top tier
         holds or is receiving are skipped. Returns (indices of the blocks planned, the store op
         id or 0, indices admitted that found no room now: counted as dropped unless the caller
-        will `retry` them)."""
+        will `retry` them). A block whose top-tier copy failed to load is stored afresh."""
         top = self.tiers[0]
+        stale = [s for k in keys if k in self.failed and (s := top.find(k)) is not None
+                 and not top.get_block(s).ref_cnt]
+        if stale:  # a top-tier copy whose load failed: replaced by this fresh one
+            self._evict(0, stale)
         want = [i for i, k in enumerate(keys) if not self.holds(k, 0)]
         if want and admit:
             want = self._admit(0, want, [keys[i] for i in want], info)

@@ -223,6 +223,7 @@ class Executor(Failures, Counting):
             bad = [b for b, ok in zip(op.block_ids, oks) if not ok]
             if bad:
                 self._add_errors(bad)
+                self.unread(op, oks)
             self.report.loaded(op.req_id, not bad)
             n = sum(oks)
             if n:

@@ -99,12 +99,19 @@ class Failures:
                    "kvtier: %d blocks of %s not loaded (%s): reported as load errors, recomputed", len(ids), req_id,
                    why)
 
+    def unread(self, op: LoadOp, oks: Sequence[bool]) -> None:
+        """Report the blocks of `op` not loaded (`oks` False), whatever the reason: the controller
+        remembers them (`kvtier.core.failed_loads`). A shared-tier block (slot -1) by its key."""
+        ids = op.keys if op.slots and op.slots[0] < 0 and op.keys else op.slots
+        self.report.unread(op.tier, [x for x, ok in zip(ids, oks) if not ok])
+
     def fail_loads_of(self, ops: Sequence[LoadOp], why: str, async_ids: Sequence[str] = ()) -> None:
         """These loads cannot run: each block a load error; a request loading asynchronously is
         also reported as done (with its errors), or it would wait forever."""
         self._recv_failed.update(async_ids)
         for op in ops:
             self.fail_blocks(op.req_id, op.block_ids, why)
+            self.unread(op, [False] * len(op.slots))
             if op.via:  # a promotion read through DRAM slots: those slots were not written
                 self.report.not_stored(op.op_id, len(op.slots))
             self._fetched.pop(id(op), None)

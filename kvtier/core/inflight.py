@@ -137,8 +137,9 @@ def rank_sums(by_rank: dict[int, list], n: int, ranks: int) -> list:
 
 class Completion:
     """`TierController.complete`: an executor's report commits what was written, aborts what
-    failed, drops what did not verify and releases the leases of loads that finished. (A part of
-    the controller: what is in flight it asks and changes through `InFlight`'s methods.)"""
+    failed, drops what did not verify, remembers what failed to load and releases the leases of
+    loads that finished. (A part of the controller: what is in flight it asks and changes through
+    `InFlight`'s methods.)"""
 
     def complete(self, rep: Report) -> None:
         """The executor's report: commit what was written, abort what failed, drop what did not
@@ -155,6 +156,7 @@ class Completion:
             bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
             if good:
                 st.commit(tier, good)
+                self.failed.forget(st.keys[j] for j in good)
                 self._count(Metric.STORED_BLOCKS.at(tier.name), len(good))
                 if st.promotion:
                     self._count(Metric.PROMOTED_BLOCKS.at(tier.name), len(good))
@@ -169,6 +171,7 @@ class Completion:
                 self._count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
                 self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
             self.inflight.landed(st.tier, st.keys)
+        self._remember_failed(rep)   # before a bad block's tier quarantines it (its key then gone)
         for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
             tier = self.tiers[t]
             tier.quarantine(slots)
@@ -190,6 +193,24 @@ class Completion:
             gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
             if gone:
                 self._evict(lower, gone)
+
+    def _remember_failed(self, rep: Report) -> None:
+        """Blocks whose load failed, for any reason: remembered, so no lookup offers them again
+        until a fresh copy is written (`kvtier.core.failed_loads`)."""
+        for t, blocks in rep.unread.items():
+            tier = self.tiers[t]
+            keys = list(blocks) if t == self.remote else [k for s in blocks if (k := tier.key_at(s)) is not None]
+            new, forgotten = self.failed.add(keys)
+            if new:
+                self._count(Metric.FAILED_LOAD_BLOCKS.at(tier.name), new)
+                self._once(("failed_load", tier.name), logging.WARNING, "kvtier: %d blocks of tier %s failed to "
+                           "load: not offered again until rewritten (at most %d remembered; later ones counted in "
+                           "failed_load_blocks)", new, tier.name, self.failed.cap)
+            if forgotten:
+                self._count(Metric.FAILED_LOADS_FORGOTTEN.key, forgotten)
+                self._once(("failed_load_cap",), logging.WARNING, "kvtier: more than %d failed loads remembered: "
+                           "the oldest are forgotten (may be offered once more; counted in failed_loads_forgotten)",
+                           self.failed.cap)
 
     def _complete_copy(self, op_id: int, by_rank: dict[int, list]) -> None:
         cp = self.inflight.copy_of(op_id)
@@ -220,6 +241,7 @@ class Completion:
             else:
                 self._count(Metric.STORED_BLOCKS.at(tier.name), len(good))
                 self._count(Metric.DEMOTED_BLOCKS.at(tier.name), len(good))
+                self.failed.forget(k for (_, k), c in zip(cp.src, sums) if c != -1)
         if bad:
             tier.abort(bad)
             self._count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
@@ -235,6 +257,7 @@ class Completion:
         good = [k for (_, k), c in zip(cp.src, sums) if c != -1]
         if good:
             tier.note_written(good)
+            self.failed.forget(good)
             self._count(Metric.STORED_BLOCKS.at(tier.name), len(good))
         if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
             self._count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(cp.src) - len(good))

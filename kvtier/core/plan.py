@@ -64,7 +64,8 @@ class Plan:
 @dataclass
 class Report:
     """An executor's results: store op -> per-block ok, request -> load ok, copy op -> per-slot
-    checksum (-1: failed), tier -> slots that failed verification.
+    checksum (-1: failed), tier -> slots that failed verification, tier -> blocks whose load
+    failed for any reason (`unread`: the controller remembers them, `kvtier.core.failed_loads`).
 
     Aggregating over workers (tensor parallel ranks) ANDs the flags; copies keep each rank's
     checksums (ranks hold different shards in different files)."""
@@ -78,6 +79,7 @@ class Report:
     gone: list[bytes] = field(default_factory=list)   # shared tier: keys a read found absent or bad
     bad: list[bytes] = field(default_factory=list)    # shared tier: those of `gone` that failed verification
     capacity: dict[int, int] = field(default_factory=dict)  # tier -> slots its data plane holds (when fewer)
+    unread: dict[int, list] = field(default_factory=dict)   # tier -> blocks whose load failed: slots (keys: shared)
 
     @classmethod
     def of_plan(cls, plan: Plan, ok: bool, ranks: int = 0) -> "Report":
@@ -123,12 +125,15 @@ class Report:
         capacity = dict(self.capacity)
         for t, n in other.capacity.items():
             capacity[t] = min(n, capacity.get(t, n))
+        unread = {t: list(v) for t, v in self.unread.items()}
+        for t, v in other.unread.items():
+            unread.setdefault(t, []).extend(x for x in v if x not in unread[t])
         return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
-                          copied_ranks=written, gone=gone, bad=bad, capacity=capacity)
+                          copied_ranks=written, gone=gone, bad=bad, capacity=capacity, unread=unread)
 
     def is_empty(self) -> bool:
         return not self.stored and not self.loaded and not self.copied and not self.corrupt \
-            and not self.copied_ranks and not self.gone and not self.bad and not self.capacity
+            and not self.copied_ranks and not self.gone and not self.bad and not self.capacity and not self.unread
 
 
 class ReportBuilder:
@@ -178,6 +183,11 @@ class ReportBuilder:
         """Shared-tier keys a read found absent or bad (`gone`), and those that failed verification."""
         self._rep.gone.extend(gone)
         self._rep.bad.extend(bad)
+
+    def unread(self, tier: int, blocks: Sequence) -> None:
+        """Blocks of `tier` whose load failed, for any reason: slots, or keys (the shared tier)."""
+        if blocks:
+            self._rep.unread.setdefault(tier, []).extend(blocks)
 
     def capacity(self, slots: dict[int, int]) -> None:
         """Tier -> slots its data plane holds (when fewer than configured)."""
