@@ -9,6 +9,10 @@ earlier, and both read the config here (`load_settings`, the checks `__init__` r
   is profiled and allocated and before any connector object is built (always, unless
   `VLLM_KV_CACHE_LAYOUT` or a layout in vLLM's cache config makes vLLM skip the question).
 
+No connector hook of vLLM 0.32 runs in the engine core before the weights load, so the model
+path is pinned at the first of these calls there (`engine_identity.weights_pin`) and a symlink on
+it changed after the process started counts as changed during the start (kvtier/core/identity.py).
+
 A config that fails there raises `StartRefused`, a `SystemExit` whose code is the line
 `kvtier: error: <file>: <field>: <cause>`: Python prints it as the process ends, without a
 traceback. An engine core refused so also leaves the line for its parent (vLLM's API server,
@@ -29,6 +33,7 @@ from typing import Any
 from kvtier.core.serving_stats import run_dir
 
 from .config import load_settings
+from .engine_identity import weights_pin
 
 INVALID = ": invalid configuration"
 PREFIX = "kvtier: error: "
@@ -108,6 +113,8 @@ class StartChecks:
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """No layout of its own (kvtier copies any of vLLM's); the config is checked here."""
+        """No layout of its own (kvtier copies any of vLLM's); the config is checked here, and
+        the model path is pinned for this engine (`engine_identity.weights_pin`)."""
         check_config(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
+        weights_pin(vllm_config)
         return None
