@@ -92,9 +92,10 @@ def test_hub_ids_are_named_by_their_cached_snapshots_files(tmp_path):
     assert model_identity("org/model", "3" * 40, cache_dir=cache)[0] == one
 
 
-def test_a_gguf_file_is_named_by_its_bytes(tmp_path):
+def test_every_weight_format_is_named_by_its_bytes(tmp_path):
     """A single-file GGUF model (a path to a file, not a directory) is named by the file's bytes,
-    not `<path>@default`: two files differ, a copy under another name agrees."""
+    not `<path>@default`: two files differ, a copy under another name agrees. A directory of
+    .bin files is digested like one of .safetensors."""
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     a.write_bytes(b"GGUF" + bytes(range(256)) * 64)
     b.write_bytes(b"GGUF" + bytes(range(255, -1, -1)) * 64)
@@ -104,19 +105,15 @@ def test_a_gguf_file_is_named_by_its_bytes(tmp_path):
     c.parent.mkdir()
     shutil.copy(a, c)
     assert model_identity(str(c))[0] == ia
-
-
-def test_safetensors_and_bin_directories(tmp_path):
-    """A directory of .bin files is digested like one of .safetensors: other bytes, other identity."""
-    a = _model(tmp_path / "a", size=4096)
-    b = tmp_path / "b"
-    b.mkdir()
-    shutil.copy(a / "config.json", b / "config.json")
-    (b / "pytorch_model.bin").write_bytes((a / "model.safetensors").read_bytes())
-    ia, ib = model_identity(str(a))[0], model_identity(str(b))[0]
-    assert ia and ib and ia != ib
-    (b / "pytorch_model.bin").write_bytes(b"x" * 4096)
-    assert model_identity(str(b))[0] not in (None, ib)
+    d = _model(tmp_path / "st", size=4096)
+    e = tmp_path / "bin"
+    e.mkdir()
+    shutil.copy(d / "config.json", e / "config.json")
+    (e / "pytorch_model.bin").write_bytes((d / "model.safetensors").read_bytes())
+    idd, ie = model_identity(str(d))[0], model_identity(str(e))[0]
+    assert idd and ie and idd != ie
+    (e / "pytorch_model.bin").write_bytes(b"x" * 4096)
+    assert model_identity(str(e))[0] not in (None, ie)
 
 
 def test_what_kvtier_cannot_digest_leaves_the_identity_unknown(tmp_path, caplog):
