@@ -1,10 +1,10 @@
 """Requests with a LoRA adapter pass through kvtier: never looked up, never stored.
 
-vLLM's block hashes name a request's adapter by its name (`lora_name`), not by its weights, and
-the fingerprint names the base model only: an adapter reloaded under the same name with other
-weights, in this process or after a restart, would be served KV its weights never made. So such
-a request's KV stays in vLLM's own prefix cache; kvtier counts it (`lora_passthrough`, once per
-request) and says so in one line, once.
+vLLM's block hashes name a request's adapter by its name and path, not by its weights, and the
+fingerprint names the base model only: an adapter rewritten in place with other weights, in
+this process or after a restart, would be served KV its weights never made. So such a request's
+KV stays in vLLM's own prefix cache; kvtier counts it (`lora_passthrough`, once per request)
+and says so in one line, once.
 """
 
 from __future__ import annotations
