@@ -116,5 +116,6 @@ class StartChecks:
         """No layout of its own (kvtier copies any of vLLM's); the config is checked here, and
         the model path is pinned for this engine (`engine_identity.weights_pin`)."""
         check_config(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
-        weights_pin(vllm_config)
+        if getattr(vllm_config, "model_config", None) is not None:
+            weights_pin(vllm_config)
         return None

@@ -97,7 +97,10 @@ def links_changed_since(path: str, since: float | None) -> str | None:
         if st.st_ctime > since:
             return (f"{p} was changed at {time.strftime('%H:%M:%S', time.localtime(st.st_ctime))}, after this "
                     f"process started at {time.strftime('%H:%M:%S', time.localtime(since))}")
-        dest = os.readlink(p)
+        try:
+            dest = os.readlink(p)
+        except OSError as e:   # replaced between the two calls: changed now
+            return f"{p} changed while it was read ({e.strerror})"
         base = "/" if dest.startswith("/") else seen
         todo = os.path.normpath(os.path.join(base, dest)).strip("/").split("/") + todo
         seen = "/"
