@@ -78,8 +78,11 @@ def _fields(obj: Any) -> list[str]:
 
 
 def _hf(cfg: Any) -> dict:
-    d = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
-    return {k: _plain(v) for k, v in sorted(d.items()) if k not in NOT_KV_HF}
+    try:
+        d = cfg.to_dict()
+    except Exception:  # noqa: BLE001 - not a PretrainedConfig, or one whose to_dict fails: its attributes
+        d = dict(vars(cfg))
+    return {str(k): _plain(v) for k, v in sorted(d.items(), key=lambda kv: str(kv[0])) if k not in NOT_KV_HF}
 
 
 def effective_config(vllm_config: Any) -> dict:
