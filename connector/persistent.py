@@ -57,6 +57,7 @@ class PersistentTiers:
         ident = self.identity
         if ident.value is None:
             self.failed = True   # identity.py logged why; they stay closed
+            sched.count(Metric.IDENTITY_UNKNOWN.key)
             return False
         fp = self.fingerprint_of(ident.value)
         opened = []
@@ -72,7 +73,7 @@ class PersistentTiers:
                       redact(str(e)))
             return False
         self.closed = []
-        sched.persistent_open(ident.value)
+        sched.persistent_open(fp["model"])
         log.info("kvtier: persistent tiers open %.1f s after start: %s; model %s (%s)",
                  time.monotonic() - self.t0, "; ".join(opened), ident.value, ident.how)
         return True

@@ -27,6 +27,7 @@ from kvtier.tiers.counters import Metric
 from .held_requests import StoreHolds
 from .hybrid import GroupRules
 from .lazy_offload import LazyOffload
+from .lora import LoraGate
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
 
 log = logging.getLogger("kvtier.connector")
@@ -99,6 +100,7 @@ class KVTierScheduler:
         self._async_inflight: set[str] = set()  # ... until the workers report it done
         self.model_identity = model_identity
         self.holds = StoreHolds(options.hold_stores)  # finished requests vLLM keeps for their stores
+        self.lora = LoraGate(self.count)                # LoRA requests pass through (connector/lora.py)
 
     @property
     def leases(self):
@@ -143,6 +145,8 @@ class KVTierScheduler:
         new. At least one token is always left to compute. None: the shared tier is being asked
         (vLLM asks again next step; the scheduler never waits on the network).
         """
+        if self.lora.passes_through(request):
+            return 0
         r = self._track(request)
         bt = self.block_tokens
         start = num_computed_tokens // bt
@@ -194,6 +198,8 @@ class KVTierScheduler:
         """vLLM allocated the request's blocks (`tables`: each group's block ids) and accepted
         `num_external_tokens` from us: the planned blocks load into the ones vLLM allocated for
         them (any missing: the accepted tokens are reported as load errors, recomputed)."""
+        if self.lora.passes_through(request):
+            return
         r = self._track(request)
         if tables is not None:
             r.tables = [list(t) for t in tables]
@@ -399,6 +405,7 @@ class KVTierScheduler:
         them (vLLM frees them when the workers report the load received), or while its stores are
         unreported (`hold_stores`: freed when the workers report it sent). Lazy offload queues its
         full blocks (`tables`, each group's block ids) to be written behind."""
+        self.lora.finished(req_id)
         r = self._reqs.pop(req_id, None)
         if r is not None and tables and tables[0] and self.store_enabled and self.lazy is not None:
             self._track(r.request)

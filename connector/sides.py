@@ -26,6 +26,7 @@ from .groups import Group, GroupKind, block_geometry, served_groups
 from .handoff import clear_reports
 from .hybrid import GroupRules
 from kvtier.core.identity import ModelIdentity
+from .engine_identity import effective_config_digest, load_source, weights_pin
 from .kv_layout import layout_name
 from .parallel import shards, store_rank, world_size
 from .persistent import PersistentTiers
@@ -93,21 +94,31 @@ def settings(extra: dict | None, shape: KVShape, scheduler: bool, worker_pool: i
 
 
 def model_identity(cfg: Any, vllm_config: Any, start: bool) -> ModelIdentity:
-    mc = vllm_config.model_config
-    return ModelIdentity(str(mc.model), mc.revision, cfg.serving.model_identity, data_dir_of(cfg.serving.data_dir),
-                         start=start)
+    """The weights' identity: digested on the scheduler side (`start`), from the path pinned for
+    this engine (`engine_identity.weights_pin`); the workers take the scheduler's."""
+    model, revision, cache_dir, fmt = load_source(vllm_config)
+    given = cfg.serving.model_identity
+    return ModelIdentity(model, revision, given, data_dir_of(cfg.serving.data_dir), cache_dir, start=start,
+                         load_format=fmt, pinned=weights_pin(vllm_config) if start and not given else None,
+                         digest=start)
+
+
+def model_key(identity: str | None, vllm_config: Any) -> str | None:
+    """The fingerprint's `model`: the weights' identity and the engine's effective config
+    (`engine_identity`), as the scheduler sends it to the workers; None while not known."""
+    return None if identity is None else f"{identity};engine={effective_config_digest(vllm_config)}"
 
 
 def fingerprint(cfg: Any, vllm_config: Any, shape: KVShape, model: str | None) -> dict:
-    """What must match for a stored block to be served: the model's identity, KV dtype, layout
-    (the blocks' byte format, `kv_layout.layout_name`, plus a digest of the groups when several),
-    parallelism."""
+    """What must match for a stored block to be served: the model (`model_key`: its weights'
+    identity and the engine's effective config), KV dtype, layout (the blocks' byte format,
+    `kv_layout.layout_name`, plus a digest of the groups when several), parallelism."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     layout = layout_name(device_type(vllm_config))
     if shape.hybrid:
         layout += ":groups-" + xxhash.xxh3_64_hexdigest(repr(shape.groups).encode())
     return cfg.fingerprint(
-        model=model or "(not known yet)", revision=str(getattr(mc, "revision", None)),
+        model=model_key(model, vllm_config) or "(not known yet)", revision=str(getattr(mc, "revision", None)),
         dtype=str(getattr(mc, "dtype", "?")),
         kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
         layout=layout, tp=int(getattr(pc, "tensor_parallel_size", 1)),
@@ -149,7 +160,7 @@ def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVSh
                             max_blocks_per_step=sv.max_blocks_per_step,
                             async_shared_loads=sv.async_shared_loads and not shape.hybrid,
                             hold_stores=stores_finish_later(vllm_config))
-    return persistent, recorder, KVTierScheduler(ctrl, rules, opts, recorder, identity.value)
+    return persistent, recorder, KVTierScheduler(ctrl, rules, opts, recorder, model_key(identity.value, vllm_config))
 
 
 def start_scheduler_side(sched: KVTierScheduler, vllm_config: Any, cfg: Any) -> None:

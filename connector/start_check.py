@@ -10,9 +10,15 @@ earlier, and both read the config here (`load_settings`, the checks `__init__` r
   `VLLM_KV_CACHE_LAYOUT` or a layout in vLLM's cache config makes vLLM skip the question).
 
 Both read the encrypted tiers' keys too (`tiers/sealing.py`): a key that cannot be read or is
-not a 256-bit key refuses the start like a bad field. A config that fails there raises
-`StartRefused`, a `SystemExit` whose code is the line `kvtier: error: <file>: <field>: <cause>`:
-Python prints it as the process ends, without a traceback. An engine core refused so also leaves the line for its parent (vLLM's API server,
+not a 256-bit key refuses the start like a bad field.
+
+No connector hook of vLLM 0.32 runs in the engine core before the weights load, so the model
+path is pinned at the first of these calls there (`engine_identity.weights_pin`) and a symlink on
+it changed after the process started counts as changed during the start (kvtier/core/identity.py).
+
+A config that fails there raises `StartRefused`, a `SystemExit` whose code is the line
+`kvtier: error: <file>: <field>: <cause>`: Python prints it as the process ends, without a
+traceback. An engine core refused so also leaves the line for its parent (vLLM's API server,
 which then fails with a traceback of its own), and the parent prints it again as it exits: the
 line ends the server's output.
 """
@@ -30,6 +36,7 @@ from kvtier.core.serving_stats import open_run_dir, run_dir
 from kvtier.tiers.redact import redact
 
 from .config import load_settings
+from .engine_identity import weights_pin
 
 INVALID = ": invalid configuration"
 PREFIX = "kvtier: error: "
@@ -115,6 +122,9 @@ class StartChecks:
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """No layout of its own (kvtier copies any of vLLM's); the config is checked here."""
+        """No layout of its own (kvtier copies any of vLLM's); the config is checked here, and
+        the model path is pinned for this engine (`engine_identity.weights_pin`)."""
         check_config(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
+        if getattr(vllm_config, "model_config", None) is not None:
+            weights_pin(vllm_config)
         return None

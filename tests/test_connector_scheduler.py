@@ -292,3 +292,27 @@ def test_policies_see_vllm_request_ids():
     store_request(s, Req("a", list(range(9))))
     store_request(s, Req("b", list(range(100, 109))))
     assert seen == ["a", "b"]
+
+
+@dataclass
+class LoraReq(Req):
+    lora_request: object = None
+
+
+def test_lora_requests_pass_through(caplog):
+    """A request with a LoRA adapter is neither looked up nor stored (vLLM's hashes name the
+    adapter, not its weights), counted once per request, one line once; the base model's are."""
+    s, tier = make()
+    store_request(s, Req("base", list(range(18))))
+    assert tier.num_resident == 4
+    for rid in ("l1", "l2"):
+        r = LoraReq(rid, list(range(18)), lora_request=type("LoRARequest", (), {"lora_name": "ad"})())
+        assert s.lookup(r, 0) == 0 and s.lookup(r, 0) == 0       # the base model's blocks are there
+        s.on_alloc(r, [list(range(200, 205))], 0)
+        meta = run_step(s, [(rid, r.num_tokens, list(range(200, 205)))])
+        assert not meta.stores and not meta.loads
+        s.on_finished(rid)
+    assert tier.num_resident == 4 and s.leases.pinned() == 0
+    assert s.totals["lora_passthrough"] == 2 and s.totals.get("hit_tokens", 0) == 0
+    assert caplog.text.count("LoRA adapter") == 1
+    assert s.lookup(Req("base2", list(range(18))), 0) == 16

@@ -117,3 +117,88 @@ def test_weights_that_differ_between_old_samples_share_no_kv(tmp_path, redis_ser
     assert st.get("hit_blocks.shared", 0) == 0 and st.get("hit_blocks.nvme", 0) == 0, st
     assert st.get("hit_tokens", 0) == 0, st
     assert toks_b == alone
+
+
+def _totals():
+    return dict(_sched().sched.totals)
+
+
+@pytest.mark.timeout(1200)
+def test_hf_overrides_change_the_fingerprint(tmp_path):
+    """A restart with `hf_overrides` (another RoPE theta) on the same NVMe directory is served
+    nothing the run without them stored: its tokens equal vLLM's own under the same overrides."""
+    model = U.build_tiny_llama(tmp_path / "m")
+    rope = {"hf_overrides": {"rope_parameters": {"rope_theta": 10.0, "rope_type": "default"}}}
+    ps = U.prompts(3, 4, seed=11)
+    kv = U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(tmp_path / "nvme"), nvme_capacity_blocks=256,
+                         nvme_on_mismatch="namespace", data_dir=str(tmp_path / "data"))
+
+    llm = U.make_llm(model, **rope)
+    alone = U.generate(llm, ps)
+    U.shutdown(llm)
+
+    llm = U.make_llm(model, kv)
+    plain = U.generate(llm, ps)
+    st = _totals()
+    U.shutdown(llm)
+    assert st["stored_blocks.nvme"] >= sum((len(p) - 1) // U.BLOCK for p in ps), st
+    assert plain != alone                                     # the override changes the tokens
+
+    llm = U.make_llm(model, kv, **rope)
+    toks = U.generate(llm, ps)
+    st = _totals()
+    U.shutdown(llm)
+    assert st.get("hit_blocks.nvme", 0) == 0 and st.get("hit_tokens", 0) == 0, st
+    assert toks == alone
+
+
+@pytest.mark.timeout(1200)
+def test_weights_symlink_flipped_during_the_start(tmp_path, monkeypatch, caplog):
+    """The model path is a symlink to v1, flipped to v2 right after vLLM read v1's weights (a
+    deploy during the start): the requests run on v1 (tokens equal vLLM's own on v1), the
+    persistent tiers stay closed with one line naming the link, and a following server on v2 is
+    not served v1's KV (tokens equal vLLM's own on v2)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    v1 = U.build_tiny_llama(tmp_path / "v1", seed=0)
+    v2 = U.build_tiny_llama(tmp_path / "v2", seed=1)
+    link = str(tmp_path / "current")
+    os.symlink(v1, link)
+    ps = U.prompts(3, 4, seed=13)
+    kv = U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(tmp_path / "nvme"), nvme_capacity_blocks=256,
+                         nvme_on_mismatch="namespace", data_dir=str(tmp_path / "data"))
+    alone = {}
+    for v in (v1, v2):
+        llm = U.make_llm(v)
+        alone[v] = U.generate(llm, ps)
+        U.shutdown(llm)
+    assert alone[v1] != alone[v2]
+
+    load = DefaultModelLoader.load_weights
+
+    def load_then_flip(self, model, model_config):
+        load(self, model, model_config)
+        os.unlink(link)
+        os.symlink(v2, link)                                  # the deploy flips it: vLLM holds v1
+
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", load_then_flip)
+    llm = U.make_llm(link, kv)
+    monkeypatch.setattr(DefaultModelLoader, "load_weights", load)
+    c = _sched()
+    assert os.path.realpath(link) == os.path.realpath(v2)
+    toks = U.generate(llm, ps)
+    st = dict(c.sched.totals)
+    ident = c.identity
+    U.shutdown(llm)
+    assert toks == alone[v1]
+    lines = sum(link in r.getMessage() and "identity is unknown" in r.getMessage() for r in caplog.records)
+
+    llm = U.make_llm(link, kv)                                # a following server, really on v2
+    toks2 = U.generate(llm, ps)
+    st2 = _totals()
+    U.shutdown(llm)
+    assert st2.get("hit_blocks.nvme", 0) == 0 and st2.get("hit_tokens", 0) == 0, st2
+    assert toks2 == alone[v2]
+    assert ident.value is None and link in ident.error, ident.how
+    assert st.get("stored_blocks.nvme", 0) == 0 and st.get("not_open_blocks.nvme", 0) > 0, st
+    assert st.get("identity_unknown") == 1, st
+    assert lines == 1

@@ -123,6 +123,10 @@ class Metric(Enum):
     NOT_OPEN_BLOCKS = ("not_open_blocks", TIER, None, None, "Blocks not stored: the tier is not open yet.")
     UNCOMMITTED_AT_CLOSE = ("uncommitted_at_close", NONE, None, None, "Stores still uncommitted at close.")
     PERSISTENT_OPEN_FAILED = ("persistent_open_failed", NONE, None, None, "Persistent tiers that failed to open.")
+    IDENTITY_UNKNOWN = ("identity_unknown", NONE, None, None,
+                        "Starts whose model identity is unknown: the persistent tiers stay closed.")
+    LORA_PASSTHROUGH = ("lora_passthrough", NONE, None, None,
+                        "Requests with a LoRA adapter: neither looked up nor stored in any tier.")
     STATE_WRITE_ERRORS = ("state_write_errors", NONE, None, None, "Failed writes of the state file.")
     HOOK_ERRORS = ("hook_errors", HOOK, None, None, "vLLM hooks that raised (a miss, never an escape).")
     INDEX_WRITE_ERRORS = ("index_write_errors", TIER, None, None, "Failed writes of an NVMe tier's index.")
