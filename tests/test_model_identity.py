@@ -166,3 +166,23 @@ def test_unreadable_weights_leave_the_identity_unknown(tmp_path, caplog):
     ident, how = model_identity(str(a))
     assert ident is None and "unknown" in how
     assert "cannot read" in caplog.text and "model.safetensors" in caplog.text
+
+
+def test_a_fifo_in_the_model_directory_never_blocks(tmp_path, caplog):
+    """A FIFO planted as config.json or as a weight file: no identity (closed), and the digest
+    does not wait for a writer that never comes."""
+    import threading
+    for name in ("config.json", "model.safetensors"):
+        d = _model(tmp_path / name.replace(".", "_"))
+        os.unlink(d / name)
+        os.mkfifo(d / name)
+        out: list = []
+        t = threading.Thread(target=lambda: out.append(model_identity(str(d))), daemon=True)
+        t.start()
+        t.join(30)
+        if t.is_alive():   # free the reader so the test ends, then fail
+            os.close(os.open(d / name, os.O_WRONLY | os.O_NONBLOCK))
+            t.join(5)
+        assert out, f"the digest blocked on a FIFO at {name}"
+        ident, how = out[0]
+        assert ident is None and "unknown" in how and name in caplog.text

@@ -20,8 +20,10 @@ So does anything kvtier cannot digest: a load format that does not read the mode
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -148,9 +150,8 @@ def weights_digest(path: str, data_dir: str | None = None, stats: DigestStats | 
     h = xxhash.xxh3_128()
     if os.path.isdir(path):
         cfg = os.path.join(path, "config.json")
-        if os.path.isfile(cfg):
-            with open(cfg, "rb") as f:
-                h.update(b"config.json\0" + f.read())
+        if os.path.exists(cfg):
+            h.update(b"config.json\0" + _read_regular(cfg))
         files = [(n, os.path.join(path, n)) for n in sorted(os.listdir(path)) if n.endswith(WEIGHT_SUFFIXES)]
     else:   # one file (a GGUF model): its bytes, whatever its name
         files = [("", path)]
@@ -165,6 +166,19 @@ def weights_digest(path: str, data_dir: str | None = None, stats: DigestStats | 
             log.warning("kvtier: cannot write the weights' digest cache (%s): the next start hashes them again", err)
     st.seconds = time.monotonic() - t0
     return h.hexdigest(), len(files)
+
+
+def _read_regular(path: str) -> bytes:
+    """A model file's bytes (links followed, as vLLM does: hub snapshots are links), opened
+    non-blocking so a FIFO planted in the model directory cannot stall the start."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 class ModelIdentity:
