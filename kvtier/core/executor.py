@@ -7,10 +7,11 @@ in the *outside* (where blocks live outside the tiers) and how often they report
 - `kvtier.connector.kv_layout.KVCopier`: vLLM's KV cache (gather / scatter, on a GPU on a side
   stream ordered against the forward, one event per layer).
 
-Each tier's data plane (`kvtier.tiers.contract.DataPlane`) declares its medium; an op is run by
-the handler of its (source medium, destination medium) in `kvtier.core.handlers.HANDLERS`: a
-load is (tier, OUTSIDE), a store (OUTSIDE, tier), a copy down (tier, tier), the last run behind
-the step by `CopiesDown` through the same table.
+Each tier's data plane (`kvtier.tiers.contract.DataPlane`, looked up in `kvtier.core.planes.Planes`)
+declares its medium; an op is run by the handler of its (source medium, destination medium), one
+of each class of `kvtier.core.handlers.HANDLERS`, built from the executor's parts (`Handlers`): a
+load is (tier, OUTSIDE), a store (OUTSIDE, tier), a copy down (tier, tier), the last written
+behind the step (`kvtier.core.write_behind.CopiesDown`).
 
 Every failure is a per-block result (a miss, a load error the caller recomputes, a store not
 committed), logged once per cause and counted; nothing here raises into the caller's step.
@@ -22,7 +23,8 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from kvtier.core.handlers import HANDLERS, LoadRun, handler
+from kvtier.core.handlers import Handlers, LoadRun, run_copies
+from kvtier.core.planes import Planes
 from kvtier.tiers.once import Once, cause
 from kvtier.core.plan import CopyOp, Counters, LoadOp, Plan, Report, ReportBuilder, StoreOp
 from kvtier.core.staging import Staging
@@ -41,6 +43,9 @@ class Executor:
 
     `write_lag_steps`: copies down are reported at most this many `step()`s after they were
     queued (0: in the same call). `tier_names` name the counters (`bytes_loaded.<tier>`...).
+    `count`: count into another object's counters (a controller's, a worker's) instead of its own
+    (`counters`). The executor owns its parts (`planes`, `report`, `down`, `handlers`) and
+    dispatches each op to its handler; its failures are its own (a load error, a store dropped).
     """
 
     LOAD_CHUNK_BYTES = 8 << 20   # copies of lower-tier loads run per chunk read (copies on the caller)
@@ -50,9 +55,8 @@ class Executor:
                  staging: Staging | None = None, report_cls: type[Report] = Report,
                  count: Callable[..., None] | None = None) -> None:
         self.outside = outside
-        self.planes: list[DataPlane | None] = list(planes)
+        self.planes = Planes(planes, block_bytes, tier_names)
         self.block_bytes = block_bytes
-        self.tier_names = list(tier_names)
         self.rank = rank
         self.staging = staging
         self.report = ReportBuilder(rank, report_cls)   # this step's report, built by every part
@@ -62,7 +66,8 @@ class Executor:
         self._load_errors: set[int] = set()
         self.tainted = False                       # a load the step's forward reads failed (`begin_step`)
         self._polling = False                      # in poll_async / fail_async: failures do not taint
-        self.down = CopiesDown(self, write_lag_steps)  # copies down, written behind
+        self.down = CopiesDown(self.planes, self.report, self.count, self.once, write_lag_steps)  # written behind
+        self.handlers = self._handlers()
         self.steps = 0
         self._async: dict[str, list[LoadOp]] = {}  # request -> its load ops, loading asynchronously
         self._recv_failed: set[str] = set()         # asynchronous loads that failed: reported as done
@@ -87,33 +92,18 @@ class Executor:
              planes: dict[int, DataPlane | None] | None = None, ntiers: int = 0) -> None:
         """Where blocks live outside (when given), the tiers' names (when given), and tiers' data
         planes in this process by index (None: none here); `ntiers`: room for that many."""
+        self.planes.bind(tier_names, planes, ntiers)
         if outside is not None:
             self.outside = outside
-        if tier_names:
-            self.tier_names = list(tier_names)
-        for t, p in (planes or {}).items():
-            self.planes += [None] * (t + 1 - len(self.planes))
-            self.planes[t] = p
-        self.planes += [None] * (ntiers - len(self.planes))
+            self.handlers = self._handlers()
+
+    def _handlers(self) -> Handlers:
+        """The handler of each medium pair, built from this executor's parts."""
+        return Handlers(self.planes, self.outside, self.report, self.staging, self.count, self.once,
+                        self.down.writes, self.down.puts)
 
     def name(self, tier: int) -> str:
-        return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
-
-    def plane_of(self, tier: int, medium: Medium | None = None) -> DataPlane:
-        p = self.planes[tier] if tier < len(self.planes) else None
-        if p is None:
-            raise RuntimeError(f"no data plane for tier {self.name(tier)} in this process")
-        if medium is not None and p.medium is not medium:
-            raise RuntimeError(f"tier {self.name(tier)} is {p.medium.name}, not {medium.name}")
-        return p
-
-    def host_pool(self, tier: int, slots: Sequence[int] | None = None):
-        """Tier `tier`'s DRAM pool; `slots` must lie in it (a worker's pool may be smaller than the
-        scheduler's tier until the scheduler follows its report)."""
-        pool = self.plane_of(tier, Medium.HOST)
-        if slots and max(slots) >= pool.num_slots:
-            raise RuntimeError(f"slot {max(slots)} beyond the {pool.num_slots}-slot pool of tier {self.name(tier)}")
-        return pool
+        return self.planes.name(tier)
 
     # ---- loads -------------------------------------------------------------------------------
     def load(self, ops: Sequence[LoadOp], layered: bool = False) -> None:
@@ -141,16 +131,17 @@ class Executor:
         copy_now = not (layered and self.outside.layered)
         jobs: list[tuple[int, Any]] = []   # (index of its op in _load_done, the copy)
         staged = sum(len(op.slots) for op in ops if self._needs_staging(op))
-        run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now)
+        run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now, self.LOAD_CHUNK_BYTES)
         for op in ops:
             name = self.name(op.tier)
             oks = [False] * len(op.slots)
             at = len(self._load_done)
             try:
-                plane = self.plane_of(op.tier)
+                plane = self.planes.plane_of(op.tier)
                 if op.via:
-                    self.host_pool(op.via_tier, op.via)
-                oks = handler(plane.medium, Medium.OUTSIDE).load(self, op, plane, run, at)
+                    self.planes.host_pool(op.via_tier, op.via)
+                oks = self.handlers.of(plane.medium, Medium.OUTSIDE).load(op, plane, run, at,
+                                                                         self._fetched.pop(id(op), None))
             except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
                 self.once(("load", name) + cause(e), logging.WARNING,
                            "kvtier: load of %d blocks for %s from %s failed: %s (recomputed)",
@@ -160,6 +151,7 @@ class Executor:
             if self._needs_staging(op):
                 run.row0 += len(op.slots)
             self._load_done.append((op, name, oks))
+        self._copy_s += run.copy_s   # copies run chunk by chunk as reads landed
         if jobs and not copy_now:
             self._sync_s = time.perf_counter() - t0   # reads + checksums, before the copies run
             self.layer_events = self._queue(jobs, layered=True)
@@ -170,10 +162,10 @@ class Executor:
         self._sync_s = time.perf_counter() - t0 - self._copy_s
 
     def _queue_once(self, jobs: list, layered: bool) -> list | None:
-        fault_point("load_copy")
         if layered:
+            fault_point("load_copy")
             return self.outside.load_layered(jobs)
-        self.outside.run(jobs, to_outside=True)
+        run_copies(self.outside, jobs)
         return None
 
     @property
@@ -187,21 +179,9 @@ class Executor:
                 and not self.outside.direct_reads)
 
     def _handler_of(self, tier: int, dst: Medium) -> Any:
-        """The handler that loads tier `tier`'s blocks, None when there is no plane or handler."""
-        p = self.planes[tier] if tier < len(self.planes) else None
-        return None if p is None else HANDLERS.get((p.medium, dst))
-
-    def take_read_ahead(self, op: LoadOp) -> tuple | None:
-        """The reads `load_async` started for `op` (host, rows, buffers, handle), once."""
-        return self._fetched.pop(id(op), None)
-
-    def copy_now(self, jobs: list) -> None:
-        """Run load copies into the outside now (timed: the load's copy seconds)."""
-        t1 = time.perf_counter()
-        try:
-            self._queue_once(jobs, layered=False)
-        finally:
-            self._copy_s += time.perf_counter() - t1
+        """The handler that moves tier `tier`'s blocks to `dst`, None when there is no plane or handler."""
+        p = self.planes.get(tier)
+        return None if p is None else self.handlers.get(p.medium, dst)
 
     def finish_loads(self, wait: bool = True) -> None:
         """Wait (the host) for the last load's copies; account them; a copy that failed, or that
@@ -247,7 +227,7 @@ class Executor:
             self._async.setdefault(op.req_id, []).append(op)
             h = self._handler_of(op.tier, Medium.OUTSIDE)
             if h is not None and h.reads_ahead:
-                self._fetched[id(op)] = h.read_ahead(self, op, self.planes[op.tier])
+                self._fetched[id(op)] = h.read_ahead(op, self.planes.get(op.tier))
 
     def poll_async(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads arrived (waiting up to `wait_s` for them): their
@@ -438,14 +418,17 @@ class Executor:
         by: dict[Any, list[StoreOp]] = {}
         for op in ops:
             try:
-                p = self.plane_of(op.tier)
-                by.setdefault(handler(Medium.OUTSIDE, p.medium), []).append(op)
+                p = self.planes.plane_of(op.tier)
+                by.setdefault(self.handlers.of(Medium.OUTSIDE, p.medium), []).append(op)
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
                 self.store_failed(op, e, tainted, failed)
         planned: list = []
         ev = None
         for h, group in by.items():
-            done, e = h.store(self, group, tainted, failed, defer and len(by) == 1)
+            done, e, lost = h.store(group, tainted, defer and len(by) == 1)
+            for lost_ops, why, quiet in lost:
+                for op in lost_ops:
+                    self.store_failed(op, why, quiet, failed)
             planned += done
             ev = e if e is not None else ev
         if ev is not None:
@@ -463,8 +446,22 @@ class Executor:
         failed.update((op.tier, s) for s in op.slots)
 
     def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
-        """DRAM -> another tier, written behind (`CopiesDown`)."""
-        self.down.copy(ops, failed)
+        """DRAM -> DRAM, file or shared tier, each op by the handler of its (source medium, destination
+        medium): each op's per-slot result (the block's tag, or -1: not durable, or its source failed
+        this step) is reported within `write_lag_steps` (`CopiesDown`)."""
+        by: dict[Any, list[CopyOp]] = {}
+        for op in ops:
+            try:
+                h = self.handlers.of(self.planes.plane_of(op.src_tier).medium, self.planes.plane_of(op.tier).medium)
+            except Exception as e:  # noqa: BLE001 - no plane or no handler: this op is dropped
+                self.down.copy_failed([op], e)
+                continue
+            by.setdefault(h, []).append(op)
+        for h in sorted(by, key=lambda h: h.order):
+            for lost, why in h.copy(by[h], failed, self.steps):
+                self.down.copy_failed(lost, why)
+        if by and self.down.lag == 0:  # written on the caller's thread: reported now
+            self.down.reap(self.steps, wait=True)
 
     # ---- copies left running on a device: reported once their event completed -----------------
     def take_deferred(self) -> tuple | None:
@@ -506,14 +503,9 @@ class Executor:
             self.once(("rows_wait",) + cause(e), logging.ERROR, "kvtier: waiting for the last load's copies "
                       "failed: %s", e)
 
-    def pinned_rows(self) -> bool:
-        """Rows of their own are pinned (torch's pinned host allocator) when the outside is a
-        device's: the staging rows' pinning says so."""
-        return bool(self.staging is not None and self.staging.pinned and self.outside.layered)
-
     def reap(self, wait: bool = False) -> None:
         """Report the copies done; wait for those `write_lag_steps` old (all if `wait`)."""
-        self.down.reap(wait)
+        self.down.reap(self.steps, wait)
 
     @property
     def writes_in_flight(self) -> int:
