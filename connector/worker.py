@@ -132,7 +132,7 @@ class KVTierWorker:
         self.ex = Executor(self.kv, [pool], lay.block_bytes, tier_names=self._tier_names, write_lag_steps=self._lag,
                            rank=self.rank,
                            staging=Staging(lay.block_bytes, self._pin), report_cls=KVTierWorkerMeta,
-                           count=self.count)
+                           count=self.counters.count)
         self.pending = PendingStores(self.ex)   # stores whose device copies are still running
         log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
         if self._remote_fn is not None and self.remote is None and not self._remote_needs_identity:

@@ -61,7 +61,8 @@ class Executor:
         self.staging = staging
         self.report = ReportBuilder(rank, report_cls)   # this step's report, built by every part
         self.counters = Counters()
-        self._count_into = count   # count into another object's counters (the CLI's controller, a worker)
+        # where this executor and its parts count: its own counters, or another object's (`count`)
+        self.count: Callable[..., None] = count if count is not None else self.counters.count
         self.once = Once(log)
         self._load_errors: set[int] = set()
         self.tainted = False                       # a load the step's forward reads failed (`begin_step`)
@@ -79,13 +80,6 @@ class Executor:
         self.layer_events: list | None = None     # a layered load's events, one per layer
         self._load_done: list[tuple[LoadOp, str, list[bool]]] = []
         self._sync_s = self._copy_s = 0.0
-
-    def count(self, key: str, v: float = 1) -> None:
-        """Count (`key`: a `Metric` key) into this executor's counters, or the caller's (`count`)."""
-        if self._count_into is not None:
-            self._count_into(key, v)
-        else:
-            self.counters.count(key, v)
 
     # ---- media -------------------------------------------------------------------------------
     def bind(self, outside: Outside | None = None, tier_names: Sequence[str] | None = None,
