@@ -40,7 +40,7 @@ from kvtier.tiers.counters import Metric
 from kvtier.tiers.once import Once, cause
 
 HOST, FILE, SHARED, OUTSIDE = Medium.HOST, Medium.FILE, Medium.SHARED, Medium.OUTSIDE
-Failed = list[tuple[list[Any], BaseException | None]]   # (ops, why) that failed: the caller reports them
+Failed = list[tuple[list[CopyOp], BaseException | None]]   # copies not started, with why: the caller reports them
 
 
 class LoadRun:
