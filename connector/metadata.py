@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.core import plan
-from kvtier.core.plan import LoadOp, CopyOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
+from kvtier.core.plan import Counters, LoadOp, CopyOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
 from kvtier.tiers.counters import GAUGE_PREFIX, OBS_PREFIX, Metric
 
 try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
@@ -109,12 +108,10 @@ class KVTierStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-class Counting(plan.Counting):
-    """Counters kept on each side: cumulative `totals`, and the interval vLLM collects."""
-
-    def take_interval_stats(self) -> KVTierStats | None:
-        d = self.take_interval()
-        return KVTierStats(data=d) if d else None
+def interval_stats(counters: Counters) -> KVTierStats | None:
+    """The interval vLLM collects from a side's counters (None when nothing was counted)."""
+    d = counters.take_interval()
+    return KVTierStats(data=d) if d else None
 
 
 def block_ids_of(blocks: Any) -> Any:

@@ -2,7 +2,7 @@
 
 How the numbers travel (vLLM 0.32/0.33):
 
-1. Each side of the connector counts with `Counting._count(key, n)` (connector/metadata.py).
+1. Each side of the connector counts into its `Counters` (`count(key, n)`, kvtier/core/plan.py).
    vLLM collects them once per step with `get_kv_connector_stats()`: the workers' stats ride on
    the model runner output and are summed over workers (`KVTierStats.aggregate`); the scheduler
    adds its own; the sum goes to the API server process as a plain dict (`to_dict`).

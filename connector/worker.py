@@ -19,6 +19,7 @@ import torch
 from kvtier.core.builder import tier_sealer
 from kvtier.core.config import StackConfig
 from kvtier.core.executor import Executor
+from kvtier.core.plan import Counters
 from kvtier.tiers.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
@@ -27,7 +28,7 @@ from kvtier.tiers.io_hooks import fault_point
 
 from .config import tier_of
 from .kv_layout import KVCopier, KVLayout
-from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
+from .metadata import KVTierMetadata, KVTierWorkerMeta, KVTierStats, interval_stats
 from .held_requests import SendingRequests
 from .pending_stores import PendingStores
 from .startup import fit_pool_slots
@@ -38,7 +39,7 @@ SHUTDOWN_FLUSH_TIMEOUT_S = 30.0  # close(): longest wait for pending NVMe write-
 NVME_REOPEN_S = 30.0             # an NVMe data file that failed to open is tried again after this
 
 
-class KVTierWorker(Counting):
+class KVTierWorker:
     IDLE_WAIT_S = 1.0   # a step with nothing but asynchronous loads waits this long for them at most
 
     def __init__(self, cfg: StackConfig, rank: int = 0, ranks: int = 1, store_rank: int | None = None,
@@ -73,7 +74,7 @@ class KVTierWorker(Counting):
         self.rank = rank
         self.store_rank = rank if store_rank is None else store_rank  # NVMe file data.<it>, its checksums
         self._ranks = ranks                   # workers on this host, each with its own pool
-        self._init_counters()
+        self.counters = Counters()   # this worker's counters (its executor's too)
         self._once = Once(log)
         self.layout: KVLayout | None = None
         self.pools: list[CpuPool] = []
@@ -86,7 +87,18 @@ class KVTierWorker(Counting):
         self.disabled = False                 # register_kv_caches failed: every load fails, nothing stored
         self._lost: set[str] = set()          # waiting requests failed without an executor: reported done
         self._capacity: dict[int, int] = {}   # reported once: the pool's size
-        self.sending = SendingRequests(self._count, self._once)  # finished requests vLLM holds for stores
+        self.sending = SendingRequests(self.count, self._once)  # finished requests vLLM holds for stores
+
+    # ---- counters ----------------------------------------------------------------------
+    def count(self, key: str, v: float = 1) -> None:
+        self.counters.count(key, v)
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return self.counters.totals
+
+    def take_interval_stats(self) -> KVTierStats | None:
+        return interval_stats(self.counters)
 
     # ---- setup -------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -112,7 +124,7 @@ class KVTierWorker(Counting):
         n, warning = fit_pool_slots(self._cpu_tier, lay.block_bytes, self._ranks)
         if warning:
             log.warning("%s", warning)
-            self._count(Metric.CPU_POOL_SHRUNK.key, 1)
+            self.count(Metric.CPU_POOL_SHRUNK.key, 1)
         self._capacity = {0: n}   # the scheduler's tier follows (the first report)
         pool = CpuPool(n, lay.block_bytes, self._pin)
         self.pools = [pool]
@@ -120,11 +132,11 @@ class KVTierWorker(Counting):
         self.ex = Executor(self.kv, [pool], lay.block_bytes, tier_names=self._tier_names, write_lag_steps=self._lag,
                            rank=self.rank,
                            staging=Staging(lay.block_bytes, self._pin), report_cls=KVTierWorkerMeta,
-                           count=self._count)
+                           count=self.counters.count)
         self.pending = PendingStores(self.ex)   # stores whose device copies are still running
         log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
         if self._remote_fn is not None and self.remote is None and not self._remote_needs_identity:
-            self._open_remote(self._remote_fn(lay.block_bytes, self._count))
+            self._open_remote(self._remote_fn(lay.block_bytes, self.count))
 
     def _open_remote(self, remote) -> None:
         self.remote = remote
@@ -154,7 +166,7 @@ class KVTierWorker(Counting):
         ex.bind(ntiers=n)
         if meta.remote_tier is not None:
             if self.remote is None and self._remote_needs_identity and meta.model_identity and self.layout:
-                self._open_remote(self._remote_fn(self.layout.block_bytes, self._count, meta.model_identity))
+                self._open_remote(self._remote_fn(self.layout.block_bytes, self.count, meta.model_identity))
             ex.bind(planes={meta.remote_tier: self.remote})
         if meta.nvme_tier is not None:
             self._open_nvme(meta)
@@ -184,7 +196,7 @@ class KVTierWorker(Counting):
                                  rank=self.store_rank, sealer=self._nvme_sealer)
         except Exception as e:  # noqa: BLE001 - any failure to open is a tier unavailable, not a crash
             self._nvme_failed_at = now
-            self._count(Metric.NVME_OPEN_FAILED.key)
+            self.count(Metric.NVME_OPEN_FAILED.key)
             self._once(("nvme_open",) + cause(e), logging.ERROR,
                        "kvtier: NVMe data file under %s cannot be opened (%s); NVMe loads are recomputed and "
                        "writes dropped until it can (tried again every %.0f s)", meta.nvme_dir, e, NVME_REOPEN_S)
@@ -259,7 +271,7 @@ class KVTierWorker(Counting):
                 li = self.layout.layer_of.get(layer_name)
                 self.kv.wait_layer(events[-1] if li is None else events[li])
         except Exception as e:  # noqa: BLE001 - the host waits instead
-            self._count(Metric.LAYER_WAIT_FAILED.key)
+            self.count(Metric.LAYER_WAIT_FAILED.key)
             self._once(("layer_wait",) + cause(e), logging.ERROR, "kvtier: the forward's wait for %s's loaded "
                        "blocks failed (%s): the host waits for the step's copies instead; any it cannot confirm "
                        "are load errors", layer_name, e)
@@ -399,7 +411,7 @@ class KVTierWorker(Counting):
             log.info("kvtier: shutdown: NVMe write-back flushed, %d blocks in %d batches in %.2f s",
                      n, pending - late, time.monotonic() - t0)
             if n:  # durable on disk; indexed only if the scheduler gets this report
-                self._count(Metric.NVME_UNREPORTED_BLOCKS.key, n)
+                self.count(Metric.NVME_UNREPORTED_BLOCKS.key, n)
         ex.close(wait=not (late or late_puts))
         if late or late_puts or copying:  # a write still reads the CPU pool (a copy writes it): leave them
             return final

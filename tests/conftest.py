@@ -84,13 +84,12 @@ def model_dir(tmp_path_factory):
 def _declared_counters_only(monkeypatch):
     """Every count in a test goes through `check_declared`: counting a name `Metric` does not
     declare (tiers/counters.py) fails fast instead of making a series nobody exports."""
-    from kvtier.core.plan import Counting
+    from kvtier.core.plan import Counters
     from kvtier.tiers.counters import check_declared
-    count = Counting._count
+    count = Counters.count
 
     def strict(self, key, v=1):
         check_declared(key)
         count(self, key, v)
 
-    monkeypatch.setattr(Counting, "_count", strict)
-    monkeypatch.setattr(Counting, "count", strict)
+    monkeypatch.setattr(Counters, "count", strict)

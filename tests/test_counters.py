@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.core.plan import Counting
+from kvtier.core.plan import Counters
 from kvtier.tiers.counters import COUNTER, GAUGE, HISTOGRAM, TENANT, TIER, Metric, declared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,12 +100,11 @@ def test_literal_finder_catches_each_form(tmp_path):
 
 
 def test_counting_an_undeclared_name_fails_fast():
-    c = Counting()
-    c._init_counters()
+    c = Counters()
     c.count(Metric.HIT_BLOCKS.at("cpu"), 2)
-    c._count(Metric.N_LOOKUPS.key)
+    c.count(Metric.N_LOOKUPS.key)
     with pytest.raises(KeyError, match="'hit_blcoks.cpu' is not declared"):
         c.count("hit_blcoks.cpu", 1)
     with pytest.raises(KeyError, match="not declared"):
-        c._count("bogus")
+        c.count("bogus")
     assert c.totals == {"hit_blocks.cpu": 2, "n_lookups": 1}

@@ -1,5 +1,6 @@
 """The package's shape is part of its architecture (issue 17): no import cycles between kvtier's
-modules, no private name imported from another module, no module over 500 lines; and (issue 24)
+modules, no private name imported from another module, no class assembled from mixins (issue 34:
+one class per role, however long its module); and (issue 24)
 its installed packages, read from pyproject.toml, depend one way, without a cycle, and the lower
 ones never import vLLM."""
 
@@ -17,7 +18,6 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-MAX_LINES = 500
 
 
 def _folder(pkg: str) -> Path:
@@ -175,22 +175,91 @@ def test_no_object_writes_the_state_of_an_object_it_holds():
     assert found == WRITES_THROUGH_OWN   # exact: a stale entry fails too
 
 
+COMPLETION = ("complete", "_remember_failed", "_complete_copy", "_complete_put")
+
+
 def test_completion_changes_the_controllers_state_only_through_methods():
-    """`Completion` (kvtier/core/inflight.py, a part of the controller) names no data attribute of
-    the controller's (`self._stores`, `self._pending`, `self._wb_max` ...): what is in flight it
-    asks and changes through `InFlight`, the rest through the controller's methods."""
+    """The controller's completion (`complete` and its helpers) names no data attribute of the
+    controller's (`self._stores`, `self._pending`, `self._wb_max` ...): what is in flight it asks
+    and changes through `InFlight`'s methods (`self.inflight.<method>`), the rest through the
+    controller's methods."""
+    def functions(m, cls=None):
+        tree = ast.parse(MODULES[m].read_text())
+        scope = tree if cls is None else next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+        return [n for n in ast.walk(scope) if isinstance(n, ast.FunctionDef)]
     methods = {n.name for m in ("kvtier.core.controller", "kvtier.core.inflight", "kvtier.core.plan")
-               for n in ast.walk(ast.parse(MODULES[m].read_text())) if isinstance(n, ast.FunctionDef)}
-    tree = ast.parse(MODULES["kvtier.core.inflight"].read_text())
-    completion = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Completion")
-    data = {n.attr for n in ast.walk(completion) if isinstance(n, ast.Attribute) and n.attr.startswith("_")
-            and isinstance(n.value, ast.Name) and n.value.id == "self" and n.attr not in methods}
+               for n in functions(m)}
+    inflight = {n.name for n in functions("kvtier.core.inflight", "InFlight")}
+    parts = [n for n in functions("kvtier.core.controller", "TierController") if n.name in COMPLETION]
+    assert sorted(n.name for n in parts) == sorted(COMPLETION)
+    nodes = [a for n in parts for a in ast.walk(n) if isinstance(a, ast.Attribute)]
+    data = {a.attr for a in nodes if a.attr.startswith("_") and isinstance(a.value, ast.Name)
+            and a.value.id == "self" and a.attr not in methods}
     assert data == {"_once"}   # the controller's log-once, called
+    through = {a.attr for a in nodes if ast.unparse(a.value) == "self.inflight"}
+    assert through and through <= inflight, through - inflight
 
 
-def test_no_module_over_500_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert long == {}
+# Production classes in kvtier.core and kvtier.connector are one class per role, never assembled from
+# mixins (issue 34): a class has at most one base defined in kvtier, and that base is a contract it
+# implements (a Protocol, an ABC), an Exception, or one of these families (a base with fields or
+# hooks its subclasses fill in, never state the subclass works on), by (module, class):
+FAMILY_BASES = {("kvtier.core.config", "_Model"),      # pydantic settings every config model shares
+                ("kvtier.core.config", "KeySource"),   # an encryption config is a key source (its fields)
+                ("kvtier.core.plan", "Report"),        # a worker's report is a Report vLLM carries
+                ("kvtier.core.handlers", "ReadLoad"),  # a lower tier's load: FileLoad, SharedLoad fill its hooks
+                ("kvtier.core.handlers", "BehindCopy")}  # a copy written behind: FileCopy, SharedCopy
+NOT_YET_FOLDED = {("kvtier.connector.connector", "KVTierConnector")}  # connector shell: branch conn34
+
+
+def _kvtier_classes() -> dict[tuple[str, str], ast.ClassDef]:
+    """(module, name) -> the class, for every class a kvtier module defines at its top level (not
+    the stand-ins a module defines when an optional library is absent)."""
+    return {(m, n.name): n for m in MODULES for n in ast.parse(MODULES[m].read_text()).body
+            if isinstance(n, ast.ClassDef)}
+
+
+def _kvtier_bases(m: str, cls: ast.ClassDef, classes: dict) -> list[tuple[str, str]]:
+    """The bases of `cls` (in module `m`) that kvtier defines, as (module, name)."""
+    imported = {}
+    for node in ast.parse(MODULES[m].read_text()).body:
+        if isinstance(node, ast.ImportFrom) and _resolve(m, node).startswith("kvtier"):
+            imported.update({a.asname or a.name: _resolve(m, node) for a in node.names})
+    out = []
+    for b in cls.bases:
+        name = ast.unparse(b)
+        src = imported.get(name, m)
+        if (src, name) in classes:
+            out.append((src, name))
+    return out
+
+
+def _is_contract(key: tuple[str, str], classes: dict) -> bool:
+    """A Protocol or an ABC (by its bases or metaclass), or an Exception, through kvtier's own bases too."""
+    cls = classes[key]
+    names = {ast.unparse(b).split(".")[-1] for b in cls.bases} | {ast.unparse(k.value) for k in cls.keywords}
+    if names & {"Protocol", "ABC", "ABCMeta", "Exception", "RuntimeError", "ValueError", "OSError"}:
+        return True
+    return any(_is_contract(b, classes) for b in _kvtier_bases(key[0], cls, classes))
+
+
+def test_no_class_is_assembled_from_mixins():
+    classes = _kvtier_classes()
+    # a class not yet folded, and the parts it is assembled from (they go when it is folded)
+    skip = NOT_YET_FOLDED | {b for k in NOT_YET_FOLDED for b in _kvtier_bases(k[0], classes[k], classes)}
+    bad = []
+    for (m, name), cls in classes.items():
+        if PACKAGE_OF[m] not in ("kvtier.core", "kvtier.connector") or (m, name) in skip:
+            continue
+        bases = _kvtier_bases(m, cls, classes)
+        if len(bases) > 1:
+            bad.append(f"{m}.{name}: several kvtier bases {[b for _, b in bases]}")
+        bad += [f"{m}.{name}: base {b} is neither a contract nor a family" for b in bases
+                if b not in FAMILY_BASES and not _is_contract(b, classes)]
+        doc = ast.get_docstring(cls) or ""
+        if "Mixed into" in doc or "a part of `" in doc.lower():
+            bad.append(f"{m}.{name}: a part of another class (its docstring says so)")
+    assert bad == []
 
 
 def test_only_kvtier_vllm_imports_kvtier_vllm():

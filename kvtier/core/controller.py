@@ -28,15 +28,15 @@ from kvtier.tiers.contract import Tier
 from kvtier.tiers.counters import Metric
 
 from kvtier.core.failed_loads import DEFAULT_CAP, FailedLoads
-from kvtier.core.inflight import PENDING, Completion, CopyInFlight, InFlight, Pending, StoreInFlight
-from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, StoreOp
+from kvtier.core.inflight import PENDING, CopyInFlight, InFlight, Pending, StoreInFlight, rank_sums
+from kvtier.core.plan import CopyOp, Counters, LoadOp, Plan, Report, StoreOp
 
 log = logging.getLogger("kvtier.core.controller")
 
 DEMOTION = ("write_through", "write_back")
 
 
-class TierController(Completion, Counting):
+class TierController:
     def __init__(self, tiers: Sequence[Tier], *, block_tokens: int = 1,
                  admission: Sequence[AdmissionPolicy | None] | None = None,
                  promotion: PromotionPolicy | None = None, demotion: str = "write_through",
@@ -50,7 +50,7 @@ class TierController(Completion, Counting):
         `failed_loads_cap`: keys whose load failed remembered at most (`kvtier.core.failed_loads`)."""
         if demotion not in DEMOTION:
             raise ValueError(f"demotion must be one of {DEMOTION}, got {demotion!r}")
-        self._init_counters()
+        self.counters = Counters()   # every count of the control plane (and of the tiers, tenants)
         self.tiers: list[Tier] = list(tiers)
         self.names = [t.name for t in self.tiers]
         remote = [i for i, t in enumerate(self.tiers) if t.remote]
@@ -69,10 +69,10 @@ class TierController(Completion, Counting):
         self.ranks = max(1, int(ranks))
         self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
         for t in self.tiers:  # their own events (network, index writes) join our counters
-            t.bind_counter(self._count)
+            t.bind_counter(self.count)
         self.tenants = tenants
         if tenants is not None:
-            tenants.bind_counter(self._count)
+            tenants.bind_counter(self.count)
         self._index = [t.resident for t in self.tiers[:self.nlocal]]  # read-only: key -> slot
         self.inflight = InFlight(len(self.tiers))              # stores and copies awaiting a report
         self._op_ids = itertools.count(1)
@@ -87,6 +87,22 @@ class TierController(Completion, Counting):
         self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
         # tiers every store is copied to from the top tier: the next (write-through) and the shared tier
         self._through = ([1] if demotion == "write_through" and self.nlocal > 1 else []) + remote
+
+    # ---- counters ------------------------------------------------------------------------
+    def count(self, key: str, v: float = 1) -> None:
+        """Count into the controller's counters (`key`: a `Metric` key); the drivers and executors
+        that count into the controller call this."""
+        self.counters.count(key, v)
+
+    @property
+    def totals(self) -> dict[str, float]:
+        return self.counters.totals
+
+    def total(self, key: str) -> float:
+        return self.counters.total(key)
+
+    def take_interval(self) -> dict[str, float] | None:
+        return self.counters.take_interval()
 
     # ---- lookups (no side effects) -------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -140,7 +156,7 @@ class TierController(Completion, Counting):
         blocks = self.match(keys, wait)
         if blocks is PENDING:
             return PENDING
-        self._count(Metric.N_LOOKUPS.key)
+        self.count(Metric.N_LOOKUPS.key)
         if not blocks:
             self.leases.release(request_id)
             return None
@@ -153,7 +169,7 @@ class TierController(Completion, Counting):
         lease = self.leases.get(request_id, -1, keys)
         if lease is not None:
             return lease
-        self._count(Metric.N_LOOKUPS.key)
+        self.count(Metric.N_LOOKUPS.key)
         blocks = [self.find(k) for k in keys]
         if not keys or any(b is None for b in blocks):
             self.leases.release(request_id)
@@ -171,7 +187,7 @@ class TierController(Completion, Counting):
     def release(self, request_id: str) -> int:
         n = self.leases.release(request_id)
         if n:
-            self._count(Metric.LEASES_RELEASED.key)
+            self.count(Metric.LEASES_RELEASED.key)
         return n
 
     def expire(self) -> None:
@@ -206,14 +222,14 @@ class TierController(Completion, Counting):
             op.checksums, op.keys = tier.load_fields(op.slots, keys_of[t], checksums)
             tier.hit(op.slots, info, keys_of[t])
             n = len(op.slots)
-            self._count(Metric.HIT_BLOCKS.at(tier.name), n)
-            self._count(Metric.HIT_TOKENS.at(tier.name), n * self.block_tokens)
+            self.count(Metric.HIT_BLOCKS.at(tier.name), n)
+            self.count(Metric.HIT_TOKENS.at(tier.name), n * self.block_tokens)
             if self.tenants is not None:
                 self.tenants.count_hits(tier, n, info.tenant)
             if t > 0:
                 self._plan_promotion(op, keys_of[t], info, pos_of[t])
-        self._count(Metric.HIT_TOKENS.key, lease.num_blocks * self.block_tokens if tokens is None else tokens)
-        self._count(Metric.N_LOADS.key)
+        self.count(Metric.HIT_TOKENS.key, lease.num_blocks * self.block_tokens if tokens is None else tokens)
+        self.count(Metric.N_LOADS.key)
         out = list(ops.values())
         self._plan.loads.extend(out)
         return out
@@ -269,7 +285,7 @@ class TierController(Completion, Counting):
         op_id = next(self._op_ids)
         self.inflight.add_store(op_id, StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want]))
         self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
-        self._count(Metric.STORE_PLANNED_BLOCKS.at(top.name), len(slots))
+        self.count(Metric.STORE_PLANNED_BLOCKS.at(top.name), len(slots))
         for t in self._through:  # written through from the top tier
             lower = [j for j, k in enumerate(ks) if not self.holds(k, t)]
             lower = self._admit(t, lower, [ks[j] for j in lower], info)
@@ -278,7 +294,7 @@ class TierController(Completion, Counting):
 
     def count_dropped(self, t: int, n: int) -> None:
         """`n` blocks found no room in tier `t` (every slot pinned or being copied down)."""
-        self._count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), n)
+        self.count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), n)
 
     def _admit(self, t: int, items: list, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list:
         pol = self.admission[t]
@@ -287,7 +303,7 @@ class TierController(Completion, Counting):
         ok = pol.admit(keys, info)
         out = [x for x, a in zip(items, ok) if a]
         if len(out) < len(items):
-            self._count(Metric.NOT_ADMITTED_BLOCKS.at(self.names[t]), len(items) - len(out))
+            self.count(Metric.NOT_ADMITTED_BLOCKS.at(self.names[t]), len(items) - len(out))
         return out
 
     def _plan_copy(self, src_tier: int, src: list[tuple[int, bytes]], t: int | None = None) -> int:
@@ -298,13 +314,13 @@ class TierController(Completion, Counting):
         if not src:
             return 0
         if not self.tiers[t].ready:   # a persistent tier waiting for the model's identity
-            self._count(Metric.NOT_OPEN_BLOCKS.at(self.names[t]), len(src))
+            self.count(Metric.NOT_OPEN_BLOCKS.at(self.names[t]), len(src))
             return 0
         keys = [k for _, k in src]
         who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
         room = self._room(t, len(src), who)
         if room < len(src):
-            self._count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), len(src) - room)
+            self.count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), len(src) - room)
             src, keys = src[:room], keys[:room]
         if not src:
             return 0
@@ -314,7 +330,7 @@ class TierController(Completion, Counting):
         op_id = next(self._op_ids)
         self.inflight.add_copy(op_id, CopyInFlight(src_tier, src, t, slots))
         self._plan.copies.append(CopyOp(op_id, [s for s, _ in src], slots, src_tier=src_tier, tier=t, keys=keys))
-        self._count(Metric.STORE_PLANNED_BLOCKS.at(self.names[t]), len(src))
+        self.count(Metric.STORE_PLANNED_BLOCKS.at(self.names[t]), len(src))
         return len(src)
 
     # ---- room: eviction and write-back ---------------------------------------------------
@@ -381,7 +397,7 @@ class TierController(Completion, Counting):
     def _evict(self, t: int, slots: Sequence[int]) -> None:
         gone = self.tiers[t].evict(slots)
         self._clean[t] -= len(gone)
-        self._count(Metric.EVICTED_BLOCKS.at(self.names[t]), len(gone))
+        self.count(Metric.EVICTED_BLOCKS.at(self.names[t]), len(gone))
         if self._evict_hooks[t]:
             on_evict = self.admission[t].on_evict
             for k in gone:
@@ -403,8 +419,8 @@ class TierController(Completion, Counting):
     def count_request(self, asked_blocks: int, hit_blocks: int) -> None:
         """A request's outcome: of `asked_blocks` looked up, `hit_blocks` were served."""
         miss = max(0, asked_blocks - hit_blocks)
-        self._count(Metric.MISS_BLOCKS.key, miss)
-        self._count(Metric.MISS_TOKENS.key, miss * self.block_tokens)
+        self.count(Metric.MISS_BLOCKS.key, miss)
+        self.count(Metric.MISS_TOKENS.key, miss * self.block_tokens)
 
     def has_plan(self) -> bool:
         return not self._plan.is_empty()
@@ -443,7 +459,7 @@ class TierController(Completion, Counting):
         gone = tier.limit(n)
         self._settle(t)
         if gone:
-            self._count(Metric.EVICTED_BLOCKS.at(tier.name), len(gone))
+            self.count(Metric.EVICTED_BLOCKS.at(tier.name), len(gone))
         log.warning("kvtier: tier %s holds %d blocks, not the %d configured: its data plane (the workers' "
                     "pool) is smaller", tier.name, n, was)
 
@@ -463,11 +479,137 @@ class TierController(Completion, Counting):
             raise ValueError(f"tier {t} ({old.name}) is not a closed tier of that kind")
         self.tiers[t] = tier
         self.names[t] = tier.name
-        tier.bind_counter(self._count)
+        tier.bind_counter(self.count)
         if t < self.nlocal:
             self._index[t] = tier.resident
             self._settle(t, built=True)
         old.close()
+
+    # ---- the executor's report ----------------------------------------------------------------
+    # what is in flight is asked and changed through `InFlight`'s methods (`self.inflight`) only
+    def complete(self, rep: Report) -> None:
+        """The executor's report: commit what was written, abort what failed, drop what did not
+        verify, release the leases of loads that finished."""
+        for t, n in rep.capacity.items():  # a data plane smaller than configured: before its results
+            self._limit(t, n)
+        exclusive: list[tuple[int, list[tuple[int, bytes]]]] = []
+        for op_id, oks in sorted(rep.stored.items()):  # plan order, whatever order the report has
+            st = self.inflight.take_store(op_id)
+            if st is None:
+                continue
+            tier = self.tiers[st.tier]
+            good = [j for j, ok in enumerate(oks[:len(st.slots)]) if ok]
+            bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
+            if good:
+                st.commit(tier, good)
+                self.failed.forget(st.keys[j] for j in good)
+                self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
+                if st.promotion:
+                    self.count(Metric.PROMOTED_BLOCKS.at(tier.name), len(good))
+                    if st.exclusive_from is not None:
+                        lower, src = st.exclusive_from
+                        ok_keys = {k for s, k, ok in zip(st.slots, st.keys, oks) if ok}
+                        exclusive.append((lower, [(s, k) for s, k in src if k in ok_keys]))
+            if bad and st.promotion:  # its read failed (a miss, counted with the read): nothing to promote
+                tier.abort(bad)
+            elif bad:
+                tier.abort(bad)
+                self.count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
+                self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
+            self.inflight.landed(st.tier, st.keys)
+        self._remember_failed(rep)   # before a bad block's tier quarantines it (its key then gone)
+        for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
+            tier = self.tiers[t]
+            tier.quarantine(slots)
+            self.count(Metric.CORRUPT_BLOCKS.at(tier.name), len(slots))
+        for op_id, by_rank in sorted(rep.written_by_rank().items()):
+            self._complete_copy(op_id, by_rank)
+        if rep.gone and self.remote is not None:  # found by lookup, gone (or bad) at load: a miss
+            self.tiers[self.remote].note_gone(rep.gone)
+            self.count(Metric.GONE_BLOCKS.at(self.names[self.remote]), len(rep.gone))
+        if rep.bad and self.remote is not None:  # failed verification: remembered, the next lookup misses
+            self.tiers[self.remote].note_bad(rep.bad)
+            self.count(Metric.BAD_BLOCKS.at(self.names[self.remote]), len(rep.bad))
+        for rid, ok in rep.loaded.items():
+            self.release(rid)
+            if not ok:
+                self.count(Metric.LOAD_FAILED_REQUESTS.key)
+        for lower, src in exclusive:  # exclusive promotion: the lower copy leaves once read up
+            tier = self.tiers[lower]
+            gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
+            if gone:
+                self._evict(lower, gone)
+
+    def _remember_failed(self, rep: Report) -> None:
+        """Blocks whose load failed, for any reason: remembered, so no lookup offers them again
+        until a fresh copy is written (`kvtier.core.failed_loads`)."""
+        for t, blocks in rep.unread.items():
+            tier = self.tiers[t]
+            keys = list(blocks) if t == self.remote else [k for s in blocks if (k := tier.key_at(s)) is not None]
+            new, forgotten = self.failed.add(keys)
+            if new:
+                self.count(Metric.FAILED_LOAD_BLOCKS.at(tier.name), new)
+                self._once(("failed_load", tier.name), logging.WARNING, "kvtier: %d blocks of tier %s failed to "
+                           "load: not offered again until rewritten (at most %d remembered; later ones counted in "
+                           "failed_load_blocks)", new, tier.name, self.failed.cap)
+            if forgotten:
+                self.count(Metric.FAILED_LOADS_FORGOTTEN.key, forgotten)
+                self._once(("failed_load_cap",), logging.WARNING, "kvtier: more than %d failed loads remembered: "
+                           "the oldest are forgotten (may be offered once more; counted in failed_loads_forgotten)",
+                           self.failed.cap)
+
+    def _complete_copy(self, op_id: int, by_rank: dict[int, list]) -> None:
+        cp = self.inflight.copy_of(op_id)
+        if cp is None:
+            return
+        by_rank = cp.reported(by_rank, self.ranks)   # several ranks: once every rank reported
+        if by_rank is None:
+            return
+        self.inflight.take_copy(op_id)
+        tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
+        sums = rank_sums(by_rank, len(cp.src), self.ranks)
+        if tier.remote:  # the server names the blocks: known now, nothing to commit
+            self._complete_put(cp, sums)
+            return
+        good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]
+        bad = [s for s, c in zip(cp.slots, sums) if c == -1]
+        if good:
+            try:
+                tier.commit_written([s for s, _ in good], [c for _, c in good])  # durable: now its index
+            except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
+                self._once(("commit", cp.tier, e.errno), logging.ERROR,
+                           "kvtier: tier %s: commit of %d blocks failed, kept in %s: %s (counted in "
+                           "store_failed_blocks; later failures of this kind at DEBUG)", tier.name, len(good),
+                           src_tier.name, e)
+                self.errors.append(f"tier {tier.name}: {e}")
+                bad = [s for s, _ in good] + bad
+                good = []
+            else:
+                self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
+                self.count(Metric.DEMOTED_BLOCKS.at(tier.name), len(good))
+                self.failed.forget(k for (_, k), c in zip(cp.src, sums) if c != -1)
+        if bad:
+            tier.abort(bad)
+            self.count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
+            self.count(Metric.IO_ERRORS.at(tier.name), len(bad))
+            self.errors.append(f"tier {tier.name}: {len(bad)} of {len(cp.slots)} block writes failed "
+                               f"(kept in {src_tier.name}, not indexed)")
+        self.inflight.landed(cp.tier, [k for _, k in cp.src])
+        for s, k in cp.src:  # unpin the sources that still hold the same block
+            src_tier.unpin_if(s, k)
+
+    def _complete_put(self, cp: CopyInFlight, sums: list) -> None:
+        tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
+        good = [k for (_, k), c in zip(cp.src, sums) if c != -1]
+        if good:
+            tier.note_written(good)
+            self.failed.forget(good)
+            self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
+        if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
+            self.count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(cp.src) - len(good))
+        self.inflight.landed(cp.tier, [k for _, k in cp.src])
+        for s, k in cp.src:
+            src_tier.unpin_if(s, k)
 
     @property
     def in_flight(self) -> int:
@@ -493,7 +635,7 @@ class TierController(Completion, Counting):
         if pending:
             log.warning("kvtier: %d blocks still being copied down at shutdown: not committed (misses after a "
                         "restart, never served)", pending)
-            self._count(Metric.UNCOMMITTED_AT_CLOSE.key, pending)
+            self.count(Metric.UNCOMMITTED_AT_CLOSE.key, pending)
         self.leases.expire(float("inf"))
         for t in reversed(self.tiers):  # lower tiers first: their in-flight I/O may read an upper pool
             t.close()

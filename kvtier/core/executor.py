@@ -7,10 +7,11 @@ in the *outside* (where blocks live outside the tiers) and how often they report
 - `kvtier.connector.kv_layout.KVCopier`: vLLM's KV cache (gather / scatter, on a GPU on a side
   stream ordered against the forward, one event per layer).
 
-Each tier's data plane (`kvtier.tiers.contract.DataPlane`) declares its medium; an op is run by
-the handler of its (source medium, destination medium) in `kvtier.core.handlers.HANDLERS`: a
-load is (tier, OUTSIDE), a store (OUTSIDE, tier), a copy down (tier, tier), the last run behind
-the step by `CopiesDown` through the same table.
+Each tier's data plane (`kvtier.tiers.contract.DataPlane`, looked up in `kvtier.core.planes.Planes`)
+declares its medium; an op is run by the handler of its (source medium, destination medium), one
+of each class of `kvtier.core.handlers.HANDLERS`, built from the executor's parts (`Handlers`): a
+load is (tier, OUTSIDE), a store (OUTSIDE, tier), a copy down (tier, tier), the last written
+behind the step (`kvtier.core.write_behind.CopiesDown`).
 
 Every failure is a per-block result (a miss, a load error the caller recomputes, a store not
 committed), logged once per cause and counted; nothing here raises into the caller's step.
@@ -22,10 +23,10 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-from kvtier.core.failures import Failures
-from kvtier.core.handlers import HANDLERS, LoadRun, handler
+from kvtier.core.handlers import Handlers, LoadRun, run_copies
+from kvtier.core.planes import Planes
 from kvtier.tiers.once import Once, cause
-from kvtier.core.plan import Counting, CopyOp, LoadOp, Plan, Report, ReportBuilder, StoreOp
+from kvtier.core.plan import CopyOp, Counters, LoadOp, Plan, Report, ReportBuilder, StoreOp
 from kvtier.core.staging import Staging
 from kvtier.core.write_behind import CopiesDown
 from kvtier.core.outside import Outside
@@ -36,12 +37,15 @@ from kvtier.tiers.counters import Metric
 log = logging.getLogger("kvtier.executor")
 
 
-class Executor(Failures, Counting):
+class Executor:
     """Runs plans over the tiers' data planes (`planes[i]`: tier i's CpuPool, NvmeData or
     RedisData, or None where this process has none) and an outside.
 
     `write_lag_steps`: copies down are reported at most this many `step()`s after they were
     queued (0: in the same call). `tier_names` name the counters (`bytes_loaded.<tier>`...).
+    `count`: count into another object's counters (a controller's, a worker's) instead of its own
+    (`counters`). The executor owns its parts (`planes`, `report`, `down`, `handlers`) and
+    dispatches each op to its handler; its failures are its own (a load error, a store dropped).
     """
 
     LOAD_CHUNK_BYTES = 8 << 20   # copies of lower-tier loads run per chunk read (copies on the caller)
@@ -51,20 +55,20 @@ class Executor(Failures, Counting):
                  staging: Staging | None = None, report_cls: type[Report] = Report,
                  count: Callable[..., None] | None = None) -> None:
         self.outside = outside
-        self.planes: list[DataPlane | None] = list(planes)
+        self.planes = Planes(planes, block_bytes, tier_names)
         self.block_bytes = block_bytes
-        self.tier_names = list(tier_names)
         self.rank = rank
         self.staging = staging
         self.report = ReportBuilder(rank, report_cls)   # this step's report, built by every part
-        self._init_counters()
-        if count is not None:  # count into another object's counters (the CLI's controller, a worker)
-            self._count = self.count = count
+        self.counters = Counters()
+        # where this executor and its parts count: its own counters, or another object's (`count`)
+        self.count: Callable[..., None] = count if count is not None else self.counters.count
         self.once = Once(log)
         self._load_errors: set[int] = set()
         self.tainted = False                       # a load the step's forward reads failed (`begin_step`)
         self._polling = False                      # in poll_async / fail_async: failures do not taint
-        self.down = CopiesDown(self, write_lag_steps)  # copies down, written behind
+        self.down = CopiesDown(self.planes, self.report, self.count, self.once, write_lag_steps)  # written behind
+        self.handlers = self._handlers()
         self.steps = 0
         self._async: dict[str, list[LoadOp]] = {}  # request -> its load ops, loading asynchronously
         self._recv_failed: set[str] = set()         # asynchronous loads that failed: reported as done
@@ -82,33 +86,18 @@ class Executor(Failures, Counting):
              planes: dict[int, DataPlane | None] | None = None, ntiers: int = 0) -> None:
         """Where blocks live outside (when given), the tiers' names (when given), and tiers' data
         planes in this process by index (None: none here); `ntiers`: room for that many."""
+        self.planes.bind(tier_names, planes, ntiers)
         if outside is not None:
             self.outside = outside
-        if tier_names:
-            self.tier_names = list(tier_names)
-        for t, p in (planes or {}).items():
-            self.planes += [None] * (t + 1 - len(self.planes))
-            self.planes[t] = p
-        self.planes += [None] * (ntiers - len(self.planes))
+            self.handlers = self._handlers()
+
+    def _handlers(self) -> Handlers:
+        """The handler of each medium pair, built from this executor's parts."""
+        return Handlers(self.planes, self.outside, self.report, self.staging, self.count, self.once,
+                        self.down.writes, self.down.puts)
 
     def name(self, tier: int) -> str:
-        return self.tier_names[tier] if tier < len(self.tier_names) else str(tier)
-
-    def plane_of(self, tier: int, medium: Medium | None = None) -> DataPlane:
-        p = self.planes[tier] if tier < len(self.planes) else None
-        if p is None:
-            raise RuntimeError(f"no data plane for tier {self.name(tier)} in this process")
-        if medium is not None and p.medium is not medium:
-            raise RuntimeError(f"tier {self.name(tier)} is {p.medium.name}, not {medium.name}")
-        return p
-
-    def host_pool(self, tier: int, slots: Sequence[int] | None = None):
-        """Tier `tier`'s DRAM pool; `slots` must lie in it (a worker's pool may be smaller than the
-        scheduler's tier until the scheduler follows its report)."""
-        pool = self.plane_of(tier, Medium.HOST)
-        if slots and max(slots) >= pool.num_slots:
-            raise RuntimeError(f"slot {max(slots)} beyond the {pool.num_slots}-slot pool of tier {self.name(tier)}")
-        return pool
+        return self.planes.name(tier)
 
     # ---- loads -------------------------------------------------------------------------------
     def load(self, ops: Sequence[LoadOp], layered: bool = False) -> None:
@@ -136,16 +125,17 @@ class Executor(Failures, Counting):
         copy_now = not (layered and self.outside.layered)
         jobs: list[tuple[int, Any]] = []   # (index of its op in _load_done, the copy)
         staged = sum(len(op.slots) for op in ops if self._needs_staging(op))
-        run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now)
+        run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now, self.LOAD_CHUNK_BYTES)
         for op in ops:
             name = self.name(op.tier)
             oks = [False] * len(op.slots)
             at = len(self._load_done)
             try:
-                plane = self.plane_of(op.tier)
+                plane = self.planes.plane_of(op.tier)
                 if op.via:
-                    self.host_pool(op.via_tier, op.via)
-                oks = handler(plane.medium, Medium.OUTSIDE).load(self, op, plane, run, at)
+                    self.planes.host_pool(op.via_tier, op.via)
+                oks = self.handlers.of(plane.medium, Medium.OUTSIDE).load(op, plane, run, at,
+                                                                         self._fetched.pop(id(op), None))
             except Exception as e:  # noqa: BLE001 - a failed load is a load error, never a raise
                 self.once(("load", name) + cause(e), logging.WARNING,
                            "kvtier: load of %d blocks for %s from %s failed: %s (recomputed)",
@@ -155,6 +145,7 @@ class Executor(Failures, Counting):
             if self._needs_staging(op):
                 run.row0 += len(op.slots)
             self._load_done.append((op, name, oks))
+        self._copy_s += run.copy_s   # copies run chunk by chunk as reads landed
         if jobs and not copy_now:
             self._sync_s = time.perf_counter() - t0   # reads + checksums, before the copies run
             self.layer_events = self._queue(jobs, layered=True)
@@ -165,10 +156,10 @@ class Executor(Failures, Counting):
         self._sync_s = time.perf_counter() - t0 - self._copy_s
 
     def _queue_once(self, jobs: list, layered: bool) -> list | None:
-        fault_point("load_copy")
         if layered:
+            fault_point("load_copy")
             return self.outside.load_layered(jobs)
-        self.outside.run(jobs, to_outside=True)
+        run_copies(self.outside, jobs)
         return None
 
     @property
@@ -182,21 +173,9 @@ class Executor(Failures, Counting):
                 and not self.outside.direct_reads)
 
     def _handler_of(self, tier: int, dst: Medium) -> Any:
-        """The handler that loads tier `tier`'s blocks, None when there is no plane or handler."""
-        p = self.planes[tier] if tier < len(self.planes) else None
-        return None if p is None else HANDLERS.get((p.medium, dst))
-
-    def take_read_ahead(self, op: LoadOp) -> tuple | None:
-        """The reads `load_async` started for `op` (host, rows, buffers, handle), once."""
-        return self._fetched.pop(id(op), None)
-
-    def copy_now(self, jobs: list) -> None:
-        """Run load copies into the outside now (timed: the load's copy seconds)."""
-        t1 = time.perf_counter()
-        try:
-            self._queue_once(jobs, layered=False)
-        finally:
-            self._copy_s += time.perf_counter() - t1
+        """The handler that moves tier `tier`'s blocks to `dst`, None when there is no plane or handler."""
+        p = self.planes.get(tier)
+        return None if p is None else self.handlers.get(p.medium, dst)
 
     def finish_loads(self, wait: bool = True) -> None:
         """Wait (the host) for the last load's copies; account them; a copy that failed, or that
@@ -227,11 +206,11 @@ class Executor(Failures, Counting):
             self.report.loaded(op.req_id, not bad)
             n = sum(oks)
             if n:
-                self._count(Metric.BYTES_LOADED.at(name), n * self.block_bytes)
-                self._count(Metric.SECONDS_LOADED.at(name), busy / max(1, len(done)))
-                self._count(Metric.BLOCKS_LOADED.at(name), n)
+                self.count(Metric.BYTES_LOADED.at(name), n * self.block_bytes)
+                self.count(Metric.SECONDS_LOADED.at(name), busy / max(1, len(done)))
+                self.count(Metric.BLOCKS_LOADED.at(name), n)
             if bad:
-                self._count(Metric.BLOCKS_LOAD_FAILED.at(name), len(bad))
+                self.count(Metric.BLOCKS_LOAD_FAILED.at(name), len(bad))
 
     # ---- asynchronous loads (the shared tier: reads ahead, copied in a later step) ---------------
     def load_async(self, ops: Sequence[LoadOp]) -> None:
@@ -242,7 +221,7 @@ class Executor(Failures, Counting):
             self._async.setdefault(op.req_id, []).append(op)
             h = self._handler_of(op.tier, Medium.OUTSIDE)
             if h is not None and h.reads_ahead:
-                self._fetched[id(op)] = h.read_ahead(self, op, self.planes[op.tier])
+                self._fetched[id(op)] = h.read_ahead(op, self.planes.get(op.tier))
 
     def poll_async(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous loads arrived (waiting up to `wait_s` for them): their
@@ -294,6 +273,134 @@ class Executor(Failures, Counting):
     def loads_in_flight(self) -> int:
         return len(self._async)
 
+    # ---- failures: a load that fails anywhere (read, verify, staging, queuing its copy, the
+    # layer's wait) is a load error for exactly the blocks of the requests it touched (vLLM
+    # recomputes them) and taints the step: its forward read those blocks, so nothing it computed
+    # is stored (`tainted`, until the next `begin_step`, whatever order vLLM takes the load errors
+    # and the stores in). Outcomes go to `report` (`kvtier.core.plan.ReportBuilder`).
+
+    def _queue(self, jobs: list[tuple[int, Any]], layered: bool) -> list | None:
+        """Queue (a layered outside) or run these copies into the outside; when that fails, each
+        request's copies again on their own, so that exactly the requests whose copies fail get
+        load errors. Returns the layer events covering every copy queued."""
+        t1 = time.perf_counter()
+        try:
+            return self._queue_once([j for _, j in jobs], layered)
+        except Exception as e:  # noqa: BLE001 - retried per request below
+            self.once(("load_copies",) + cause(e), logging.ERROR, "kvtier: copying %d loads into the KV failed: "
+                       "%s (each request's copies retried on their own; those that fail again are load "
+                       "errors)", len(jobs), e)
+            self.count(Metric.LOAD_COPY_FAILED.key)
+            by_op: dict[int, list] = {}
+            for at, j in jobs:
+                by_op.setdefault(at, []).append(j)
+            events = None
+            for at, js in by_op.items():
+                try:
+                    events = self._queue_once(js, layered) or events  # the side stream runs them in order
+                except Exception as e2:  # noqa: BLE001 - this request's blocks are load errors
+                    self._copy_failed(at, e2)
+            return events
+        finally:
+            self._copy_s += time.perf_counter() - t1
+
+    def _copy_failed(self, at: int, e: BaseException) -> None:
+        op, name, oks = self._load_done[at]
+        self.once(("load_copy", name) + cause(e), logging.ERROR, "kvtier: copying %d blocks of %s into the KV "
+                   "failed: %s (load errors, recomputed)", len(oks), op.req_id, e)
+        self._load_done[at] = (op, name, [False] * len(oks))
+
+    def _fail_pending(self, ops: Sequence[LoadOp]) -> None:
+        """`load` failed part-way: every block of `ops` is a load error, whatever ran."""
+        listed = {id(op) for op, _, _ in self._load_done}
+        self._load_done = [(op, name, [False] * len(oks)) for op, name, oks in self._load_done]
+        for op in ops:
+            if id(op) in listed:
+                continue
+            self._load_done.append((op, self.name(op.tier), [False] * len(op.slots)))
+            if op.via:
+                self.report.not_stored(op.op_id, len(op.slots), unless_reported=True)
+
+    def abandon_loads(self) -> None:
+        """The pending loads' copies cannot be confirmed (the host could not wait for them): their
+        blocks are load errors."""
+        self._load_event = None
+        self.layer_events = None
+        self._load_done = [(op, name, [False] * len(oks)) for op, name, oks in self._load_done]
+        self.finish_loads()
+
+    def begin_step(self) -> None:
+        """A new step: no load of it has failed yet (`tainted`)."""
+        self.tainted = False
+
+    def _add_errors(self, block_ids: Sequence[int]) -> None:
+        """Load errors (reported by `take_load_errors`). Unless they come from an asynchronous load
+        (copied after the forward), they taint the step: its forward read those blocks, so what it
+        computed after them is stale and its stores are dropped (`tainted`, kept until the next
+        `begin_step` whatever order vLLM takes the errors and the stores in)."""
+        self._load_errors.update(block_ids)
+        if not self._polling:
+            self.tainted = True
+
+    # ---- failures: the safe answer when work cannot run ----------------------------------------
+    def fail_blocks(self, req_id: str, block_ids: Sequence[int], why: str, waiting: bool = False) -> None:
+        """These blocks of the request were not loaded: load errors (the caller recomputes them).
+        `waiting`: the request waits for an asynchronous load, so it is also reported as done."""
+        ids = list(block_ids)
+        if waiting:  # not run this step: no taint
+            self._recv_failed.add(req_id)
+            self._load_errors.update(ids)
+        else:
+            self._add_errors(ids)
+        self.report.loaded(req_id, False)
+        self.count(Metric.BLOCKS_LOAD_FAILED.key, len(ids))
+        self.once(("load_failed", why), logging.WARNING,
+                   "kvtier: %d blocks of %s not loaded (%s): reported as load errors, recomputed", len(ids), req_id,
+                   why)
+
+    def unread(self, op: LoadOp, oks: Sequence[bool]) -> None:
+        """Report the blocks of `op` not loaded (`oks` False), whatever the reason: the controller
+        remembers them (`kvtier.core.failed_loads`). A shared-tier block (slot -1) by its key."""
+        ids = op.keys if op.slots and op.slots[0] < 0 and op.keys else op.slots
+        self.report.unread(op.tier, [x for x, ok in zip(ids, oks) if not ok])
+
+    def fail_loads_of(self, ops: Sequence[LoadOp], why: str, async_ids: Sequence[str] = ()) -> None:
+        """These loads cannot run: each block a load error; a request loading asynchronously is
+        also reported as done (with its errors), or it would wait forever."""
+        self._recv_failed.update(async_ids)
+        for op in ops:
+            self.fail_blocks(op.req_id, op.block_ids, why)
+            self.unread(op, [False] * len(op.slots))
+            if op.via:  # a promotion read through DRAM slots: those slots were not written
+                self.report.not_stored(op.op_id, len(op.slots))
+            self._fetched.pop(id(op), None)
+            if op.req_id in self._async:
+                self._recv_failed.add(op.req_id)
+
+    def fail_async(self) -> set[str]:
+        """Every asynchronous load still waiting fails; returns the requests to report as done."""
+        polling, self._polling = self._polling, True
+        try:
+            for ops in list(self._async.values()):
+                self.fail_loads_of(ops, "the asynchronous load failed")
+        finally:
+            self._polling = polling
+        self._recv_failed.update(self._async)
+        self._async.clear()
+        out, self._recv_failed = self._recv_failed, set()
+        self._failed_done |= out
+        return out
+
+    def fail_stores(self, stores: Sequence[StoreOp], copies: Sequence[CopyOp]) -> None:
+        """These stores and copies cannot run: dropped (future misses), their slots released."""
+        n = 0
+        for op in stores:
+            n += self.report.not_stored(op.op_id, len(op.slots), unless_reported=True)
+        for op in copies:
+            self.report.copied(op.op_id, [-1] * len(op.src_slots))
+            n += len(op.src_slots)
+        self.count(Metric.BLOCKS_STORE_DROPPED.key, n)
+
     # ---- stores and copies -------------------------------------------------------------------
     def store(self, ops: Sequence[StoreOp], tainted: bool = False, defer: bool = False) -> set[tuple[int, int]]:
         """outside -> DRAM slots, all in one batch (after the step's compute; a device: one sync).
@@ -305,14 +412,17 @@ class Executor(Failures, Counting):
         by: dict[Any, list[StoreOp]] = {}
         for op in ops:
             try:
-                p = self.plane_of(op.tier)
-                by.setdefault(handler(Medium.OUTSIDE, p.medium), []).append(op)
+                p = self.planes.plane_of(op.tier)
+                by.setdefault(self.handlers.of(Medium.OUTSIDE, p.medium), []).append(op)
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
                 self.store_failed(op, e, tainted, failed)
         planned: list = []
         ev = None
         for h, group in by.items():
-            done, e = h.store(self, group, tainted, failed, defer and len(by) == 1)
+            done, e, lost = h.store(group, tainted, defer and len(by) == 1)
+            for lost_ops, why, quiet in lost:
+                for op in lost_ops:
+                    self.store_failed(op, why, quiet, failed)
             planned += done
             ev = e if e is not None else ev
         if ev is not None:
@@ -330,8 +440,22 @@ class Executor(Failures, Counting):
         failed.update((op.tier, s) for s in op.slots)
 
     def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
-        """DRAM -> another tier, written behind (`CopiesDown`)."""
-        self.down.copy(ops, failed)
+        """DRAM -> DRAM, file or shared tier, each op by the handler of its (source medium, destination
+        medium): each op's per-slot result (the block's tag, or -1: not durable, or its source failed
+        this step) is reported within `write_lag_steps` (`CopiesDown`)."""
+        by: dict[Any, list[CopyOp]] = {}
+        for op in ops:
+            try:
+                h = self.handlers.of(self.planes.plane_of(op.src_tier).medium, self.planes.plane_of(op.tier).medium)
+            except Exception as e:  # noqa: BLE001 - no plane or no handler: this op is dropped
+                self.down.copy_failed([op], e)
+                continue
+            by.setdefault(h, []).append(op)
+        for h in sorted(by, key=lambda h: h.order):
+            for lost, why in h.copy(by[h], failed, self.steps):
+                self.down.copy_failed(lost, why)
+        if by and self.down.lag == 0:  # written on the caller's thread: reported now
+            self.down.reap(self.steps, wait=True)
 
     # ---- copies left running on a device: reported once their event completed -----------------
     def take_deferred(self) -> tuple | None:
@@ -346,9 +470,9 @@ class Executor(Failures, Counting):
             self.report.stored(op.op_id, [True] * len(op.slots))
             by_tier[self.name(op.tier)] = by_tier.get(self.name(op.tier), 0) + len(op.slots)
         for name, n in by_tier.items():
-            self._count(Metric.BYTES_STORED.at(name), n * self.block_bytes)
-            self._count(Metric.SECONDS_STORED.at(name), dt)
-            self._count(Metric.BLOCKS_STORED.at(name), n)
+            self.count(Metric.BYTES_STORED.at(name), n * self.block_bytes)
+            self.count(Metric.SECONDS_STORED.at(name), dt)
+            self.count(Metric.BLOCKS_STORED.at(name), n)
 
     def store_lost(self, planned: list, e: BaseException) -> set[tuple[int, int]]:
         """These stores' copies failed or were given up: not stored; returns their (tier, slot)s."""
@@ -373,14 +497,9 @@ class Executor(Failures, Counting):
             self.once(("rows_wait",) + cause(e), logging.ERROR, "kvtier: waiting for the last load's copies "
                       "failed: %s", e)
 
-    def pinned_rows(self) -> bool:
-        """Rows of their own are pinned (torch's pinned host allocator) when the outside is a
-        device's: the staging rows' pinning says so."""
-        return bool(self.staging is not None and self.staging.pinned and self.outside.layered)
-
     def reap(self, wait: bool = False) -> None:
         """Report the copies done; wait for those `write_lag_steps` old (all if `wait`)."""
-        self.down.reap(wait)
+        self.down.reap(self.steps, wait)
 
     @property
     def writes_in_flight(self) -> int:

@@ -1,8 +1,8 @@
 """The executor's handlers: one small class per (source medium, destination medium), in `HANDLERS`.
 
 An op moves blocks between two media (`kvtier.tiers.contract.Medium`): a tier's data plane and
-the caller's blocks (`OUTSIDE`). The executor (`kvtier.core.executor`) and its copies down
-(`kvtier.core.write_behind.CopiesDown`) look the op's pair up here and hand the op over:
+the caller's blocks (`OUTSIDE`). The executor (`kvtier.core.executor`) builds one handler of each
+class from its parts (`Handlers`) and hands each op to the handler of its pair:
 
     HOST    -> OUTSIDE  HostLoad     load from DRAM (a promotion from a lower DRAM tier: a memcpy)
     FILE    -> OUTSIDE  FileLoad     NVMe read into promotion slots or staging rows, verified
@@ -12,38 +12,55 @@ the caller's blocks (`OUTSIDE`). The executor (`kvtier.core.executor`) and its c
     HOST    -> FILE     FileCopy     copy down: NVMe write, fdatasync, written behind
     HOST    -> SHARED   SharedCopy   copy to the fleet's server, written behind
 
-A handler keeps no state of its own: it works through the public calls of the executor (`ex`)
-it is handed, adds each op's outcome to `ex.report` (`kvtier.core.plan.ReportBuilder`), and reports
-every failure per block (a miss, a load error, a store not committed), never raising into a step.
+A handler is given what it works with when it is built (the tiers' data planes, the outside, the
+staging rows, the report, the counter, the log-once, a write-behind queue) and keeps no state of
+its own. It adds each op's outcome to the report (`kvtier.core.plan.ReportBuilder`) or returns the
+ops that failed to the executor, per block (a miss, a load error, a store not committed), never
+raising into a step.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 
-from kvtier.tiers.once import cause
-from kvtier.core.plan import CopyOp, LoadOp, StoreOp
+from kvtier.core.outside import Outside
+from kvtier.core.plan import CopyOp, LoadOp, ReportBuilder, StoreOp
+from kvtier.core.planes import Planes
+from kvtier.core.staging import Staging
+from kvtier.core.write_behind import WriteBehind
 from kvtier.tiers.contract import DataPlane, Medium
 from kvtier.tiers.cpu_pool import copy_blocks
 from kvtier.tiers.handles import DoneHandle, IOResult
 from kvtier.tiers.io_hooks import fault_point
 from kvtier.tiers.counters import Metric
+from kvtier.tiers.once import Once, cause
 
 HOST, FILE, SHARED, OUTSIDE = Medium.HOST, Medium.FILE, Medium.SHARED, Medium.OUTSIDE
+Failed = list[tuple[list[CopyOp], BaseException | None]]   # copies not started, with why: the caller reports them
 
 
 class LoadRun:
-    """One `Executor.load` call's shared state: the copies queued (`jobs`), the staging rows, and
-    whether copies run now, chunk by chunk as reads land (`copy_now`)."""
+    """One `Executor.load` call's shared state: the copies queued (`jobs`), the staging rows,
+    whether copies run now, chunk by chunk (`chunk_bytes` read each) as reads land (`copy_now`),
+    and the seconds those copies took (`copy_s`)."""
 
-    def __init__(self, jobs: list, stage: list, copy_now: bool) -> None:
+    def __init__(self, jobs: list, stage: list, copy_now: bool, chunk_bytes: int) -> None:
         self.jobs = jobs
         self.stage = stage
         self.row0 = 0
         self.copy_now = copy_now
+        self.chunk_bytes = chunk_bytes
+        self.copy_s = 0.0
+
+
+def run_copies(outside: Outside, jobs: list) -> None:
+    """Run load copies into the outside now."""
+    fault_point("load_copy")
+    outside.run(jobs, to_outside=True)
 
 
 # ---- loads: a tier -> the caller's blocks ------------------------------------------------------
@@ -52,14 +69,17 @@ class HostLoad:
     stages = False        # reads straight from its slots: no staging rows
     reads_ahead = False
 
-    def load(self, ex: Any, op: LoadOp, plane: Any, run: LoadRun, at: int) -> list[bool]:
-        ex.host_pool(op.tier, op.slots)
-        run.jobs.append((at, ex.outside.job(plane.rows, op.block_ids, op.slots, [plane.views[s] for s in op.slots])))
+    def __init__(self, planes: Planes, outside: Outside, report: ReportBuilder) -> None:
+        self.planes, self.outside, self.report = planes, outside, report
+
+    def load(self, op: LoadOp, plane: DataPlane, run: LoadRun, at: int, pre: tuple | None = None) -> list[bool]:
+        self.planes.host_pool(op.tier, op.slots)
+        run.jobs.append((at, self.outside.job(plane.rows, op.block_ids, op.slots, [plane.views[s] for s in op.slots])))
         oks = [True] * len(op.slots)
         if op.via:  # promoted from a lower DRAM tier: a memcpy into the upper tier's slots
-            up = ex.host_pool(op.via_tier)
-            copy_blocks([up.views[s] for s in op.via], [plane.views[s] for s in op.slots], ex.block_bytes)
-            ex.report.stored(op.op_id, oks)
+            up = self.planes.host_pool(op.via_tier)
+            copy_blocks([up.views[s] for s in op.via], [plane.views[s] for s in op.slots], self.planes.block_bytes)
+            self.report.stored(op.op_id, oks)
         return oks
 
 
@@ -71,31 +91,37 @@ class ReadLoad:
     stages = True
     reads_ahead = False
 
+    def __init__(self, planes: Planes, outside: Outside, report: ReportBuilder, staging: Staging | None,
+                 count: Callable[..., None], once: Once) -> None:
+        self.planes, self.outside, self.report, self.staging = planes, outside, report, staging
+        self.count, self.once = count, once
+
     def check(self, op: LoadOp, n: int) -> None:
         """What the op must carry for this medium's reads."""
 
-    def note(self, ex: Any, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
+    def note(self, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
         """A chunk's failures, from `op.slots[lo]` on."""
 
-    def load(self, ex: Any, op: LoadOp, plane: DataPlane, run: LoadRun, at: int) -> list[bool]:
+    def load(self, op: LoadOp, plane: DataPlane, run: LoadRun, at: int, pre: tuple | None = None) -> list[bool]:
+        """`pre`: the reads `read_ahead` started for the op (host, rows, buffers, handle), if any."""
         n = len(op.slots)
         self.check(op, n)
-        pre = ex.take_read_ahead(op)
+        planes, outside, name = self.planes, self.outside, self.planes.name(op.tier)
         direct = None
         if pre is not None:  # read ahead (an asynchronous load)
             host, rows, bufs, h = pre
             reads = [(0, h)]
         else:
             if op.via:
-                pool = ex.host_pool(op.via_tier)
+                pool = planes.host_pool(op.via_tier)
                 host, rows, bufs = pool.rows, list(op.via), [pool.views[s] for s in op.via]
-            elif ex.outside.direct_reads:
-                direct = ex.outside.direct(op.block_ids)
+            elif outside.direct_reads:
+                direct = outside.direct(op.block_ids)
                 host, rows, bufs = None, list(range(n)), direct
             else:
                 r0 = run.row0
-                host, rows, bufs = ex.staging.rows(), list(range(r0, r0 + n)), run.stage[r0:r0 + n]
-            step = max(1, ex.LOAD_CHUNK_BYTES // ex.block_bytes) if run.copy_now else n
+                host, rows, bufs = self.staging.rows(), list(range(r0, r0 + n)), run.stage[r0:r0 + n]
+            step = max(1, run.chunk_bytes // planes.block_bytes) if run.copy_now else n
             reads = []  # every chunk in flight at once: the engine's threads keep the disk / server busy
             for lo in range(0, n, step):
                 hi = min(n, lo + step)
@@ -110,30 +136,33 @@ class ReadLoad:
             read_oks.extend(r.ok)
             ok = list(r.ok)
             errors.extend(r.errors)
-            self.note(ex, op, lo, r, corrupt)
+            self.note(op, lo, r, corrupt)
             good = [lo + i for i, ok in enumerate(r.ok) if ok]
             if good and direct is None:
-                job = ex.outside.job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
-                                     [bufs[i] for i in good])
+                job = outside.job(host, [op.block_ids[i] for i in good], [rows[i] for i in good],
+                                  [bufs[i] for i in good])
                 if not run.copy_now:
                     run.jobs.append((at, job))
                 else:  # this chunk now; a failed copy fails its blocks, the other chunks' reads go on
+                    t1 = time.perf_counter()
                     try:
-                        ex.copy_now([job])
+                        run_copies(outside, [job])
                     except Exception as e:  # noqa: BLE001 - load errors
-                        ex.count(Metric.LOAD_COPY_FAILED.key)
-                        ex.once(("load_copy", ex.name(op.tier)) + cause(e), logging.ERROR,
-                                "kvtier: copying %d blocks of %s into the KV failed: %s (load errors, "
-                                "recomputed)", len(good), op.req_id, e)
+                        self.count(Metric.LOAD_COPY_FAILED.key)
+                        self.once(("load_copy", name) + cause(e), logging.ERROR,
+                                  "kvtier: copying %d blocks of %s into the KV failed: %s (load errors, "
+                                  "recomputed)", len(good), op.req_id, e)
                         ok = [False] * len(ok)
+                    finally:
+                        run.copy_s += time.perf_counter() - t1
             oks.extend(ok)
         if corrupt:
-            ex.count(Metric.CORRUPT_BLOCKS.at(ex.name(op.tier)), len(corrupt))
-            ex.report.corrupt(op.tier, corrupt)
-            ex.once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
-                    "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, ex.name(op.tier), errors[:2])
+            self.count(Metric.CORRUPT_BLOCKS.at(name), len(corrupt))
+            self.report.corrupt(op.tier, corrupt)
+            self.once(("corrupt", op.tier), logging.ERROR, "kvtier: %d blocks of %s from %s failed verification; "
+                      "reported (recomputed, quarantined): %s", len(corrupt), op.req_id, name, errors[:2])
         if op.via:
-            ex.report.stored(op.op_id, read_oks)
+            self.report.stored(op.op_id, read_oks)
         return oks
 
 
@@ -144,7 +173,7 @@ class FileLoad(ReadLoad):
         if op.checksums is None or len(op.checksums) != n:
             raise RuntimeError("file load without expected checksums")
 
-    def note(self, ex: Any, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
+    def note(self, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
         """Failed verification: reported, the controller quarantines the slots."""
         corrupt.extend(op.slots[lo + i] for i, b in enumerate(r.bad) if b)
 
@@ -157,26 +186,28 @@ class SharedLoad(ReadLoad):
         if not op.keys or len(op.keys) != n:
             raise RuntimeError("shared-tier load without keys")
 
-    def note(self, ex: Any, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
+    def note(self, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
         """Absent (the server evicted it) or failed verification (`bad`): a miss, reported."""
-        ex.report.shared_misses([op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok],
-                                [op.keys[lo + i] for i, b in enumerate(r.bad) if b])
+        self.report.shared_misses([op.keys[lo + i] for i, ok in enumerate(r.ok) if not ok],
+                                  [op.keys[lo + i] for i, b in enumerate(r.bad) if b])
 
-    def read_ahead(self, ex: Any, op: LoadOp, plane: DataPlane) -> tuple:
+    def read_ahead(self, op: LoadOp, plane: DataPlane) -> tuple:
         """Start the op's reads into its promotion slots or rows of its own: (host, rows, buffers,
-        handle), taken back by `load`."""
+        handle), handed back to `load`. Rows of its own are pinned (torch's pinned host allocator)
+        when the outside is a device's: the staging rows' pinning says so."""
         n = len(op.keys or [])
         try:
             if op.via:
-                pool = ex.host_pool(op.via_tier, op.via)
+                pool = self.planes.host_pool(op.via_tier, op.via)
                 host, rows = pool.rows, list(op.via)
             else:
-                host, rows = torch.empty((n, ex.block_bytes), dtype=torch.uint8, pin_memory=ex.pinned_rows()), [*range(n)]
+                pin = bool(self.staging is not None and self.staging.pinned and self.outside.layered)
+                host, rows = torch.empty((n, self.planes.block_bytes), dtype=torch.uint8, pin_memory=pin), [*range(n)]
             bufs = [host[r] for r in rows]
             h = plane.read(op.slots, bufs, op.keys)
         except Exception as e:  # noqa: BLE001 - a miss, reported with the load
-            ex.once(("remote_read",) + cause(e), logging.WARNING,
-                    "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
+            self.once(("remote_read",) + cause(e), logging.WARNING,
+                      "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
             host, rows, bufs = None, [], []
             h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))
         return host, rows, bufs, h
@@ -186,33 +217,36 @@ class SharedLoad(ReadLoad):
 class HostStore:
     pair = (OUTSIDE, HOST)
 
-    def store(self, ex: Any, ops: Sequence[StoreOp], tainted: bool, failed: set[tuple[int, int]],
-              defer: bool = False) -> tuple[list[tuple[StoreOp, Any]], Any]:
-        """All in one batch; returns the (op, job)s stored and, with `defer` on a device, the
-        event their copies complete at (else None: done); adds the failed slots."""
+    def __init__(self, planes: Planes, outside: Outside) -> None:
+        self.planes, self.outside = planes, outside
+
+    def store(self, ops: Sequence[StoreOp], tainted: bool, defer: bool = False) -> tuple[list, Any, list]:
+        """All in one batch; returns the (op, job)s stored, with `defer` on a device the event their
+        copies complete at (else None: done), and the ops that failed as (ops, why, quiet): `quiet`
+        when the step is `tainted` (a load failed this step: not logged)."""
         planned: list[tuple[StoreOp, Any]] = []
+        failed: list[tuple[list[StoreOp], BaseException, bool]] = []
         for op in ops:
             try:
                 if tainted:
                     raise RuntimeError("a load failed this step")
-                pool = ex.host_pool(op.tier, op.slots)
-                planned.append((op, ex.outside.job(pool.rows, op.block_ids, op.slots,
-                                                   [pool.views[s] for s in op.slots])))
+                pool = self.planes.host_pool(op.tier, op.slots)
+                planned.append((op, self.outside.job(pool.rows, op.block_ids, op.slots,
+                                                     [pool.views[s] for s in op.slots])))
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
-                ex.store_failed(op, e, tainted, failed)
+                failed.append(([op], e, tainted))
         ev = None
         if planned:
             try:
                 fault_point("store_copy")
-                ev = ex.outside.store_async([j for _, j in planned])
+                ev = self.outside.store_async([j for _, j in planned])
                 if not defer:
-                    ex.outside.sync(ev)
+                    self.outside.sync(ev)
                     ev = None
             except Exception as e:  # noqa: BLE001
-                for op, _ in planned:
-                    ex.store_failed(op, e, False, failed)
+                failed.append(([op for op, _ in planned], e, False))
                 planned, ev = [], None
-        return planned, ev
+        return planned, ev, failed
 
 
 # ---- copies down: DRAM -> a lower tier -----------------------------------------------------------
@@ -220,74 +254,86 @@ class HostCopy:
     pair = (HOST, HOST)
     order = 0
 
-    def copy(self, down: Any, ops: list[CopyOp], failed: set) -> None:
-        """A memcpy, done at once."""
-        ex = down.ex
+    def __init__(self, planes: Planes, report: ReportBuilder, count: Callable[..., None]) -> None:
+        self.planes, self.report, self.count = planes, report, count
+
+    def copy(self, ops: list[CopyOp], failed: set, step: int) -> Failed:
+        """A memcpy, done at once; returns the ops not copied (with why)."""
+        planes, out = self.planes, []
         for op in ops:
             try:
-                src, dst = ex.host_pool(op.src_tier, op.src_slots), ex.host_pool(op.tier, op.slots)
-                copy_blocks([dst.views[s] for s in op.slots], [src.views[s] for s in op.src_slots], ex.block_bytes)
+                src, dst = planes.host_pool(op.src_tier, op.src_slots), planes.host_pool(op.tier, op.slots)
+                copy_blocks([dst.views[s] for s in op.slots], [src.views[s] for s in op.src_slots], planes.block_bytes)
             except Exception as e:  # noqa: BLE001
-                down.copy_failed([op], e)
+                out.append(([op], e))
                 continue
-            ex.report.copied(op.op_id, [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots])
+            self.report.copied(op.op_id, [-1 if (op.src_tier, s) in failed else 0 for s in op.src_slots])
             n = len(op.slots)
-            ex.count(Metric.BYTES_STORED.at(ex.name(op.tier)), n * ex.block_bytes)
-            ex.count(Metric.BLOCKS_STORED.at(ex.name(op.tier)), n)
+            self.count(Metric.BYTES_STORED.at(planes.name(op.tier)), n * planes.block_bytes)
+            self.count(Metric.BLOCKS_STORED.at(planes.name(op.tier)), n)
+        return out
 
 
 class BehindCopy:
-    """Writes handed to the data plane now, waited for (and made durable) behind the step."""
+    """Writes handed to the data plane now, waited for (and made durable) behind the step by this
+    medium's `WriteBehind` queue (`behind`)."""
 
-    def behind(self, down: Any) -> Any:
-        """The `WriteBehind` queue of this medium."""
-        raise NotImplementedError
+    def __init__(self, planes: Planes, behind: WriteBehind) -> None:
+        self.planes, self.behind = planes, behind
 
-    def copy(self, down: Any, ops: list[CopyOp], failed: set) -> None:
-        ex, behind = down.ex, self.behind(down)
+    def copy(self, ops: list[CopyOp], failed: set, step: int) -> Failed:
+        """Hands the writes over; returns the ops not started (with why; None: a stale source)."""
+        planes, out = self.planes, []
         # a source slot whose store failed holds stale bytes: never written anywhere, not even to a
         # slot the index will not take (`fsck --rebuild` indexes what the block headers say)
         stale = [op for op in ops if any((op.src_tier, s) in failed for s in op.src_slots)]
         if stale:
-            down.copy_failed(stale, None)
+            out.append((stale, None))
         ops = [op for op in ops if op not in stale]
         batch: list = []
         try:
-            srcs = [[ex.host_pool(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
+            srcs = [[planes.host_pool(op.src_tier, op.src_slots).views[s] for s in op.src_slots] for op in ops]
             for op, views in zip(ops, srcs):  # every check before the first transfer is handed over
-                batch.append((op, ex.plane_of(op.tier).write(op.slots, views, op.keys)))
+                batch.append((op, planes.plane_of(op.tier).write(op.slots, views, op.keys)))
         except Exception as e:  # noqa: BLE001 - the copies not handed over are dropped
             started = {id(b[0]) for b in batch}
-            down.copy_failed([op for op in ops if id(op) not in started], e)
+            out.append(([op for op in ops if id(op) not in started], e))
         if batch:
-            behind.submit(ex.steps, ex.plane_of(batch[0][0].tier), batch, {s for t, s in failed})
-            if behind.lag == 0:
-                down.reap(wait=True)
+            self.behind.submit(step, planes.plane_of(batch[0][0].tier), batch, {s for t, s in failed})
+        return out
 
 
 class SharedCopy(BehindCopy):
     pair = (HOST, SHARED)
     order = 1
 
-    def behind(self, down: Any) -> Any:
-        return down.puts
-
 
 class FileCopy(BehindCopy):
     pair = (HOST, FILE)
     order = 2
 
-    def behind(self, down: Any) -> Any:
-        return down.writes
+
+HANDLERS: dict[tuple[Medium, Medium], type] = {
+    h.pair: h for h in (HostLoad, FileLoad, SharedLoad, HostStore, HostCopy, SharedCopy, FileCopy)}
 
 
-HANDLERS: dict[tuple[Medium, Medium], Any] = {
-    h.pair: h for h in (HostLoad(), FileLoad(), SharedLoad(), HostStore(), HostCopy(), SharedCopy(), FileCopy())}
+class Handlers:
+    """One executor's handlers, one of each class of `HANDLERS`, built from its parts."""
 
+    def __init__(self, planes: Planes, outside: Outside, report: ReportBuilder, staging: Staging | None,
+                 count: Callable[..., None], once: Once, writes: WriteBehind, puts: WriteBehind) -> None:
+        reads = (planes, outside, report, staging, count, once)
+        made = (HostLoad(planes, outside, report), FileLoad(*reads), SharedLoad(*reads), HostStore(planes, outside),
+                HostCopy(planes, report, count), SharedCopy(planes, puts), FileCopy(planes, writes))
+        self._by_pair: dict[tuple[Medium, Medium], Any] = {h.pair: h for h in made}
 
-def handler(src: Medium, dst: Medium) -> Any:
-    """The handler of (src, dst); RuntimeError naming the pair when there is none."""
-    h = HANDLERS.get((src, dst))
-    if h is None:
-        raise RuntimeError(f"no handler moves blocks from {src.value} to {dst.value}")
-    return h
+    def get(self, src: Medium, dst: Medium) -> Any:
+        """The handler of (src, dst), None when there is none."""
+        return self._by_pair.get((src, dst))
+
+    def of(self, src: Medium, dst: Medium) -> Any:
+        """The handler of (src, dst); RuntimeError naming the pair when there is none."""
+        h = self._by_pair.get((src, dst))
+        if h is None:
+            raise RuntimeError(f"no handler moves blocks from {src.value} to {dst.value}")
+        return h

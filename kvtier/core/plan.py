@@ -206,19 +206,17 @@ class ReportBuilder:
         return self._cls(rank=self.rank)
 
 
-class Counting:
-    """Counters: cumulative `totals` and the interval since the last `take_interval`.
-    Keys are `<counter>` or `<counter>.<tier name>`."""
+class Counters:
+    """Counters: cumulative `totals` and the interval since the last `take_interval`. Keys are
+    `Metric` keys (`Metric.X.key`, `Metric.X.at(tier)`): `<counter>` or `<counter>.<tier name>`."""
 
-    def _init_counters(self) -> None:
+    def __init__(self) -> None:
         self.totals: dict[str, float] = {}
         self._interval: dict[str, float] = {}
 
-    def _count(self, key: str, v: float = 1) -> None:
+    def count(self, key: str, v: float = 1) -> None:
         self._interval[key] = self._interval.get(key, 0) + v
         self.totals[key] = self.totals.get(key, 0) + v
-
-    count = _count  # for the drivers and executors that count into the controller
 
     def take_interval(self) -> dict[str, float] | None:
         if not any(self._interval.values()):

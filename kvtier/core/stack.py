@@ -71,7 +71,7 @@ class TierStack:
         self.block_bytes = cfg.block_bytes
         self.ctrl: TierController = build_controller(cfg, self.tiers, lease_timeout_s=lease_timeout_s)
         self.executor = (Executor(Buffers([], cfg.block_bytes), [t.data_plane for t in self.tiers], cfg.block_bytes,
-                                  tier_names=[t.name for t in self.tiers], count=self.ctrl.count)
+                                  tier_names=[t.name for t in self.tiers], count=self.ctrl.counters.count)
                          if with_data else NullExecutor())
         self._ids = itertools.count()
 

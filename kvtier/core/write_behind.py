@@ -13,11 +13,11 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, Sequence
+from typing import Any, Callable
 
-from kvtier.core.handlers import handler
-from kvtier.tiers.once import cause
-from kvtier.core.plan import CopyOp
+from kvtier.core.plan import CopyOp, ReportBuilder
+from kvtier.core.planes import Planes
+from kvtier.tiers.once import Once, cause
 from kvtier.tiers.counters import Metric
 
 Done = tuple[list[tuple[Any, list[int]]], float, list[str]]   # ([(op, per-slot tags)], seconds, errors)
@@ -86,12 +86,15 @@ def _flush(nvme: Any, batch: list, failed_src: set[int], t0: float) -> Done:
 
 
 class CopiesDown:
-    """An executor's copies down (DRAM -> DRAM, file or shared tier), run by the handlers of
-    `kvtier.core.handlers` and written behind: each op's per-slot result (the block's tag, or -1:
-    not durable, or its source failed this step) is reported within `lag` steps (`reap`)."""
+    """An executor's copies down written behind: the queues the handlers of `kvtier.core.handlers`
+    hand their writes to (`writes`: to a file, `puts`: to the shared tier), and each op's per-slot
+    result (the block's tag, or -1: not durable, or its source failed this step) reported within
+    `lag` steps (`reap`)."""
 
-    def __init__(self, ex: Any, lag_steps: int) -> None:
-        self.ex = ex
+    def __init__(self, planes: Planes, report: ReportBuilder, count: Callable[..., None], once: Once,
+                 lag_steps: int) -> None:
+        self.planes, self.report, self.count, self.once = planes, report, count, once
+        self.lag = max(0, int(lag_steps))
         self.errors: list[str] = []              # the engine's words (errno, path) since last cleared
         self.writes = WriteBehind(lag_steps)   # to a file, in flight
         self.puts = WriteBehind(lag_steps)     # to the shared tier, in flight
@@ -104,47 +107,29 @@ class CopiesDown:
         out, self.errors = self.errors, []
         return out
 
-    def copy(self, ops: Sequence[CopyOp], failed: set[tuple[int, int]] = frozenset()) -> None:
-        """DRAM -> DRAM, file or shared tier, each op by the handler of its (source medium,
-        destination medium) (`kvtier.core.handlers`): each op's per-slot result (the block's tag,
-        or -1: not durable, or its source failed this step) is reported within `write_lag_steps`."""
-        ex = self.ex
-        by: dict[Any, list[CopyOp]] = {}
-        for op in ops:
-            try:
-                h = handler(ex.plane_of(op.src_tier).medium, ex.plane_of(op.tier).medium)
-            except Exception as e:  # noqa: BLE001 - no plane or no handler: this op is dropped
-                self.copy_failed([op], e)
-                continue
-            by.setdefault(h, []).append(op)
-        for h in sorted(by, key=lambda h: h.order):
-            h.copy(self, by[h], failed)
-
     def copy_failed(self, ops: list[CopyOp], e: BaseException | None) -> None:
         """Copies not started (`e`: why, logged once) or whose source is stale: all slots -1."""
-        ex = self.ex
         if e is not None and ops:
-            ex.once(("copy", ops[0].tier) + cause(e), logging.WARNING, "kvtier: copy of %d ops to %s not "
-                       "started: %s (dropped; the source copies stay)", len(ops), ex.name(ops[0].tier), e)
+            self.once(("copy", ops[0].tier) + cause(e), logging.WARNING, "kvtier: copy of %d ops to %s not "
+                      "started: %s (dropped; the source copies stay)", len(ops), self.planes.name(ops[0].tier), e)
         for op in ops:
-            ex.report.copied(op.op_id, [-1] * len(op.src_slots))
+            self.report.copied(op.op_id, [-1] * len(op.src_slots))
 
-    def reap(self, wait: bool = False) -> None:
-        """Report finished copies; wait for those `write_lag_steps` old (all if `wait`)."""
-        ex = self.ex
+    def reap(self, step: int, wait: bool = False) -> None:
+        """Report finished copies; wait for those `lag` steps old (all if `wait`)."""
         for behind in (self.writes, self.puts):  # the shared tier's client logs its own failures (breaker)
-            for done, dt, errors in behind.reap(ex.steps, wait):
+            for done, dt, errors in behind.reap(step, wait):
                 n, name = 0, None
                 for op, out in done:
-                    ex.report.copied(op.op_id, out)
+                    self.report.copied(op.op_id, out)
                     n += sum(1 for c in out if c >= 0)
-                    name = ex.name(op.tier)
+                    name = self.planes.name(op.tier)
                 if errors:  # the engine's words: errno and path
                     self.errors.extend(errors)
                 if errors and behind is self.writes:
-                    ex.once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
-                               "source copies stay; counted in store_failed_blocks)", name, errors[0])
+                    self.once(("copy_failed", name), logging.ERROR, "kvtier: copies to %s failed: %s (the "
+                              "source copies stay; counted in store_failed_blocks)", name, errors[0])
                 if name is not None:
-                    ex.count(Metric.BYTES_STORED.at(name), n * ex.block_bytes)
-                    ex.count(Metric.SECONDS_STORED.at(name), dt)
-                    ex.count(Metric.BLOCKS_STORED.at(name), n)
+                    self.count(Metric.BYTES_STORED.at(name), n * self.planes.block_bytes)
+                    self.count(Metric.SECONDS_STORED.at(name), dt)
+                    self.count(Metric.BLOCKS_STORED.at(name), n)
