@@ -28,6 +28,7 @@ from kvtier.tiers.io_hooks import fault_point
 from .config import tier_of
 from .kv_layout import KVCopier, KVLayout
 from .metadata import Counting, KVTierMetadata, KVTierWorkerMeta
+from .guard import WorkerGuard
 from .held_requests import SendingRequests
 from .pending_stores import PendingStores
 from .startup import fit_pool_slots
@@ -75,6 +76,7 @@ class KVTierWorker(Counting):
         self._ranks = ranks                   # workers on this host, each with its own pool
         self._init_counters()
         self._once = Once(log)
+        self.guard = WorkerGuard(self)        # a hook's failure: counted, logged once, answered safely
         self.layout: KVLayout | None = None
         self.pools: list[CpuPool] = []
         self.kv: KVCopier | None = None       # the executor's outside: vLLM's KV
