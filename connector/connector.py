@@ -51,9 +51,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from .metrics import KVTierPromMetrics
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from .metrics import KVTierPromMetrics
 
 log = logging.getLogger("kvtier.connector")
 
