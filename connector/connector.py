@@ -19,7 +19,6 @@ served, connector/hybrid.py how one hit covers them all.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -29,18 +28,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 
 from kvtier.core.config import ConfigError
-from kvtier.tiers.once import Once
 from kvtier.tiers.contract import Medium
 
-from .guard import SafeAnswers, hook
-from .handoff import read_reports, write_report
-from .metadata import KVTierMetadata, KVTierWorkerMeta, block_ids_of
+from . import start_check
+from .guard import Guard, hook
+from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, block_ids_of
+from .shutdown import close_scheduler, close_worker
 from .sides import (fingerprint, kv_shape, model_identity, scheduler_side, settings, start_scheduler_side,
                     worker_side)
-from .startup import attach_vllm_log_handler, flush_budget_s, register_by_name, scheduler_line, short_totals, worker_line
-from .start_check import StartChecks
-from .stats_hooks import StatsHooks
-from .worker import SHUTDOWN_FLUSH_TIMEOUT_S
+from .startup import attach_vllm_log_handler, register_by_name, scheduler_line, worker_line
+from .stats import SchedulerStats, connector_stats, prom_metrics, worker_stats
 
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -56,6 +53,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from .metrics import KVTierPromMetrics
 
 log = logging.getLogger("kvtier.connector")
 
@@ -76,7 +75,12 @@ def _worker_pool() -> int | None:
     return pools[0] if pools else None
 
 
-class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, SupportsHMA):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's hooks, each forwarded to the scheduler side (`sched`, connector/scheduler.py) or a
+    worker's (`worker`, connector/worker.py); a failure is answered by that side's guard
+    (connector/guard.py). The class methods vLLM calls before any connector is built forward to
+    connector/start_check.py, the stats ones to connector/stats.py."""
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         """Wiring only: the parts are built in connector/sides.py."""
@@ -91,34 +95,58 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
                                      _worker_pool() if on_scheduler else None)
         self.identity = model_identity(cfg, vllm_config, start=on_scheduler and self.enabled)
         self.fingerprint = fingerprint(cfg, vllm_config, shape, self.identity.value)
-        self.sched = self.worker = self.persistent = self.recorder = self.gpu_ctx = None
-        self.closed, self._last_gauges, self._once, self._stats_at = False, {}, Once(log), float("-inf")
+        self.sched = self.worker = self.persistent = self.recorder = self.gpu_ctx = self.sched_stats = None
+        self.closed = False
         if on_scheduler:
             self.persistent, self.recorder, self.sched = scheduler_side(
                 cfg, vllm_config, kv_cache_config, shape, self.identity,
                 lambda m: fingerprint(cfg, vllm_config, shape, m))
+            self.sched_stats = SchedulerStats(self.sched, self.recorder, cfg, self.block_tokens, self.fingerprint)
         else:
             self.worker = worker_side(cfg, vllm_config, kv_cache_config, shape, self.fingerprint)
         _LIVE.add(self)
         if self.sched is not None:
             start_scheduler_side(self.sched, vllm_config, cfg)
             log.info("%s", scheduler_line(self))
-            self._publish_stats(force=True)   # the state for `kvtier inspect --server`, then a heartbeat
+            self.sched_stats.publish(force=True)   # the state for `kvtier inspect --server`, then a heartbeat
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False
 
+    @property
+    def guard(self) -> Guard:
+        """The side's guard: what a failed hook counts, logs and answers (connector/guard.py)."""
+        return self.sched.guard if self.sched is not None else self.worker.guard
+
+    # ---- class methods: before any connector object is built ---------------------------
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        """vLLM 0.33's sleep mode: no. Wake-up remaps the KV cache the workers hold views into
-        (connector/kv_layout.py); vLLM refuses `enable_sleep_mode` with kvtier mounted, not stale KV."""
-        return False
+        """vLLM 0.33's sleep mode: no (`start_check.supports_sleep_mode`: the workers hold views
+        into the KV cache wake-up remaps)."""
+        return start_check.supports_sleep_mode()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return start_check.requires_piecewise_for_cudagraph(extra_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        return start_check.required_kvcache_layout(vllm_config)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierStats | None:
+        return connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> "KVTierPromMetrics":
+        return prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ==============================================================================
     # Worker side
     # ==============================================================================
-    @hook(recover="_register_failed", refuse=(ConfigError,))
+    @hook(recover="register_failed", refuse=(ConfigError,))
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker is not None and self.enabled:
             self.worker.register_kv_caches(kv_caches)
@@ -137,12 +165,12 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         if self.worker is not None:
             self.worker.bind(None)
 
-    @hook(recover="_load_failed")
+    @hook(recover="load_failed")
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.worker is not None:
             self.worker.start_load()
 
-    @hook(recover="_layer_wait_failed")
+    @hook(recover="layer_wait_failed")
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:
             self.worker.wait_layer(layer_name)
@@ -151,22 +179,27 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
                       **kwargs: Any) -> None:
         return
 
-    @hook(recover="_save_failed")
+    @hook(recover="save_failed")
     def wait_for_save(self) -> None:
         if self.worker is not None:
             self.worker.save()
 
-    @hook(recover="_transfers_failed")
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        # Asynchronous loads: received once their blocks are in the KV. A hybrid model's failed load
-        # fails its request (no block-level errors with several groups). Sent: finished requests
-        # held for their stores (connector/held_requests.py).
+        """Asynchronous loads: received once their blocks are in the KV; a failed one fails its
+        request with several groups (a hybrid model: no block-level errors), else its blocks are
+        load errors (`get_block_ids_with_load_errors`). Sent: finished requests held for their
+        stores (connector/held_requests.py)."""
+        out = self._transfer_results(finished_req_ids)
+        if not self.hybrid:
+            out.failed_recving = set()
+        return out
+
+    @hook(recover="transfers_failed", default=KVConnectorTransferResults, name="get_transfer_results")
+    def _transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
         if self.worker is not None:
             out.finished_recving = self.worker.poll_async()
-            failed = self.worker.take_failed_recving()
-            if self.hybrid:
-                out.failed_recving = failed & out.finished_recving
+            out.failed_recving = self.worker.take_failed_recving() & out.finished_recving
             out.finished_sending = self.worker.finished_sending()  # last: a failure before keeps them held
         return out
 
@@ -174,59 +207,29 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
 
-    @hook(recover="_load_errors_failed")
     def get_block_ids_with_load_errors(self) -> set[int]:
-        if self.worker is None:
-            return set()
-        errors = self.worker.take_load_errors()
+        errors = self._load_errors()
         return set() if self.hybrid else errors  # hybrid: reported per request (get_transfer_results)
 
-    @hook(recover="_worker_meta_failed")
+    @hook(recover="load_errors_failed", name="get_block_ids_with_load_errors")
+    def _load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    @hook(recover="worker_meta_failed")
     def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
-        if self.worker is None:
-            return None
-        return self.worker.take_report()
+        return self.worker.take_report() if self.worker is not None else None
 
     @hook()
     def shutdown(self) -> None:
-        """vLLM's shutdown (SIGTERM / SIGINT of the server, LLM deleted): the executor's workers
-        first, then the scheduler. The worker waits (bounded) for its pending NVMe write-back and
-        hands the report no step carried to the scheduler: directly when it lives in this
-        process, else through the NVMe directory (connector/handoff.py). The scheduler commits
-        it, then closes the index and its directory lock."""
+        """vLLM's shutdown: the executor's workers first, then the scheduler (connector/shutdown.py)."""
         if self.closed:
             return
         self.closed = True
         if self.worker is not None:
-            nvme_dir = self.worker.nvme.dir if self.worker.nvme is not None else None
-            final = self.worker.close(timeout_s=flush_budget_s(SHUTDOWN_FLUSH_TIMEOUT_S))
-            if final is not None and final.copied:
-                n = sum(1 for v in final.copied.values() for c in v if c >= 0)
-                peers = [c for c in live_connectors("scheduler") if c.sched is not None]
-                if peers:
-                    peers[0].sched.on_worker_meta(final)
-                    log.info("kvtier: shutdown: %d NVMe blocks written back after the last step, handed "
-                             "to the scheduler", n)
-                elif nvme_dir:
-                    path = write_report(nvme_dir, final)
-                    log.info("kvtier: shutdown: %d NVMe blocks written back after the last step; report "
-                             "for the scheduler in %s", n, path)
-                else:
-                    log.warning("kvtier: shutdown: %d NVMe blocks written back after the last step and no "
-                                "way to tell the scheduler: not indexed (misses after a restart)", n)
+            close_worker(self.worker, [c.sched for c in live_connectors("scheduler") if c.sched is not None])
         if self.sched is not None:
-            for t in self.sched.nvme_tiers():  # the workers exited first: their last reports
-                rep = read_reports(t.dir)
-                if rep is not None:
-                    self.sched.on_worker_meta(rep)
-                    n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
-                    log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
-            self.sched.report_shutdown()
-            self._publish_stats(force=True, final=True)
-            t0 = time.monotonic()
-            self.sched.close()  # the trace, the NVMe index and its directory lock
-            log.info("kvtier connector (scheduler): shut down, index closed in %.2f s; totals %s",
-                     time.monotonic() - t0, short_totals(self.sched.totals))
+            self.sched_stats.close()
+            close_scheduler(self.sched, self.sched_stats)
 
     # ==============================================================================
     # Scheduler side
@@ -244,7 +247,7 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         if self.sched is not None:
             self.sched.bind_gpu(ctx, hashed)
 
-    @hook(recover="_lookup_failed")
+    @hook(recover="lookup_failed")
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.sched is None or not self.enabled:
             return 0, False
@@ -252,26 +255,23 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         n = self.sched.lookup(request, num_computed_tokens)
         return n, bool(n) and self.sched.loads_async(request.request_id)
 
-    @hook(recover="_alloc_failed")
+    @hook(recover="alloc_failed")
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.sched is not None and self.enabled:
             self.sched.on_alloc(request, block_ids_of(blocks), num_external_tokens)
 
-    @hook(recover="_sources_failed")
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
-        if num_external_tokens == 0 or CacheHitSource is None or self.sched is None:
-            return super().get_external_cache_hit_sources(request, num_external_tokens)
-        by = self.sched.hit_sources(request.request_id)
-        out: dict = {}
-        source = {Medium.HOST: CacheHitSource.HOST, Medium.FILE: CacheHitSource.DISK,
-                  Medium.SHARED: CacheHitSource.EXTERNAL_UNSPECIFIED}
-        for medium, n in by.items():
-            out[source[medium]] = out.get(source[medium], 0) + n
-        if sum(out.values()) != num_external_tokens:
-            return {CacheHitSource.HOST: num_external_tokens}
-        return out
+        by = self._hit_sources(request, num_external_tokens)
+        return by if by is not None else super().get_external_cache_hit_sources(request, num_external_tokens)
 
-    @hook(recover="_meta_failed")
+    @hook(name="get_external_cache_hit_sources")
+    def _hit_sources(self, request: "Request", num_external_tokens: int) -> dict | None:
+        """The hit's tokens by medium; None (and on a failure): vLLM's default answer."""
+        if num_external_tokens == 0 or CacheHitSource is None or self.sched is None:
+            return None
+        return hit_sources(self.sched.hit_sources(request.request_id), num_external_tokens)
+
+    @hook(recover="meta_failed")
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self.sched is None or not self.enabled:
             return KVTierMetadata()
@@ -282,13 +282,13 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         if self.sched is not None:
             self.sched.on_output(connector_output)
 
-    @hook(recover="_finish_failed")
+    @hook(recover="finish_failed")
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.sched is None:
             return False, None
         return self.sched.on_finished(request.request_id, (block_ids,))
 
-    @hook(recover="_finish_failed")
+    @hook(recover="finish_failed")
     def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """`SupportsHMA`: vLLM calls this instead of `request_finished` (one list per group)."""
@@ -301,6 +301,13 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         stepping after its last request (bounded)."""
         return self.sched is not None and self.enabled and self.sched.has_pending_push_work()
 
+    @hook()
+    def get_kv_connector_stats(self) -> KVTierStats | None:
+        """This step's counters (vLLM calls it once per step on each side; connector/stats.py)."""
+        if self.worker is not None:
+            return worker_stats(self.worker)
+        return self.sched_stats.interval() if self.sched is not None else None
+
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
         part = self.sched if self.sched is not None else self.worker
@@ -308,6 +315,19 @@ class KVTierConnector(SafeAnswers, StatsHooks, StartChecks, KVConnectorBase_V1, 
         if part is not None:
             d.update(part.stats())
         return d
+
+
+def hit_sources(by: dict, num_external_tokens: int) -> dict:
+    """A hit's tokens by medium as vLLM's `CacheHitSource`s; all under HOST when they do not add
+    up to what vLLM accepted."""
+    source = {Medium.HOST: CacheHitSource.HOST, Medium.FILE: CacheHitSource.DISK,
+              Medium.SHARED: CacheHitSource.EXTERNAL_UNSPECIFIED}
+    out: dict = {}
+    for medium, n in by.items():
+        out[source[medium]] = out.get(source[medium], 0) + n
+    if sum(out.values()) != num_external_tokens:
+        return {CacheHitSource.HOST: num_external_tokens}
+    return out
 
 
 register_by_name("KVTierConnector", __name__)

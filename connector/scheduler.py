@@ -24,6 +24,7 @@ from kvtier.policies.base import RequestInfo
 from kvtier.tiers.base import SlotTier
 from kvtier.tiers.counters import Metric
 
+from .guard import SchedulerGuard
 from .held_requests import StoreHolds
 from .hybrid import GroupRules
 from .lazy_offload import LazyOffload
@@ -97,6 +98,7 @@ class KVTierScheduler:
         self._async_step: list[str] = []       # requests whose asynchronous load this step plans
         self._failed_loads: dict[str, list[int]] = {}  # accepted by vLLM, not planned: load errors
         self._once = Once(log)
+        self.guard = SchedulerGuard(self)         # a hook's failure: counted, logged once, answered safely
         self._async_inflight: set[str] = set()  # ... until the workers report it done
         self.model_identity = model_identity
         self.holds = StoreHolds(options.hold_stores)  # finished requests vLLM keeps for their stores

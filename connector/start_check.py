@@ -1,7 +1,8 @@
 """A bad config stops vLLM's start with one line, as early as vLLM calls into the connector.
 
-vLLM 0.32 builds the connector's objects after the model is loaded. Two class methods run
-earlier, and both read the config here (`load_settings`, the checks `__init__` runs again):
+vLLM 0.32 builds the connector's objects after the model is loaded. Two class methods of
+`KVTierConnector` run earlier, forwarded to the functions of the same job here, and both read the
+config (`load_settings`, the checks `__init__` runs again):
 
 - `requires_piecewise_for_cudagraph`, while vLLM builds its config, before the engine starts and
   the model loads. vLLM calls it only with full CUDA graphs (a GPU, no `--enforce-eager`).
@@ -110,21 +111,23 @@ def repeat_a_childs_refusal() -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-class StartChecks:
-    """The connector's class methods vLLM calls before the connector is built."""
+def requires_piecewise_for_cudagraph(extra_config: dict[str, Any]) -> bool:
+    """True: loads are layer by layer (`wait_for_layer_load`), which a full CUDA-graph replay
+    would skip; vLLM then captures piecewise graphs, and attention runs between the pieces."""
+    check_config(extra_config)
+    return True
 
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """True: loads are layer by layer (`wait_for_layer_load`), which a full CUDA-graph replay
-        would skip; vLLM then captures piecewise graphs, and attention runs between the pieces."""
-        check_config(extra_config)
-        return True
 
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """No layout of its own (kvtier copies any of vLLM's); the config is checked here, and
-        the model path is pinned for this engine (`engine_identity.weights_pin`)."""
-        check_config(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
-        if getattr(vllm_config, "model_config", None) is not None:
-            weights_pin(vllm_config)
-        return None
+def required_kvcache_layout(vllm_config: Any) -> str | None:
+    """No layout of its own (kvtier copies any of vLLM's); the config is checked here, and
+    the model path is pinned for this engine (`engine_identity.weights_pin`)."""
+    check_config(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
+    if getattr(vllm_config, "model_config", None) is not None:
+        weights_pin(vllm_config)
+    return None
+
+
+def supports_sleep_mode() -> bool:
+    """vLLM 0.33's sleep mode: no. Wake-up remaps the KV cache the workers hold views into
+    (connector/kv_layout.py); vLLM refuses `enable_sleep_mode` with kvtier mounted, not stale KV."""
+    return False

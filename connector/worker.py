@@ -29,6 +29,7 @@ from kvtier.tiers.io_hooks import fault_point
 from .config import tier_of
 from .kv_layout import KVCopier, KVLayout
 from .metadata import KVTierMetadata, KVTierWorkerMeta, KVTierStats, interval_stats
+from .guard import WorkerGuard
 from .held_requests import SendingRequests
 from .pending_stores import PendingStores
 from .startup import fit_pool_slots
@@ -76,6 +77,7 @@ class KVTierWorker:
         self._ranks = ranks                   # workers on this host, each with its own pool
         self.counters = Counters()   # this worker's counters (its executor's too)
         self._once = Once(log)
+        self.guard = WorkerGuard(self)        # a hook's failure: counted, logged once, answered safely
         self.layout: KVLayout | None = None
         self.pools: list[CpuPool] = []
         self.kv: KVCopier | None = None       # the executor's outside: vLLM's KV

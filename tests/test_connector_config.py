@@ -82,11 +82,12 @@ def _extra(cfg: dict):
 def test_a_bad_config_refuses_the_start_in_one_line(tmp_path):
     """Issue 27 item 5: the class methods vLLM calls before it builds the connector check the config;
     a bad one ends the process with `kvtier: error: <file>: <field>: <cause>` (a SystemExit's code)."""
-    from kvtier.connector.start_check import StartChecks, StartRefused
+    from kvtier.connector.connector import KVTierConnector
+    from kvtier.connector.start_check import StartRefused
     bad = tmp_path / "bad.yaml"
     bad.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 64, evicton: lru}\n")
-    for call in (lambda c: StartChecks.get_required_kvcache_layout(_extra(c)),
-                 StartChecks.requires_piecewise_for_cudagraph):
+    for call in (lambda c: KVTierConnector.get_required_kvcache_layout(_extra(c)),
+                 KVTierConnector.requires_piecewise_for_cudagraph):
         with pytest.raises(StartRefused) as e:
             call({"config": str(bad)})
         assert isinstance(e.value, SystemExit) and e.value.code == f"kvtier: error: {bad}: tiers.0.evicton: unknown key"
@@ -95,16 +96,16 @@ def test_a_bad_config_refuses_the_start_in_one_line(tmp_path):
         assert e.value.code.startswith("kvtier: error: kv_connector_extra_config: cpu_capcity: unknown key(s); known: ")
     bad.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: -1, evicton: lru}\n")
     with pytest.raises(StartRefused) as e:
-        StartChecks.requires_piecewise_for_cudagraph({"config": str(bad)})
+        KVTierConnector.requires_piecewise_for_cudagraph({"config": str(bad)})
     line = e.value.code
     assert "\n" not in line and line.startswith(f"kvtier: error: {bad}: tiers.0.")
     assert "capacity_blocks: must be between 1" in line and "evicton: unknown key" in line and line.count("; ") == 1, line
     with pytest.raises(StartRefused, match=r"^kvtier: error: .*missing\.yaml: no such config file"):
-        StartChecks.get_required_kvcache_layout(_extra({"config": str(tmp_path / "missing.yaml")}))
+        KVTierConnector.get_required_kvcache_layout(_extra({"config": str(tmp_path / "missing.yaml")}))
     good = tmp_path / "good.yaml"
     good.write_text("tiers:\n  - {name: cpu, kind: cpu, capacity_blocks: 64}\n")
-    assert StartChecks.get_required_kvcache_layout(_extra({"config": str(good)})) is None
-    assert StartChecks.requires_piecewise_for_cudagraph({"config": str(good), "cpu_capacity_blocks": 8}) is True
+    assert KVTierConnector.get_required_kvcache_layout(_extra({"config": str(good)})) is None
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"config": str(good), "cpu_capacity_blocks": 8}) is True
 
 
 def test_a_childs_refusal_is_printed_last_by_its_parent_only_when_it_fails(tmp_path, monkeypatch, capsys):

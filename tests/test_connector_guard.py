@@ -15,19 +15,33 @@ from parts_util import worker_settings  # noqa: E402
 from test_connector_scheduler import Req, make, run_step, store_request  # noqa: E402
 
 
-class _Hooked:
+class _Guard:
+    """A side's guard: records failures, answers `_fallback` / fails in `_bad_fallback`."""
+
     def __init__(self):
         self.failures = []
         self.recovered = []
 
-    def _hook_failed(self, name, e):
+    def failed(self, name, e):
         self.failures.append((name, type(e).__name__))
 
-    @hook(recover="_fallback")
+    def fallback(self, x):
+        self.recovered.append(x)
+        return -x
+
+    def bad_fallback(self):
+        raise KeyError("second")
+
+
+class _Hooked:
+    def __init__(self):
+        self.guard = _Guard()
+
+    @hook(recover="fallback")
     def ok(self, x):
         return x * 2
 
-    @hook(recover="_fallback")
+    @hook(recover="fallback")
     def boom(self, x):
         raise OSError(28, "No space left on device")
 
@@ -35,26 +49,39 @@ class _Hooked:
     def boom_default(self):
         raise RuntimeError("x")
 
-    @hook(recover="_bad_fallback", default=set)
+    @hook(recover="bad_fallback", default=set)
     def boom_twice(self):
         raise ValueError("first")
 
-    def _fallback(self, x):
-        self.recovered.append(x)
-        return -x
-
-    def _bad_fallback(self):
-        raise KeyError("second")
+    @hook(name="a_hook")
+    def _part_of_a_hook(self):
+        raise ValueError("named")
 
 
 def test_hook_answers_the_fallback_and_counts():
     h = _Hooked()
-    assert h.ok(3) == 6 and h.failures == []
-    assert h.boom(3) == -3 and h.recovered == [3]
+    g = h.guard
+    assert h.ok(3) == 6 and g.failures == []
+    assert h.boom(3) == -3 and g.recovered == [3]
     assert h.boom_default() == (0, False)
     assert h.boom_twice() == set()           # the fallback failed too: the default, both counted
-    assert h.failures == [("boom", "OSError"), ("boom_default", "RuntimeError"), ("boom_twice", "ValueError"),
-                          ("boom_twice.recover", "KeyError")]
+    assert h._part_of_a_hook() is None       # counted under the hook's name
+    assert g.failures == [("boom", "OSError"), ("boom_default", "RuntimeError"), ("boom_twice", "ValueError"),
+                          ("boom_twice.recover", "KeyError"), ("a_hook", "ValueError")]
+
+
+def test_a_sides_guard_counts_each_failure_and_logs_each_cause_once(caplog):
+    """`Guard.failed`: every failure counted under its hook, one ERROR line per hook and cause."""
+    from kvtier.connector.guard import Guard
+    counted = []
+    g = Guard(lambda k, v=1: counted.append(k))
+    with caplog.at_level(logging.DEBUG, logger="kvtier.connector"):
+        for _ in range(2):
+            g.failed("wait_for_save", OSError(28, "No space left on device"))
+        g.failed("wait_for_save", OSError(30, "Read-only file system"))
+    assert counted == ["hook_errors.wait_for_save"] * 3
+    assert [r.levelno for r in caplog.records if r.name == "kvtier.connector"] == \
+        [logging.ERROR, logging.DEBUG, logging.ERROR]
 
 
 def test_once_logs_each_cause_once(caplog):

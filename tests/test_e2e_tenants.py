@@ -50,7 +50,7 @@ def test_two_cache_salts_are_two_tenants(tmp_path):
         assert _generate(llm, [p, p], ["alice", "bob"]) == [first, first]
         assert t["tenant_hit_blocks.cpu|alice"] == full and t["tenant_hit_blocks.cpu|bob"] == full
         assert not any(k.endswith("|other") for k in t), t
-        g = s._gauges()
+        g = s.sched_stats.gauges()
         bb = s.sched.tiers[0].block_bytes
         assert g["gauge_tenant_bytes.cpu|alice"] == stored * bb and g["gauge_tenant_bytes.cpu|bob"] == stored * bb
         assert g["gauge_tenant_bytes.cpu|other"] == 0

@@ -9,7 +9,6 @@ or on the CPU backend (no deferral), is not held."""
 from __future__ import annotations
 
 import copy
-import logging
 import os
 import sys
 from pathlib import Path
@@ -18,11 +17,9 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput
 
 import kvtier.connector.connector as C
-from kvtier.connector.guard import SafeAnswers
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier
-from kvtier.tiers.once import Once
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
@@ -34,18 +31,12 @@ from test_kv_layout import flash_caches  # noqa: E402
 NB = 12
 
 
-class Conn(SafeAnswers):
-    """The connector's hooks (guard included) around one worker and, on rank 0, the scheduler."""
-
-    start_load_kv = C.KVTierConnector.start_load_kv
-    wait_for_save = C.KVTierConnector.wait_for_save
-    get_transfer_results = C.KVTierConnector.get_transfer_results
-    get_block_ids_with_load_errors = C.KVTierConnector.get_block_ids_with_load_errors
-    build_connector_worker_meta = C.KVTierConnector.build_connector_worker_meta
+class Conn(C.KVTierConnector):
+    """The connector's hooks (guard included) around one worker and, on rank 0, the scheduler: a `KVTierConnector` built
+    without a vLLM config."""
 
     def __init__(self, worker, sched=None) -> None:
         self.worker, self.sched, self.hybrid = worker, sched, False
-        self._once = Once(logging.getLogger("kvtier.test"))
 
     def request_finished(self, req_id: str) -> bool:
         delay, _ = self.sched.on_finished(req_id)

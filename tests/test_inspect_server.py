@@ -106,18 +106,18 @@ def test_a_state_that_cannot_be_written_never_fails_the_server(monkeypatch, capl
     import logging
     import types
 
-    from kvtier.connector.stats_hooks import StatsHooks
-    from kvtier.tiers.once import Once
+    from kvtier.connector.stats import SchedulerStats
 
     counted = []
-    me = types.SimpleNamespace(
-        _stats_at=float("-inf"), closed=True, _heartbeat=object(), _once=Once(logging.getLogger("kvtier")),
-        sched=types.SimpleNamespace(totals={"blocks_looked_up": 3}, count=lambda k, v=1: counted.append(k),
-                                    nvme_tiers=lambda: []),
-        _server_state=lambda totals, final: (_ for _ in ()).throw(AttributeError("no attribute 'num_used'")))
+    sched = types.SimpleNamespace(totals={"blocks_looked_up": 3}, count=lambda k, v=1: counted.append(k),
+                                  nvme_tiers=lambda: [])
+    me = SchedulerStats(sched, None, None, 16, {})
+    me.close()   # no heartbeat thread
+    monkeypatch.setattr(SchedulerStats, "_server_state",
+                        lambda self, totals, final: (_ for _ in ()).throw(AttributeError("no attribute 'num_used'")))
     with caplog.at_level(logging.WARNING, logger="kvtier"):
-        StatsHooks._publish_stats(me, force=True)
-        StatsHooks._publish_stats(me, force=True)
+        me.publish(force=True)
+        me.publish(force=True)
     assert counted == ["state_write_errors", "state_write_errors"]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == \
         ["kvtier: the server's state for kvtier inspect not written: no attribute 'num_used'"]

@@ -14,10 +14,8 @@ import sys
 import pytest
 import torch
 
-from kvtier.connector.guard import SafeAnswers
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
 from kvtier.connector.worker import KVTierWorker
-from kvtier.tiers.once import Once
 from kvtier.tiers import io_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -69,19 +67,12 @@ C = pytest.importorskip("kvtier.connector.connector")
 NB = 12
 
 
-class Hooks(SafeAnswers):
+class Hooks(C.KVTierConnector):
     """The worker-side hooks of `KVTierConnector` exactly as vLLM calls them (the same functions,
     guard included) around one `KVTierWorker`, without a vLLM config."""
 
-    start_load_kv = C.KVTierConnector.start_load_kv
-    wait_for_layer_load = C.KVTierConnector.wait_for_layer_load
-    wait_for_save = C.KVTierConnector.wait_for_save
-    get_block_ids_with_load_errors = C.KVTierConnector.get_block_ids_with_load_errors
-    build_connector_worker_meta = C.KVTierConnector.build_connector_worker_meta
-
     def __init__(self, worker: KVTierWorker) -> None:
         self.worker, self.sched, self.hybrid = worker, None, False
-        self._once = Once(logging.getLogger("kvtier.test"))
 
     def step(self, meta: KVTierMetadata, layers: list[str], v1: bool = False) -> tuple[set, object]:
         """One step: bind, load, the forward's layer waits, then the V2 order (save, errors,

@@ -102,20 +102,21 @@ def test_key_env_takes_64_hex_digits_only(tmp_path, capsys, monkeypatch, value):
 def test_a_bad_key_refuses_vllms_start_in_one_line(tmp_path, monkeypatch):
     """The class methods vLLM calls before it builds the connector read the keys: a 128-bit hex key
     refuses the start with the one line (`connector/start_check.py`), never the key."""
-    from kvtier.connector.start_check import StartChecks, StartRefused
+    from kvtier.connector.connector import KVTierConnector
+    from kvtier.connector.start_check import StartRefused
     p = _key_file(tmp_path, "k", KEY.hex()[:32].encode() + b"\n")
     cfg = _nvme_cfg(tmp_path, f"{{key_file: {p}}}")
     with pytest.raises(StartRefused) as e:
-        StartChecks.requires_piecewise_for_cudagraph({"config": cfg})
+        KVTierConnector.requires_piecewise_for_cudagraph({"config": cfg})
     line = e.value.code
     assert line.startswith(f"kvtier: error: {cfg}: tiers[nvme].encryption.key_file {p}: not a 256-bit key")
     assert "\n" not in line and KEY.hex()[:32] not in line
     monkeypatch.setenv("KVTIER_TEST_KEY", "a passphrase, not a key")
     with pytest.raises(StartRefused, match=r"encryption.key_env \$KVTIER_TEST_KEY: not a 256-bit key"):
-        StartChecks.requires_piecewise_for_cudagraph({"config": _nvme_cfg(tmp_path, "{key_env: KVTIER_TEST_KEY}",
-                                                                          "env.yaml")})
+        KVTierConnector.requires_piecewise_for_cudagraph({"config": _nvme_cfg(tmp_path, "{key_env: KVTIER_TEST_KEY}",
+                                                                              "env.yaml")})
     _key_file(tmp_path, "k", KEY)
-    assert StartChecks.requires_piecewise_for_cudagraph({"config": cfg}) is True
+    assert KVTierConnector.requires_piecewise_for_cudagraph({"config": cfg}) is True
 
 
 # ---- passwords ----------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def _api(version: str) -> dict[str, dict[str, S.Method]]:
 
 
 def _ours() -> dict[str, S.Method]:
-    """The methods kvtier's classes define on KVTierConnector (its own, its mixins')."""
+    """The methods kvtier's classes define on KVTierConnector."""
     from kvtier.connector.connector import KVTierConnector
     out: dict[str, S.Method] = {}
     for cls in reversed(KVTierConnector.__mro__):
@@ -54,6 +54,13 @@ def _ours() -> dict[str, S.Method]:
             params = tuple((p.name, KINDS[p.kind]) for p in inspect.signature(fn).parameters.values())
             out[name] = S.Method(name, params, kind, False)
     return out
+
+
+def test_the_connector_is_one_class_over_vllms():
+    """One plain shell (issue 34): every hook and class method vLLM calls is defined on
+    `KVTierConnector` itself; what they do lives in the sides and modules they forward to."""
+    from kvtier.connector.connector import KVTierConnector
+    assert [c for c in KVTierConnector.__mro__ if c.__module__.startswith("kvtier.")] == [KVTierConnector]
 
 
 @pytest.mark.parametrize("version", VERSIONS)

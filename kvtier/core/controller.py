@@ -545,7 +545,7 @@ class TierController:
         until a fresh copy is written (`kvtier.core.failed_loads`)."""
         for t, blocks in rep.unread.items():
             tier = self.tiers[t]
-            keys = list(blocks) if t == self.remote else [k for s in blocks if (k := tier.key_at(s)) is not None]
+            keys = list(blocks) if tier.remote else [k for s in blocks if (k := tier.key_at(s)) is not None]
             new, forgotten = self.failed.add(keys)
             if new:
                 self.count(Metric.FAILED_LOAD_BLOCKS.at(tier.name), new)
