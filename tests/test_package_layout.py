@@ -208,7 +208,8 @@ FAMILY_BASES = {("kvtier.core.config", "_Model"),      # pydantic settings every
                 ("kvtier.core.config", "KeySource"),   # an encryption config is a key source (its fields)
                 ("kvtier.core.plan", "Report"),        # a worker's report is a Report vLLM carries
                 ("kvtier.core.handlers", "ReadLoad"),  # a lower tier's load: FileLoad, SharedLoad fill its hooks
-                ("kvtier.core.handlers", "BehindCopy")}  # a copy written behind: FileCopy, SharedCopy
+                ("kvtier.core.handlers", "BehindCopy"),  # a copy written behind: FileCopy, SharedCopy
+                ("kvtier.connector.guard", "Guard")}     # a hook's failure counted and logged; each side's guard adds its safe answers
 
 
 def _kvtier_classes() -> dict[tuple[str, str], ast.ClassDef]:
