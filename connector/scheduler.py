@@ -480,7 +480,8 @@ class KVTierScheduler:
         self.model_identity = model_identity
 
     def nvme_tiers(self) -> list[SlotTier]:
-        return [t for t in self.tiers if t.medium is Medium.FILE]
+        """The open NVMe tiers (a tier closed until the model's identity is known has no directory)."""
+        return [t for t in self.tiers if t.medium is Medium.FILE and t.ready]
 
     def drain_within(self, seconds: float) -> None:
         """SIGTERM: lazy offload writes behind for at most `seconds` more (called from a signal handler)."""
