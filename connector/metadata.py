@@ -41,7 +41,7 @@ class KVTierMetadata(KVConnectorMetadata):
     nvme_tier: int | None = None         # index of the NVMe tier, whose data file the worker opens ...
     nvme_dir: str | None = None          # ... there
     nvme_capacity: int = 0
-    remote_tier: int | None = None       # index of the shared tier (its ops name blocks by key)
+    shared_tier: int | None = None       # index of the shared tier (its ops name blocks by key)
     async_loads: list[str] = field(default_factory=list)  # requests vLLM loads asynchronously
     idle: bool = False                   # nothing scheduled but asynchronous loads: the worker may wait
     tier_names: list[str] | None = None

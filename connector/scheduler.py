@@ -92,7 +92,7 @@ class KVTierScheduler:
         self.nvme_dir: str | None = self.tiers[self.nvme].dir if self.nvme is not None else None
         self.lazy: LazyOffload | None = None   # offload "lazy" once bound to the GPU pool
         self._reqs: dict[str, _Req] = {}
-        self.async_shared_loads = options.async_shared_loads and self.ctrl.remote is not None
+        self.async_shared_loads = options.async_shared_loads and self.ctrl.shared is not None
         self.recorder = recorder
         self._boundaries: dict = {}
         self._async_step: list[str] = []       # requests whose asynchronous load this step plans
@@ -179,7 +179,7 @@ class KVTierScheduler:
                 return 0, [], False
             gid = self.rules.groups[0].gid
             return (lease.num_blocks * self.block_tokens, [(gid, start + j) for j in range(lease.num_blocks)],
-                    any(t == self.ctrl.remote for t, _ in lease.blocks))
+                    any(t == self.ctrl.shared for t, _ in lease.blocks))
         q = r.request
         n, plan, keys = self.rules.lookup(q.block_hashes, local, q.num_tokens, lambda k: self.ctrl.find(k) is not None)
         if not n:
@@ -296,7 +296,7 @@ class KVTierScheduler:
                        type(e).__name__, e, exc_info=e)
         plan = self.ctrl.take_plan()
         meta = KVTierMetadata(loads=plan.loads, stores=plan.stores, copies=plan.copies,
-                              remote_tier=self.ctrl.remote, tier_names=self.ctrl.names,
+                              shared_tier=self.ctrl.shared, tier_names=self.ctrl.names,
                               async_loads=self._async_step, failed_loads=self._failed_loads,
                               idle=not scheduled and bool(self._async_inflight),
                               model_identity=self.model_identity)
@@ -339,7 +339,7 @@ class KVTierScheduler:
         rep = KVTierWorkerMeta.of_plan(plan, ok=False, ranks=self.ctrl.ranks)  # every rank's, each failed
         waiting, self._failed_loads, self._async_step = self._async_step, {}, []
         self.on_worker_meta(rep)
-        meta = KVTierMetadata(failed_loads=failed, async_loads=waiting, remote_tier=self.ctrl.remote,
+        meta = KVTierMetadata(failed_loads=failed, async_loads=waiting, shared_tier=self.ctrl.shared,
                               tier_names=self.ctrl.names)
         self._name_nvme(meta)
         meta.sending = self.holds.take_announce()

@@ -31,7 +31,7 @@ from .kv_layout import layout_name
 from .parallel import shards, store_rank, world_size
 from .persistent import PersistentTiers
 from .scheduler import KVTierScheduler, SchedulerOptions
-from .startup import flush_budget_s, remote_opener, warn_per_process_hashes
+from .startup import flush_budget_s, shared_opener, warn_per_process_hashes
 from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
 
 log = logging.getLogger("kvtier.connector")
@@ -182,4 +182,4 @@ def worker_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape
     return KVTierWorker(cfg, rank=rank, ranks=world_size(vllm_config), store_rank=srank,
                         expected_block_bytes=shape.block_bytes or None,
                         num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                        remote_fn=remote_opener(shared, fp, srank) if shared else None, remote_needs_identity=True)
+                        shared_fn=shared_opener(shared, fp, srank) if shared else None, shared_needs_identity=True)

@@ -122,8 +122,8 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
         line += f"nvme {nv.path}, io {_io_choice(nv, gpu, warnings)}"
     else:
         line += "no nvme tier"
-    if w.remote is not None:
-        line += f"; shared tier {w.remote.description}, keys of rank {w.remote.ns.rank}"
+    if w.shared is not None:
+        line += f"; shared tier {w.shared.description}, keys of rank {w.shared.ns.rank}"
     return line, warnings
 
 
@@ -148,7 +148,7 @@ def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
     return f"kvikio (unusable: {why})"
 
 
-def remote_opener(t: Any, fingerprint: dict, rank: int):
+def shared_opener(t: Any, fingerprint: dict, rank: int):
     """The worker's shared-tier data plane, opened once the block size and the model's identity
     (`model`, from the scheduler's metadata) are known."""
     def open_(block_bytes: int, count, model: str | None = None):

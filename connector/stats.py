@@ -152,7 +152,7 @@ class SchedulerStats:
         its own)."""
         out: dict[str, float] = {}
         for t in self.sched.tiers:
-            if not t.remote:
+            if not t.shared:
                 out[Metric.RESIDENT_BLOCKS.at(t.name)] = int(t.num_used)
                 out[Metric.CAPACITY_BLOCKS.at(t.name)] = int(t.capacity_blocks)
         out[Metric.LEASED_BLOCKS.key] = self.sched.leased_blocks()

@@ -44,14 +44,14 @@ class KVTierWorker:
     IDLE_WAIT_S = 1.0   # a step with nothing but asynchronous loads waits this long for them at most
 
     def __init__(self, cfg: StackConfig, rank: int = 0, ranks: int = 1, store_rank: int | None = None,
-                 expected_block_bytes: int | None = None, num_blocks: int | None = None, remote_fn=None,
-                 remote_needs_identity: bool = False, copy_streams=None) -> None:
+                 expected_block_bytes: int | None = None, num_blocks: int | None = None, shared_fn=None,
+                 shared_needs_identity: bool = False, copy_streams=None) -> None:
         """`cfg`: the stack's settings: its cpu tier sizes the pool (and `pin`s it), its nvme tier's
         `io`, `io_threads` and `direct` open the NVMe data file, `serving.nvme_write_lag_steps`;
         its tier names name the counters until the scheduler's first step does.
-        `remote_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
-        rank, or None without a shared tier; with `remote_needs_identity` it is
-        `remote_fn(block_bytes, count, model)`, opened at the first step whose metadata names the
+        `shared_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
+        rank, or None without a shared tier; with `shared_needs_identity` it is
+        `shared_fn(block_bytes, count, model)`, opened at the first step whose metadata names the
         model's identity (the scheduler sends it once the weights' digest is done). `num_blocks`: vLLM's KV-cache blocks (the tensors may
         hold more kernel blocks, `KVLayout`); `expected_block_bytes`: what the scheduler sized its
         tiers with (a layout that disagrees is refused). `copy_streams`: forces the device copier
@@ -63,8 +63,8 @@ class KVTierWorker:
             raise ValueError("kvtier worker: the config has no cpu tier")
         nvme = tier_of(cfg, "nvme")
         self._tier_names = [t.name for t in cfg.storage_tiers()]
-        self._remote_fn = remote_fn
-        self._remote_needs_identity = remote_needs_identity
+        self._shared_fn = shared_fn
+        self._shared_needs_identity = shared_needs_identity
         self._pin = self._cpu_tier.pin
         self._expected = expected_block_bytes
         self._num_blocks = num_blocks
@@ -81,7 +81,7 @@ class KVTierWorker:
         self.layout: KVLayout | None = None
         self.pools: list[CpuPool] = []
         self.kv: KVCopier | None = None       # the executor's outside: vLLM's KV
-        self.remote = None                    # RedisData: the shared tier's data plane
+        self.shared = None                    # RedisData: the shared tier's data plane
         self.nvme = None                      # NvmeData, opened on the first step that names its dir
         self._nvme_failed_at: float | None = None
         self.ex: Executor | None = None
@@ -137,15 +137,15 @@ class KVTierWorker:
                            count=self.counters.count)
         self.pending = PendingStores(self.ex)   # stores whose device copies are still running
         log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
-        if self._remote_fn is not None and self.remote is None and not self._remote_needs_identity:
-            self._open_remote(self._remote_fn(lay.block_bytes, self.count))
+        if self._shared_fn is not None and self.shared is None and not self._shared_needs_identity:
+            self._open_shared(self._shared_fn(lay.block_bytes, self.count))
 
-    def _open_remote(self, remote) -> None:
-        self.remote = remote
-        why = remote.ping()
+    def _open_shared(self, shared) -> None:
+        self.shared = shared
+        why = shared.ping()
         if why:
             log.warning("kvtier worker: shared tier %s not reachable now (%s): misses until it answers",
-                        self.remote.s.where, why)
+                        self.shared.s.where, why)
 
     def disable(self) -> None:
         """register_kv_caches failed: this worker loads nothing (load errors) and stores nothing."""
@@ -163,13 +163,13 @@ class KVTierWorker:
         ex.begin_step()   # a new step: its stores are tainted only by its own failed loads
         if meta.tier_names:
             ex.bind(tier_names=meta.tier_names)
-        n = max(len(meta.tier_names or ()), 1 + max([i for i in (meta.remote_tier, meta.nvme_tier) if i is not None],
+        n = max(len(meta.tier_names or ()), 1 + max([i for i in (meta.shared_tier, meta.nvme_tier) if i is not None],
                                                      default=0))
         ex.bind(ntiers=n)
-        if meta.remote_tier is not None:
-            if self.remote is None and self._remote_needs_identity and meta.model_identity and self.layout:
-                self._open_remote(self._remote_fn(self.layout.block_bytes, self.count, meta.model_identity))
-            ex.bind(planes={meta.remote_tier: self.remote})
+        if meta.shared_tier is not None:
+            if self.shared is None and self._shared_needs_identity and meta.model_identity and self.layout:
+                self._open_shared(self._shared_fn(self.layout.block_bytes, self.count, meta.model_identity))
+            ex.bind(planes={meta.shared_tier: self.shared})
         if meta.nvme_tier is not None:
             self._open_nvme(meta)
             ex.bind(planes={meta.nvme_tier: self.nvme})
@@ -320,7 +320,7 @@ class KVTierWorker:
         stores, meta.stores = meta.stores, []
         copies, meta.copies = meta.copies, []
         if self.store_rank != self.rank:  # another rank writes the same bytes to the file / shared tier
-            copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.remote_tier)]
+            copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.shared_tier)]
         failed = self.ex.store(stores, tainted, defer=True)
         self.pending.add(self.ex.take_deferred())
         if not self.pending.hold(copies, failed):
@@ -417,10 +417,10 @@ class KVTierWorker:
         ex.close(wait=not (late or late_puts))
         if late or late_puts or copying:  # a write still reads the CPU pool (a copy writes it): leave them
             return final
-        for plane in (self.nvme, self.remote, ex.staging):
+        for plane in (self.nvme, self.shared, ex.staging):
             if plane is not None:
                 plane.close()
-        self.nvme = self.remote = None
+        self.nvme = self.shared = None
         ex.staging = None
         self.kv = None
         for p in self.pools:

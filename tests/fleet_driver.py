@@ -41,8 +41,8 @@ def stats() -> dict:
     for c in C.live_connectors("scheduler"):
         if c.sched is not None:
             out["sched"] = dict(c.sched.totals)
-            if c.sched.ctrl.remote is not None:
-                out["shared"] = c.sched.tiers[c.sched.ctrl.remote].stats()
+            if c.sched.ctrl.shared is not None:
+                out["shared"] = c.sched.tiers[c.sched.ctrl.shared].stats()
     for c in C.live_connectors("worker"):
         if c.worker is not None:
             out["worker"] = dict(c.worker.totals)
@@ -54,8 +54,8 @@ def _settle() -> None:
     lookup is pending and schedules the next, so without this the order would follow the server."""
     import kvtier.connector as C
     for c in C.live_connectors("scheduler"):
-        if c.sched is not None and c.sched.ctrl.remote is not None:
-            for fut, _, _ in list(c.sched.tiers[c.sched.ctrl.remote]._probes.values()):
+        if c.sched is not None and c.sched.ctrl.shared is not None:
+            for fut, _, _ in list(c.sched.tiers[c.sched.ctrl.shared]._probes.values()):
                 fut.result(timeout=60)
 
 
@@ -108,8 +108,8 @@ def generate(llm, prompts: list[list[int]], max_tokens: int, pause_after: int | 
 def drain() -> None:
     import kvtier.connector as C
     for c in C.live_connectors("worker"):
-        if c.worker is not None and c.worker.remote is not None:
-            c.worker.remote.drain()
+        if c.worker is not None and c.worker.shared is not None:
+            c.worker.shared.drain()
 
 
 def main() -> None:

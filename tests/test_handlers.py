@@ -22,7 +22,7 @@ from kvtier.tiers.base import SlotTier
 from kvtier.tiers.contract import Medium
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.nvme import NvmeTier
-from kvtier.tiers.redis import SimRemoteTier
+from kvtier.tiers.redis import SimSharedTier
 
 OUT = Medium.OUTSIDE
 
@@ -44,8 +44,8 @@ def _stacks(tmp_path):
     nvme = lambda: NvmeTier("nvme", str(tmp_path / "n"), 64, 4096, LRU(64), with_data=False)  # noqa: E731
     yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), SlotTier("dram2", 64, 4096, LRU(64))]
     yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), nvme()]
-    yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), nvme(), SimRemoteTier("shared", 0, 4096)]
-    yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), SimRemoteTier("shared", 0, 4096)]
+    yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), nvme(), SimSharedTier("shared", 0, 4096)]
+    yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), SimSharedTier("shared", 0, 4096)]
 
 
 def test_the_table_covers_every_medium_pair_the_plans_produce(tmp_path):

@@ -20,7 +20,7 @@ from kvtier.tiers.contract import DataPlane, Medium, Tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.nvme import NvmeTier
-from kvtier.tiers.redis import RedisTier, SimRemoteTier
+from kvtier.tiers.redis import RedisTier, SimSharedTier
 from kvtier.tiers.redis_conn import RedisSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,12 +89,12 @@ def test_the_contract_lists_exactly_the_calls_the_controller_makes():
     assert {"probe", "touch", "commit_written", "load_fields", "note_gone"} <= used   # the walk sees the calls
 
 
-def test_the_controller_has_no_branch_on_which_tier_is_remote():
-    """One path: no `t == self.remote` / `t != self.remote`; the shared tier answers the slot calls."""
+def test_the_controller_has_no_branch_on_which_tier_is_shared():
+    """One path: no `t == self.shared` / `t != self.shared`; the shared tier answers the slot calls."""
     for path in CONTROLLER:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
-                assert "self.remote" not in ast.unparse(node), f"{path.name}: {ast.unparse(node)}"
+                assert "self.shared" not in ast.unparse(node), f"{path.name}: {ast.unparse(node)}"
 
 
 def test_every_tier_implements_the_whole_contract(tmp_path, redis_server):
@@ -104,7 +104,7 @@ def test_every_tier_implements_the_whole_contract(tmp_path, redis_server):
     redis = RedisTier("shared", RedisSettings.of(cfg.tiers[1]), cfg.fingerprint(), 4096)
     tiers = [SlotTier("s", 4, 64, LRU(4)), CpuTier("cpu", 4, 4096, LRU(4), with_data=False),
              NvmeTier("nvme", str(tmp_path / "n"), 4, 4096, LRU(4), io="posix"),
-             ClosedTier("nvme", Medium.FILE, False, 4096, "not open"), SimRemoteTier("sim", 4, 64), redis]
+             ClosedTier("nvme", Medium.FILE, False, 4096, "not open"), SimSharedTier("sim", 4, 64), redis]
     try:
         members, bad = _protocol_members(Tier), []
         for t in tiers:
@@ -125,7 +125,7 @@ def test_every_tier_implements_the_whole_contract(tmp_path, redis_server):
 
 def test_the_shared_tier_answers_the_slot_calls_as_a_tier_without_slots():
     """What lets the controller run one path: nothing to pin, no slot, never short of room."""
-    t = SimRemoteTier("shared", 8, 64)
+    t = SimSharedTier("shared", 8, 64)
     keys = [block_key(1, i) for i in range(3)]
     assert t.allocate(keys) == [] and t.free_slots(5) == [] and t.evict([1]) == []
     t.touch([-1, -1]), t.free_blocks([-1, -1])
@@ -141,7 +141,7 @@ def test_a_controller_over_a_shared_tier_pins_and_copies_through_one_path():
     """The controller over cpu + a shared tier: a store is written through with no slot, a hit on
     the shared tier is leased without a pin, and the report makes the blocks known."""
     from kvtier.core.plan import Report
-    cpu, shared = SlotTier("cpu", 4, 64, LRU(4)), SimRemoteTier("shared", 0, 64)
+    cpu, shared = SlotTier("cpu", 4, 64, LRU(4)), SimSharedTier("shared", 0, 64)
     c = TierController([cpu, shared])
     keys = [block_key(3, i) for i in range(3)]
     want, op_id, _ = c.store(keys, [0, 1, 2])

@@ -72,7 +72,7 @@ class SlotTier:
     kind = "slots"
     # what the tier declares (the controller and the drivers read these, never probe for methods)
     medium = Medium.HOST   # what holds its bytes (the data plane's medium)
-    remote = False         # a shared tier whose server owns membership and eviction (tiers.redis)
+    shared = False         # the shared tier: its server owns membership and eviction (tiers.redis)
     verifies = False       # a load carries each block's expected checksum (checksums(slots))
     data_plane = None      # the object that holds the bytes in this process, or None
     ready = True           # open: serves and takes blocks (tiers.closed.ClosedTier: not yet)

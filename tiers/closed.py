@@ -16,18 +16,18 @@ from .contract import Medium
 
 
 class ClosedTier(SlotTier):
-    """The place of tier `name` (of `medium`; `remote` for the shared tier) while it is closed."""
+    """The place of tier `name` (of `medium`; `shared` for the shared tier) while it is closed."""
 
     kind = "closed"
     ready = False
     dir = None
     capacity_blocks = 0
 
-    def __init__(self, name: str, medium: Medium, remote: bool, block_bytes: int, why: str) -> None:
+    def __init__(self, name: str, medium: Medium, shared: bool, block_bytes: int, why: str) -> None:
         super().__init__(name, 1, block_bytes, LRU(1))
         self._free = []               # no slot to allocate
         self.medium = medium
-        self.remote = remote
+        self.shared = shared
         self.why = why
 
     def probe(self, keys, wait: bool = True) -> int:

@@ -2,12 +2,12 @@
 
 `Tier` lists exactly the calls `kvtier.core.controller.TierController` makes; every tier
 implements all of it: the slot tiers (`base.SlotTier`: CPU, NVMe, a closed tier) and the shared
-tier (`redis.RedisTier`, `redis.SimRemoteTier`). A tier declares what it is (`remote`, `ready`)
-and answers the rest through its own methods, so the controller runs one path. `remote`
-declares server-owned membership: the server names blocks by key, holds no slot here, evicts on
-its own and is asked by `probe`; its answers to the slot calls follow from that (nothing to
-pin: `touch` / `free_blocks` do nothing; `allocate` gives no slot; room is never short; `find`
-finds no slot).
+tier (`redis.RedisTier`, `redis.SimSharedTier`). A tier declares what it is (`shared`, `ready`)
+and answers the rest through its own methods, so the controller runs one path. `shared`
+declares the shared tier (the fleet's Redis/Valkey tier), whose membership is the server's: the
+server names blocks by key, holds no slot here, evicts on its own and is asked by `probe`; its
+answers to the slot calls follow from that (nothing to pin: `touch` / `free_blocks` do nothing;
+`allocate` gives no slot; room is never short; `find` finds no slot).
 
 `DataPlane` is the bytes side, one per tier in the process that moves them (`cpu_pool.CpuPool`,
 `nvme_data.NvmeData`, `redis_data.RedisData`): `read` / `write` blocks named by slots and keys
@@ -53,7 +53,7 @@ class Tier(Protocol):
 
     # ---- what it declares (tiers also declare `medium` and `verifies`, which drivers read)
     name: str
-    remote: bool          # server-owned membership (see the module docstring)
+    shared: bool          # the shared tier: server-owned membership (see the module docstring)
     ready: bool           # open: serves and takes blocks (`closed.ClosedTier`: not yet)
     eviction: Any         # its eviction policy (None: the server's)
 

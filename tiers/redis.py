@@ -12,7 +12,7 @@ eviction (`maxmemory` + `allkeys-lru`), and other instances write to it too. So:
   unchanged) are remembered, in a bounded set, as misses: the next lookup stops before them,
   so a bad value is read once, not again and again. Writing the block again clears the mark.
 The bytes move through `redis_data.RedisData` (offline: this object's `data_plane`; in vLLM
-each worker opens its own). `SimRemoteTier` is the metadata-only model replay runs: an LRU of
+each worker opens its own). `SimSharedTier` is the metadata-only model replay runs: an LRU of
 `capacity_blocks` (unbounded when 0), as a server with `allkeys-lru` behaves.
 """
 
@@ -84,14 +84,14 @@ class _Known:
             self._d.pop(k, None)
 
 
-class _RemoteBase:
-    """A shared tier, as the controller sees it (`contract.Tier`, `remote`): the server owns
+class _SharedBase:
+    """A shared tier, as the controller sees it (`contract.Tier`, `shared`): the server owns
     membership and eviction, so the slot calls answer accordingly: no slot, nothing to pin,
     never short of room (the server evicts), a bad value noted by key (`note_bad`)."""
 
     kind = "redis"
     medium = Medium.SHARED
-    remote = True
+    shared = True
     verifies = False
     eviction_name = "server"
     eviction = None
@@ -197,7 +197,7 @@ class _RemoteBase:
         return self.num_resident
 
 
-class RedisTier(_RemoteBase):
+class RedisTier(_SharedBase):
     def __init__(self, name: str, settings: RedisSettings, fingerprint: dict, block_bytes: int,
                  ranks: int = 1, capacity_blocks: int = 0, data: bool = True, threads: int = 4,
                  count: Callable[[str, float], None] | None = None, sealer=None) -> None:
@@ -331,7 +331,7 @@ class RedisTier(_RemoteBase):
         self.conn.close()
 
 
-class SimRemoteTier(_RemoteBase):
+class SimSharedTier(_SharedBase):
     """Metadata-only shared tier (replay): the server modelled as an LRU of `capacity_blocks`."""
 
     def __init__(self, name: str, capacity_blocks: int = 0, block_bytes: int = 0) -> None:

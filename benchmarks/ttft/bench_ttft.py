@@ -461,8 +461,8 @@ def shared_stats(E: Engines, a) -> dict[str, dict]:
         if k.endswith(".shared") and k.split(".")[0] in ("missing_blocks", "corrupt_blocks", "gone_blocks",
                                                          "unreachable", "load_failed_blocks"):
             d[k] = v
-    if w.remote is not None:
-        d["shared"] = w.remote.description
+    if w.shared is not None:
+        d["shared"] = w.shared.description
     return {"kvtier-shared": d}
 
 

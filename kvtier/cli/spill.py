@@ -187,4 +187,4 @@ def _advance(durable: int, hi: int, nvme: Any, seed: int) -> int:
 
 
 def _shared(tiers) -> Any:
-    return next((t for t in tiers if t.remote), None)
+    return next((t for t in tiers if t.shared), None)

@@ -74,8 +74,8 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
     sealer = tier_sealer(cfg, t) if data != "none" else None
     if t.kind == "redis":
         if data == "none":
-            from kvtier.tiers.redis import SimRemoteTier
-            return SimRemoteTier(t.name, cap, cfg.block_bytes)
+            from kvtier.tiers.redis import SimSharedTier
+            return SimSharedTier(t.name, cap, cfg.block_bytes)
         from kvtier.tiers.redis import RedisTier
         from kvtier.tiers.redis_conn import RedisSettings
         return RedisTier(t.name, RedisSettings.of(t), fp, cfg.block_bytes, ranks=ranks, capacity_blocks=cap,

@@ -8,10 +8,10 @@ leases (`acquire` pins, `load` commits the accepted prefix and plans its loads, 
 promotion (a lower-tier hit read through fresh slots of the tier the policy names), store (top
 tier, its admission permitting; write-through copies to the next tier at once), eviction and
 write-back (victims from the tier's cursor; a dirty victim is copied down first, the cursor's head
-cleaned ahead in batches). A shared tier (`remote`) is the lowest: the server owns membership and
-eviction, lookups ask it for what the local tiers miss, its blocks are never leased (a hit may be
-gone at load: a handled miss), and it is written through from the top tier. docs/architecture.md
-follows one request through it.
+cleaned ahead in batches). The shared tier (a tier declaring `shared`; its index is `self.shared`)
+is the lowest: the server owns membership and eviction, lookups ask it for what the local tiers
+miss, its blocks are never leased (a hit may be gone at load: a handled miss), and it is written
+through from the top tier. docs/architecture.md follows one request through it.
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ class TierController:
         self.counters = Counters()   # every count of the control plane (and of the tiers, tenants)
         self.tiers: list[Tier] = list(tiers)
         self.names = [t.name for t in self.tiers]
-        remote = [i for i, t in enumerate(self.tiers) if t.remote]
-        if remote and remote != [len(self.tiers) - 1] or remote == [0]:
+        shared = [i for i, t in enumerate(self.tiers) if t.shared]
+        if shared and shared != [len(self.tiers) - 1] or shared == [0]:
             raise ValueError(f"a shared tier must be the lowest of several tiers: {self.names}")
-        self.remote: int | None = remote[0] if remote else None
-        self.nlocal = len(self.tiers) - len(remote)   # slot tiers, top first
+        self.shared: int | None = shared[0] if shared else None   # the shared tier's index, if any
+        self.nlocal = len(self.tiers) - len(shared)   # slot tiers, top first
         self.block_tokens = block_tokens
         adm = list(admission or [])
         self.admission: list[AdmissionPolicy | None] = [
@@ -86,7 +86,7 @@ class TierController:
             self._settle(t, built=True)
         self._clean = [0] * len(self.tiers)  # victims ahead known clean (write-back), approximately
         # tiers every store is copied to from the top tier: the next (write-through) and the shared tier
-        self._through = ([1] if demotion == "write_through" and self.nlocal > 1 else []) + remote
+        self._through = ([1] if demotion == "write_through" and self.nlocal > 1 else []) + shared
 
     # ---- counters ------------------------------------------------------------------------
     def count(self, key: str, v: float = 1) -> None:
@@ -115,11 +115,11 @@ class TierController:
         prefix ends at a block whose load failed (`failed`) until it is rewritten."""
         local = list(zip(*match_prefix(self._index, keys)))
         blocks = local[:self.failed.clean(keys, len(local))]
-        if self.remote is not None and len(blocks) == len(local) < len(keys):
-            n = self.tiers[self.remote].probe(keys[len(blocks):], wait)
+        if self.shared is not None and len(blocks) == len(local) < len(keys):
+            n = self.tiers[self.shared].probe(keys[len(blocks):], wait)
             if n is None:
                 return PENDING
-            blocks.extend([(self.remote, -1)] * self.failed.clean(keys[len(blocks):], n))
+            blocks.extend([(self.shared, -1)] * self.failed.clean(keys[len(blocks):], n))
         return blocks
 
     def find(self, key: bytes) -> tuple[int, int] | None:
@@ -242,7 +242,7 @@ class TierController:
         if tgt is None or tgt >= op.tier:
             return
         src = self.tiers[op.tier]   # the server's blocks have no owner here: the requester is charged
-        who = info.tenant if src.remote or self.tenants is None else self.tenants.owners(src, op.slots)
+        who = info.tenant if src.shared or self.tenants is None else self.tenants.owners(src, op.slots)
         if any(self.holds(k, tgt) for k in keys) or self._room(tgt, len(keys), who) < len(keys):
             return
         slots = self.tiers[tgt].allocate(keys, info)
@@ -475,7 +475,7 @@ class TierController:
         """Put `tier` in place of the closed tier at index `t` (`tiers.closed.ClosedTier`: a
         persistent tier opened once the model's identity is known)."""
         old = self.tiers[t]
-        if old.ready or tier.remote != old.remote:
+        if old.ready or tier.shared != old.shared:
             raise ValueError(f"tier {t} ({old.name}) is not a closed tier of that kind")
         self.tiers[t] = tier
         self.names[t] = tier.name
@@ -524,12 +524,12 @@ class TierController:
             self.count(Metric.CORRUPT_BLOCKS.at(tier.name), len(slots))
         for op_id, by_rank in sorted(rep.written_by_rank().items()):
             self._complete_copy(op_id, by_rank)
-        if rep.gone and self.remote is not None:  # found by lookup, gone (or bad) at load: a miss
-            self.tiers[self.remote].note_gone(rep.gone)
-            self.count(Metric.GONE_BLOCKS.at(self.names[self.remote]), len(rep.gone))
-        if rep.bad and self.remote is not None:  # failed verification: remembered, the next lookup misses
-            self.tiers[self.remote].note_bad(rep.bad)
-            self.count(Metric.BAD_BLOCKS.at(self.names[self.remote]), len(rep.bad))
+        if rep.gone and self.shared is not None:  # found by lookup, gone (or bad) at load: a miss
+            self.tiers[self.shared].note_gone(rep.gone)
+            self.count(Metric.GONE_BLOCKS.at(self.names[self.shared]), len(rep.gone))
+        if rep.bad and self.shared is not None:  # failed verification: remembered, the next lookup misses
+            self.tiers[self.shared].note_bad(rep.bad)
+            self.count(Metric.BAD_BLOCKS.at(self.names[self.shared]), len(rep.bad))
         for rid, ok in rep.loaded.items():
             self.release(rid)
             if not ok:
@@ -545,7 +545,7 @@ class TierController:
         until a fresh copy is written (`kvtier.core.failed_loads`)."""
         for t, blocks in rep.unread.items():
             tier = self.tiers[t]
-            keys = list(blocks) if tier.remote else [k for s in blocks if (k := tier.key_at(s)) is not None]
+            keys = list(blocks) if tier.shared else [k for s in blocks if (k := tier.key_at(s)) is not None]
             new, forgotten = self.failed.add(keys)
             if new:
                 self.count(Metric.FAILED_LOAD_BLOCKS.at(tier.name), new)
@@ -568,7 +568,7 @@ class TierController:
         self.inflight.take_copy(op_id)
         tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
         sums = rank_sums(by_rank, len(cp.src), self.ranks)
-        if tier.remote:  # the server names the blocks: known now, nothing to commit
+        if tier.shared:  # the server names the blocks: known now, nothing to commit
             self._complete_put(cp, sums)
             return
         good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]

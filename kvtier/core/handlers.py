@@ -206,7 +206,7 @@ class SharedLoad(ReadLoad):
             bufs = [host[r] for r in rows]
             h = plane.read(op.slots, bufs, op.keys)
         except Exception as e:  # noqa: BLE001 - a miss, reported with the load
-            self.once(("remote_read",) + cause(e), logging.WARNING,
+            self.once(("shared_read",) + cause(e), logging.WARNING,
                       "kvtier: shared-tier read of %d blocks for %s failed: %s", n, op.req_id, e)
             host, rows, bufs = None, [], []
             h = DoneHandle(IOResult(ok=[False] * n, errors=[str(e)]))

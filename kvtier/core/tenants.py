@@ -221,7 +221,7 @@ class Tenants:
         resident (a persistent tier's restored index) are charged to `other`. Sizes that do not
         fit: a ConfigError (`strict`: the configured capacity), else (the tier shrank at run time)
         scaled down, warned once and counted."""
-        if tier.remote or not tier.ready:
+        if tier.shared or not tier.ready:
             return   # a closed persistent tier is attached when it opens (TierController.open_tier)
         cap = tier.capacity_blocks
         q = self._quotas(tier.name, cap, strict)
