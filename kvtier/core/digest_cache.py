@@ -120,14 +120,23 @@ class DigestCache:
         return None
 
 
+def open_model_file(path: str) -> tuple[int, os.stat_result]:
+    """(fd, its stat) of a model file: links followed, as vLLM does (hub snapshots are links),
+    opened non-blocking so a FIFO planted in the model directory cannot stall the start; anything
+    but a regular file is OSError EINVAL naming it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd, st
+
+
 def file_digest(path: str, cache: DigestCache, on_bytes: Callable[[int], None]) -> tuple[str, int, bool]:
     """(xxh3-128 hex of the whole file at `path`, its size, whether it came from the cache: its
     stat still matches). `on_bytes(n)` is told every chunk read. Raises OSError naming the file."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)   # a FIFO never blocks the start
+    fd, st = open_model_file(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
         hit = cache.lookup(path, st)
         if hit is not None:
             return hit, st.st_size, True

@@ -20,17 +20,15 @@ So does anything kvtier cannot digest: a load format that does not read the mode
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import stat
 import threading
 import time
 from dataclasses import dataclass
 
 import xxhash
 
-from .digest_cache import DigestCache, file_digest
+from .digest_cache import DigestCache, file_digest, open_model_file
 
 log = logging.getLogger("kvtier")
 
@@ -169,16 +167,10 @@ def weights_digest(path: str, data_dir: str | None = None, stats: DigestStats | 
 
 
 def _read_regular(path: str) -> bytes:
-    """A model file's bytes (links followed, as vLLM does: hub snapshots are links), opened
-    non-blocking so a FIFO planted in the model directory cannot stall the start."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read()
-    finally:
-        os.close(fd)
+    """A model file's bytes (`digest_cache.open_model_file`: a FIFO never blocks)."""
+    fd, _ = open_model_file(path)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 class ModelIdentity:
