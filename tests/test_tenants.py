@@ -137,6 +137,27 @@ TIERS2 = [{"name": "dram", "kind": "cpu", "capacity_blocks": 12}, {"name": "dram
 QUOTAS = {"a": {"dram": "50%", "dram2": "30%"}, "b": {"dram": "25%", "dram2": "40%"}, "c": {"dram2": "10%"}}
 
 
+def _store_or_hit(s, ks, mine: dict, who: str, op: str, n: int) -> list[dict]:
+    """Tenant `who` stores n new blocks ("put", or a hit with nothing stored yet) or hits one of
+    its earlier prefixes; returns what each tenant then holds per tier."""
+    if op == "put" or not mine[who]:
+        keys = ks.new(who, n)
+        mine[who].append(keys)
+        put(s, keys, who)
+    else:
+        keys = mine[who][n % len(mine[who])]
+        s.get(keys, info=RequestInfo(keys=keys, tenant=who))
+    return held(s, ks)
+
+
+def _others_keep_their_share(now: list[dict], before: list[dict], quota: list[dict], who: str) -> None:
+    """Every tenant but `who` holds, in each tier, at least min(its quota, what it held before)."""
+    for t in range(2):
+        for x in "abc":
+            if x != who:
+                assert now[t].get(x, 0) >= min(quota[t][x], before[t].get(x, 0)), (t, x, who, now, before)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(st.tuples(st.sampled_from("abc"), st.sampled_from(["put", "hit"]), st.integers(1, 14)),
                     min_size=1, max_size=40),
@@ -150,18 +171,8 @@ def test_no_tenant_is_pushed_below_its_guaranteed_share(ops, policy, demotion):
     mine = {"a": [], "b": [], "c": []}
     before = held(s, ks)
     for who, op, n in ops:
-        if op == "put" or not mine[who]:
-            keys = ks.new(who, n)
-            mine[who].append(keys)
-            put(s, keys, who)
-        else:
-            keys = mine[who][n % len(mine[who])]
-            s.get(keys, info=RequestInfo(keys=keys, tenant=who))
-        now = held(s, ks)
-        for t in range(2):
-            for x in "abc":
-                if x != who:
-                    assert now[t].get(x, 0) >= min(quota[t][x], before[t].get(x, 0)), (t, x, who, now, before)
+        now = _store_or_hit(s, ks, mine, who, op, n)
+        _others_keep_their_share(now, before, quota, who)
         before = now
         assert s.ctrl.pinned_blocks() == 0
     for t, tier in enumerate(s.tiers):   # the controller's accounts agree with the tier's contents
@@ -192,18 +203,8 @@ def test_the_guaranteed_share_holds_across_resizes(ops, policy, demotion):
             before = held(s, ks)
             continue
         quota = [{x: int(f * t.capacity_blocks) for x, f in sh.items()} for sh, t in zip(SHARES, s.tiers)]
-        if op == "put" or not mine[who]:
-            keys = ks.new(who, n)
-            mine[who].append(keys)
-            put(s, keys, who)
-        else:
-            keys = mine[who][n % len(mine[who])]
-            s.get(keys, info=RequestInfo(keys=keys, tenant=who))
-        now = held(s, ks)
-        for t in range(2):
-            for x in "abc":
-                if x != who:
-                    assert now[t].get(x, 0) >= min(quota[t][x], before[t].get(x, 0)), (t, x, who, now, before)
+        now = _store_or_hit(s, ks, mine, who, op, n)
+        _others_keep_their_share(now, before, quota, who)
         if op == "put":
             assert now[0].get(who, 0) >= min(quota[0][who], before[0].get(who, 0) + n), (who, n, now, before)
         before = now
