@@ -53,7 +53,7 @@ def build(tier: str, n: int, tmp: str) -> KVTierScheduler:
     cpu = SlotTier("cpu", cap, BB, EVICTION.get("lru")(cap))
     tiers = [cpu]
     if tier in ("nvme", "both"):
-        from kvtier.connector.nvme import NvmeControl
+        from kvtier.tiers.nvme_control import NvmeControl
         nv = NvmeControl("nvme", os.path.join(tmp, "nvme"), cap, BB, EVICTION.get("lru")(cap), {"model": "bench"})
         if nv.num_resident < n:
             slots = nv.allocate(ks)

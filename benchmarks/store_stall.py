@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from kvtier.connector.nvme import NvmeControl
+from kvtier.tiers.nvme_control import NvmeControl
 from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.core.controller import TierController
 from kvtier.policies import PROMOTION

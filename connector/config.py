@@ -28,12 +28,13 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "store": (None, "serving.store"), "lease_timeout_s": (None, "serving.lease_timeout_s"),
     "max_blocks_per_step": (None, "serving.max_blocks_per_step"),
     "nvme_write_lag_steps": (None, "serving.nvme_write_lag_steps"),
-    "redis_url": ("redis", "url"), "redis_cluster": ("redis", "cluster"), "redis_admission": ("redis", "admission"),
-    "redis_timeout_s": ("redis", "timeout_s"), "async_shared_loads": (None, "serving.async_shared_loads"),
+    "shared_url": ("shared", "url"), "shared_cluster": ("shared", "cluster"),
+    "shared_admission": ("shared", "admission"), "shared_timeout_s": ("shared", "timeout_s"), "async_shared_loads": (None, "serving.async_shared_loads"),
     "record_trace": (None, "serving.record_trace"), "record_max_bytes": (None, "serving.record_max_bytes"),
     "model_identity": (None, "serving.model_identity"), "data_dir": (None, "serving.data_dir"),
 }
-_KNOWN = {"config", "promote"} | set(_OVERRIDES)
+_OLD_NAMES = {f"redis_{k}": f"shared_{k}" for k in ("url", "cluster", "admission", "timeout_s")}  # still read
+_KNOWN = {"config", "promote"} | set(_OVERRIDES) | set(_OLD_NAMES)
 
 
 def load_settings(extra: dict[str, Any] | None) -> StackConfig:
@@ -60,7 +61,7 @@ def load_settings(extra: dict[str, Any] | None) -> StackConfig:
     for key, value in extra.items():
         if key in ("config", "promote"):
             continue
-        kind, path = _OVERRIDES[key]
+        kind, path = _OVERRIDES[_OLD_NAMES.get(key, key)]
         if key == "store" and isinstance(value, str):  # "eager" / "off" (older spelling)
             value = value != "off"
         target = data if kind is None else _tier(data, kind)
@@ -76,7 +77,7 @@ def load_settings(extra: dict[str, Any] | None) -> StackConfig:
     kinds = [t.kind for t in cfg.storage_tiers()]
     if kinds[:1] != ["cpu"] or any(kinds.count(k) > 1 for k in ("cpu", "nvme")):
         raise ConfigError(f"{source}: tiers: the vLLM connector runs one cpu tier, optionally one nvme "
-                          f"tier and one redis tier below it (its workers copy GPU blocks through the cpu "
+                          f"tier and one shared tier below it (its workers copy GPU blocks through the cpu "
                           f"tier); got "
                           f"{', '.join(kinds) or 'no storage tier'}")
     return cfg
@@ -87,7 +88,7 @@ def _tier(data: dict, kind: str) -> dict:
     for t in data["tiers"]:
         if t["kind"] == kind:
             return t
-    t = {"name": "shared", "kind": kind} if kind == "redis" else {
+    t = {"name": "shared", "kind": kind} if kind == "shared" else {
         "name": kind, "kind": kind, "capacity_blocks": DEFAULT_NVME_BLOCKS if kind == "nvme" else DEFAULT_CPU_BLOCKS}
     data["tiers"].append(t)
     return t

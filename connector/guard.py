@@ -7,7 +7,7 @@ has a safe answer: a lookup finds nothing, a load that cannot run is reported as
 
 `hook` wraps each of the connector's hooks; what it does on a failure is the side's: the
 scheduler and each worker own a guard (`SchedulerGuard`, `WorkerGuard`) that counts the failure,
-logs it once per hook and cause (`kvtier.tiers.once.Once`: a full disk fails every step) and
+logs it once per hook and cause (`kvtier.common.once.Once`: a full disk fails every step) and
 gives the safe answer, from that side's own state.
 """
 
@@ -17,9 +17,9 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from kvtier.tiers.once import Once, cause
+from kvtier.common.once import Once, cause
 from kvtier.tiers.redact import redact
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 from .metadata import KVTierWorkerMeta, block_ids_of
 

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import Any, Iterable
 
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 log = logging.getLogger("kvtier.connector")
 

@@ -12,7 +12,7 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 from kvtier.core.controller import TierController
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 from .drain import DrainBudget
 

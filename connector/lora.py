@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from kvtier.tiers.counters import Metric
-from kvtier.tiers.once import Once
+from kvtier.common.counters import Metric
+from kvtier.common.once import Once
 
 log = logging.getLogger("kvtier.connector")
 

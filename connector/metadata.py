@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.core.plan import Counters, LoadOp, CopyOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
-from kvtier.tiers.counters import GAUGE_PREFIX, OBS_PREFIX, Metric
+from kvtier.common.counters import GAUGE_PREFIX, OBS_PREFIX, Metric
 
 try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,

@@ -10,7 +10,7 @@ How the numbers travel (vLLM 0.32/0.33):
    observes histograms and sets gauges, so `/metrics` shows the `vllm:kvtier_*` series below;
    and `KVTierStats.reduce` makes vLLM's periodic "KV Transfer metrics: ..." log line.
 
-Keys, series and help text are declared once, in `Metric` (tiers/counters.py): a member with an
+Keys, series and help text are declared once, in `Metric` (kvtier/common/counters.py): a member with an
 `export` is one `vllm:kvtier_<prom>` series (a counter's name ends in `_total`), its `help` the
 series' documentation. Key forms:
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.tiers.counters import BY_KEY, COUNTER, GAUGE, HISTOGRAM, OBS_PREFIX, TENANT, TIER, Metric
+from kvtier.common.counters import BY_KEY, COUNTER, GAUGE, HISTOGRAM, OBS_PREFIX, TENANT, TIER, Metric
 
 try:
     from prometheus_client import Counter, Gauge, Histogram

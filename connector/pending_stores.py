@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.tiers.once import cause
-from kvtier.tiers.counters import Metric
+from kvtier.common.once import cause
+from kvtier.common.counters import Metric
 
 log = logging.getLogger("kvtier.connector")
 

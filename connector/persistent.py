@@ -18,7 +18,7 @@ from typing import Any, Callable
 from kvtier.core.builder import build_tier, build_tiers
 
 from kvtier.core.identity import ModelIdentity
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 from kvtier.tiers.redact import redact
 
 log = logging.getLogger("kvtier.connector")

@@ -36,7 +36,7 @@ import xxhash
 
 from kvtier.core.private_files import open_regular, read_file
 from kvtier.tiers.nvme_block import make_private_dirs
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 log = logging.getLogger("kvtier.connector")
 

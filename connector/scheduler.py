@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from kvtier.core.controller import PENDING, TierController
-from kvtier.tiers.once import Once, cause
+from kvtier.common.once import Once, cause
 from kvtier.tiers.contract import Medium
 from kvtier.policies.base import RequestInfo
 from kvtier.tiers.base import SlotTier
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 from .guard import SchedulerGuard
 from .held_requests import StoreHolds

@@ -168,7 +168,7 @@ def start_scheduler_side(sched: KVTierScheduler, vllm_config: Any, cfg: Any) -> 
     shared tier meets per-process hashes; the shutdown reports an earlier run left are dropped."""
     drain_at_sigterm(weakref.ref(sched), getattr(vllm_config, "shutdown_timeout", 0),
                      flush_budget_s(SHUTDOWN_FLUSH_TIMEOUT_S))
-    if tier_of(cfg, "redis") is not None:
+    if tier_of(cfg, "shared") is not None:
         warn_per_process_hashes(vllm_config)
     for t in sched.nvme_tiers():
         if clear_reports(t.dir):
@@ -178,7 +178,7 @@ def start_scheduler_side(sched: KVTierScheduler, vllm_config: Any, cfg: Any) -> 
 def worker_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, fp: dict) -> KVTierWorker:
     rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
     srank = store_rank(vllm_config, rank, kv_cache_config)
-    shared = tier_of(cfg, "redis")
+    shared = tier_of(cfg, "shared")
     return KVTierWorker(cfg, rank=rank, ranks=world_size(vllm_config), store_rank=srank,
                         expected_block_bytes=shape.block_bytes or None,
                         num_blocks=getattr(kv_cache_config, "num_blocks", None),

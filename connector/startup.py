@@ -13,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 from .config import tier_of
 
@@ -152,12 +152,12 @@ def shared_opener(t: Any, fingerprint: dict, rank: int):
     """The worker's shared-tier data plane, opened once the block size and the model's identity
     (`model`, from the scheduler's metadata) are known."""
     def open_(block_bytes: int, count, model: str | None = None):
-        from kvtier.tiers.redis_conn import Namespace, RedisSettings
-        from kvtier.tiers.redis_data import RedisData
+        from kvtier.tiers.shared_conn import Namespace, RedisSettings
+        from kvtier.tiers.shared_data import SharedData
         from kvtier.tiers.sealing import sealer_of
         s = RedisSettings.of(t)
         fp = dict(fingerprint, model=model) if model else fingerprint
-        return RedisData(s, Namespace(fp, s.secret, rank, sealer_of(t.encryption)), block_bytes, threads=t.io_threads,
+        return SharedData(s, Namespace(fp, s.secret, rank, sealer_of(t.encryption)), block_bytes, threads=t.io_threads,
                          count=count, name=t.name)
     return open_
 

@@ -12,10 +12,10 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tiers.once import Once, cause
+from kvtier.common.once import Once, cause
 from kvtier.core.serving_stats import HEARTBEAT_S, write_server_state, write_stats
 from kvtier.tiers.contract import Medium
-from kvtier.tiers.counters import HISTOGRAM, OBS_PREFIX, Metric, declared
+from kvtier.common.counters import HISTOGRAM, OBS_PREFIX, Metric, declared
 
 from .config import load_settings
 from .metadata import KVTierStats

@@ -20,10 +20,10 @@ from kvtier.core.builder import tier_sealer
 from kvtier.core.config import StackConfig
 from kvtier.core.executor import Executor
 from kvtier.core.plan import Counters
-from kvtier.tiers.once import Once, cause
+from kvtier.common.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 from kvtier.tiers.io_hooks import fault_point
 
 from .config import tier_of
@@ -49,7 +49,7 @@ class KVTierWorker:
         """`cfg`: the stack's settings: its cpu tier sizes the pool (and `pin`s it), its nvme tier's
         `io`, `io_threads` and `direct` open the NVMe data file, `serving.nvme_write_lag_steps`;
         its tier names name the counters until the scheduler's first step does.
-        `shared_fn(block_bytes, count)`: opens the shared tier's data plane (`RedisData`) for this
+        `shared_fn(block_bytes, count)`: opens the shared tier's data plane (`SharedData`) for this
         rank, or None without a shared tier; with `shared_needs_identity` it is
         `shared_fn(block_bytes, count, model)`, opened at the first step whose metadata names the
         model's identity (the scheduler sends it once the weights' digest is done). `num_blocks`: vLLM's KV-cache blocks (the tensors may
@@ -81,7 +81,7 @@ class KVTierWorker:
         self.layout: KVLayout | None = None
         self.pools: list[CpuPool] = []
         self.kv: KVCopier | None = None       # the executor's outside: vLLM's KV
-        self.shared = None                    # RedisData: the shared tier's data plane
+        self.shared = None                    # SharedData: the shared tier's data plane
         self.nvme = None                      # NvmeData, opened on the first step that names its dir
         self._nvme_failed_at: float | None = None
         self.ex: Executor | None = None

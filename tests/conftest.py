@@ -83,9 +83,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _declared_counters_only(monkeypatch):
     """Every count in a test goes through `check_declared`: counting a name `Metric` does not
-    declare (tiers/counters.py) fails fast instead of making a series nobody exports."""
+    declare (kvtier/common/counters.py) fails fast instead of making a series nobody exports."""
     from kvtier.core.plan import Counters
-    from kvtier.tiers.counters import check_declared
+    from kvtier.common.counters import check_declared
     count = Counters.count
 
     def strict(self, key, v=1):

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 from typing import Iterator
 
-from kvtier.tiers.units import parse_size
+from kvtier.common.units import parse_size
 
 
 class SmallFs:

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from kvtier.cli.bench_shared import bench_shared
-from kvtier.tiers.redis_conn import Namespace, RedisSettings, connect
-from kvtier.tiers.redis_data import RedisData
+from kvtier.tiers.shared_conn import Namespace, RedisSettings, connect
+from kvtier.tiers.shared_data import SharedData
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def test_bench_skips_redis_without_one():
 
 def _same_bytes(url: str, cluster: bool) -> None:
     s = RedisSettings(url=url, cluster=cluster, timeout_s=10)
-    d = RedisData(s, Namespace({"t": "zero-copy", "cluster": cluster}), 64 << 10, threads=2)
+    d = SharedData(s, Namespace({"t": "zero-copy", "cluster": cluster}), 64 << 10, threads=2)
     assert d.client.kvtier_zero_copy
     keys = [bytes([i]) * 16 for i in range(6)]
     src = torch.randint(0, 256, (6, 64 << 10), dtype=torch.uint8)
@@ -81,7 +81,7 @@ def test_zero_copy_values_identical_cluster(redis_cluster):
     _same_bytes(redis_cluster.url, True)
 
 
-def _direct_only(d: RedisData) -> None:
+def _direct_only(d: SharedData) -> None:
     def no_pipeline(*a):
         raise AssertionError("read through redis-py's pipeline, not directly")
     d._get_pipeline = no_pipeline
@@ -90,7 +90,7 @@ def _direct_only(d: RedisData) -> None:
 def test_direct_reads_standalone_and_cluster(redis_server, redis_cluster):
     for url, cluster in ((redis_server.url, False), (redis_cluster.url, True)):
         s = RedisSettings(url=url, cluster=cluster, timeout_s=10)
-        d = RedisData(s, Namespace({"t": "direct", "cluster": cluster}), 32 << 10, threads=2)
+        d = SharedData(s, Namespace({"t": "direct", "cluster": cluster}), 32 << 10, threads=2)
         keys = [b"direct-%02d" % i for i in range(24)]
         src = torch.randint(0, 256, (24, 32 << 10), dtype=torch.uint8)
         assert d.write((), list(src.unbind(0)), keys).wait().all_ok
@@ -110,7 +110,7 @@ def test_cluster_redirect_falls_back_to_the_pipeline(redis_cluster):
     """A stale slot table (the key's slot pointed at another node): that node answers MOVED, the
     batch is read through redis-py's pipeline (which follows it); no breaker trip."""
     s = RedisSettings(url=redis_cluster.url, cluster=True, timeout_s=10)
-    d = RedisData(s, Namespace({"t": "moved"}), 16 << 10, threads=1)
+    d = SharedData(s, Namespace({"t": "moved"}), 16 << 10, threads=1)
     key = b"moved-key"
     src = torch.randint(0, 256, (16 << 10,), dtype=torch.uint8)
     assert d.write((), [src], [key]).wait().all_ok

@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from kvtier.core.config import ConfigError, load_config, parse_config, shipped_configs
-from kvtier.tiers.units import parse_size
+from kvtier.common.units import parse_size
 
 
 def test_shipped_configs_load(tmp_path, monkeypatch):
@@ -339,3 +339,16 @@ def test_what_kvtier_sizes_leaves_max_10_percent_or_2_gib_free(tmp_path, monkeyp
         assert n == (free - (4 << 20) - max(total // 10, 2 * GiB)) // (stride + 512)
     with pytest.raises(ConfigError, match=r"tiers.1.capacity: tier 'nvme': asks .* of disk .* only 50.00 GiB"):
         fit_to_machine(_cfg(tmp_path, cpu="1MiB", nvme="60GiB"))
+
+
+def test_the_shared_tier_is_kind_shared_and_redis_is_read_as_its_older_name():
+    """One name for the shared tier (issue 34): `kind: shared`; `kind: redis` still loads, as shared."""
+    new = parse_config({"tiers": [{"name": "c", "kind": "cpu", "capacity": "1GiB"},
+                                  {"name": "s", "kind": "shared", "url": "redis://h:6379/0"}]}, check_env=False)
+    old = parse_config({"tiers": [{"name": "c", "kind": "cpu", "capacity": "1GiB"},
+                                  {"name": "s", "kind": "redis", "url": "redis://h:6379/0"}]}, check_env=False)
+    assert [t.kind for t in new.tiers] == [t.kind for t in old.tiers] == ["cpu", "shared"]
+    assert new.model_dump(exclude={"source"}) == old.model_dump(exclude={"source"})
+    with pytest.raises(ConfigError, match="kind"):
+        parse_config({"tiers": [{"name": "c", "kind": "cpu", "capacity": "1GiB"},
+                                {"name": "s", "kind": "remote", "url": "redis://h:6379/0"}]}, check_env=False)

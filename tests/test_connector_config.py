@@ -60,7 +60,7 @@ def test_admission_from_yaml_and_inline(tmp_path):
 def test_the_connector_needs_a_cpu_tier_on_top(tmp_path):
     p = tmp_path / "nvme-only.yaml"
     p.write_text(f"tiers:\n  - {{name: nvme, kind: nvme, path: {tmp_path}/nv, capacity_blocks: 8}}\n")
-    with pytest.raises(ConfigError, match="runs one cpu tier, optionally one nvme tier and one redis tier below it.*got nvme"):
+    with pytest.raises(ConfigError, match="runs one cpu tier, optionally one nvme tier and one shared tier below it.*got nvme"):
         load_settings({"config": str(p)})
     q = tmp_path / "two-cpu.yaml"
     q.write_text("tiers:\n  - {name: a, kind: cpu, capacity_blocks: 8}\n  - {name: b, kind: cpu, capacity_blocks: 8}\n")
@@ -132,3 +132,12 @@ def test_a_childs_refusal_is_printed_last_by_its_parent_only_when_it_fails(tmp_p
     os.utime(note, (time.time() - 3600, C.LOADED_AT - 3600))    # left by an earlier process with this pid
     C.repeat_a_childs_refusal()
     assert capsys.readouterr().err == "" and not note.exists()
+
+
+def test_shared_options_and_their_older_redis_names_set_the_same_tier():
+    """`shared_url` / `shared_timeout_s` name the shared tier's options; `redis_url` / `redis_timeout_s` still do."""
+    new = load_settings({"shared_url": "redis://h:6379/0", "shared_timeout_s": 2.5})
+    old = load_settings({"redis_url": "redis://h:6379/0", "redis_timeout_s": 2.5})
+    assert [(t.kind, t.url, t.timeout_s) for t in new.storage_tiers() if t.kind == "shared"] == \
+           [(t.kind, t.url, t.timeout_s) for t in old.storage_tiers() if t.kind == "shared"] == \
+           [("shared", "redis://h:6379/0", 2.5)]

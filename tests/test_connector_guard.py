@@ -8,7 +8,7 @@ import os
 import sys
 
 from kvtier.connector.guard import hook
-from kvtier.tiers.once import Once
+from kvtier.common.once import Once
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parts_util import worker_settings  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from kvtier.connector.nvme import NvmeControl
+from kvtier.tiers.nvme_control import NvmeControl
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies import EVICTION
 from kvtier.tiers.base import SlotTier

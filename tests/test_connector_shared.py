@@ -15,8 +15,8 @@ from kvtier.core.builder import build_controller, build_tiers
 from kvtier.core.config import parse_config
 from kvtier.connector.scheduler import KVTierScheduler, SchedulerOptions
 from kvtier.connector.worker import KVTierWorker
-from kvtier.tiers.redis_conn import Namespace, RedisSettings
-from kvtier.tiers.redis_data import RedisData
+from kvtier.tiers.shared_conn import Namespace, RedisSettings
+from kvtier.tiers.shared_data import SharedData
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parts_util import worker_settings  # noqa: E402
@@ -44,7 +44,7 @@ def _instance(url: str, tag: str, async_loads: bool):
     t = cfg.tiers[1]
     fp = cfg.fingerprint()
     w = KVTierWorker(worker_settings(16, nvme_write_lag_steps=0),
-                     shared_fn=lambda bb, count: RedisData(RedisSettings.of(t), Namespace(fp), bb, count=count))
+                     shared_fn=lambda bb, count: SharedData(RedisSettings.of(t), Namespace(fp), bb, count=count))
     caches = _caches()
     w.register_kv_caches(caches)
     return s, w, caches, fp

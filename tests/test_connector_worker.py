@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, CopyOp, StoreOp
-from kvtier.connector.nvme import NvmeControl
+from kvtier.tiers.nvme_control import NvmeControl
 from kvtier.connector.kv_layout import KVLayout
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies.lru import LRU

@@ -1,4 +1,4 @@
-"""Counters are declared once (tiers/counters.py `Metric`): every exported member is exactly one
+"""Counters are declared once (kvtier/common/counters.py `Metric`): every exported member is exactly one
 Prometheus series with its help, no production module counts by a string literal, and counting
 an undeclared name fails fast in tests."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.plan import Counters
-from kvtier.tiers.counters import COUNTER, GAUGE, HISTOGRAM, TENANT, TIER, Metric, declared
+from kvtier.common.counters import COUNTER, GAUGE, HISTOGRAM, TENANT, TIER, Metric, declared
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCTION = ["connector", "kvtier", "tiers", "policies"]
@@ -77,7 +77,7 @@ def _count_call_with_literal(path: Path) -> list[str]:
 
 def test_no_production_module_counts_by_a_string():
     """A counting site names a `Metric` member; `x.count("...")` or `x._count(f"...")` in
-    production code is a counter nobody declared (kvtier/vllm's adapter events are `Event`s)."""
+    production code is a counter nobody declared (kvtier/vllm's adapter events too)."""
     bad, seen = [], set()
     for top in PRODUCTION:
         for p in sorted((ROOT / top).rglob("*.py")):

@@ -48,7 +48,7 @@ def canonical_rows(caches, blocks):
 def nvme_rig(tmp_path, streams, caches):
     """A worker of 8 unpinned DRAM slots over `caches` copying on `streams`, its hooks, the
     metadata fields that name its NVMe tier, and that tier's control plane."""
-    from kvtier.connector.nvme import NvmeControl
+    from kvtier.tiers.nvme_control import NvmeControl
     from kvtier.policies.lru import LRU
 
     w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="posix"), copy_streams=streams)

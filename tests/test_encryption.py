@@ -18,8 +18,8 @@ from kvtier.offline.blockgen import block_data, block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.nvme import NvmeTier
 from kvtier.tiers.nvme_block import BlockCodec
-from kvtier.tiers.redis_conn import Namespace, RedisSettings
-from kvtier.tiers.redis_data import RedisData
+from kvtier.tiers.shared_conn import Namespace, RedisSettings
+from kvtier.tiers.shared_data import SharedData
 from kvtier.tiers.sealing import BadKey, Sealer, read_key_file
 
 BB = 65536
@@ -244,9 +244,9 @@ def test_yaml_encryption_field(tmp_path, capsys):
 
 
 # ---- the shared tier on a real redis-server ------------------------------------------------
-def _plane(url: str, sealer, model: str = "m") -> RedisData:
+def _plane(url: str, sealer, model: str = "m") -> SharedData:
     s = RedisSettings(url=url, timeout_s=2.0, secret="fleet")
-    return RedisData(s, Namespace({"model": model, "block_bytes": BB}, "fleet", 0, sealer), BB, threads=2)
+    return SharedData(s, Namespace({"model": model, "block_bytes": BB}, "fleet", 0, sealer), BB, threads=2)
 
 
 @pytest.mark.parametrize("direct", [True, False])

@@ -22,7 +22,7 @@ from kvtier.tiers.base import SlotTier
 from kvtier.tiers.contract import Medium
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.nvme import NvmeTier
-from kvtier.tiers.redis import SimSharedTier
+from kvtier.tiers.shared import SimSharedTier
 
 OUT = Medium.OUTSIDE
 

@@ -341,7 +341,7 @@ def test_injected_layer_wait_fault_logs_and_falls_back(monkeypatch, caplog):
 
 def test_nvme_read_fault_is_a_load_error(monkeypatch, tmp_path, caplog):
     from kvtier.connector.metadata import CopyOp
-    from kvtier.connector.nvme import NvmeControl
+    from kvtier.tiers.nvme_control import NvmeControl
     from kvtier.policies.lru import LRU
 
     caches = flash_caches(blocks=NB)
@@ -379,7 +379,7 @@ def test_a_failed_store_is_not_written_down(monkeypatch, tmp_path):
     """A store that failed leaves its DRAM slots stale: the step's copy down from them writes
     nothing to the data file (the index would not take it, but `fsck --rebuild` reads headers)."""
     from kvtier.connector.metadata import CopyOp
-    from kvtier.connector.nvme import NvmeControl
+    from kvtier.tiers.nvme_control import NvmeControl
     from kvtier.policies.lru import LRU
     from kvtier.tiers.nvme_block import slot_stride
 

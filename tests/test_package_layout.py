@@ -132,7 +132,7 @@ def test_no_private_name_crosses_a_module():
 
 # Private attributes of other libraries' objects read for want of a public one.
 FOREIGN_PRIVATE = {("kvtier.tiers.cpu_pool", "torch._foreach_copy_"),   # torch's batched copy
-                   ("kvtier.tiers.redis_data", "conn._sock")}           # redis-py's socket (the RESP reader)
+                   ("kvtier.tiers.shared_data", "conn._sock")}           # redis-py's socket (the RESP reader)
 
 
 def test_no_private_attribute_read_on_another_object():
@@ -154,7 +154,7 @@ WRITES_THROUGH_OWN = {"kvtier.connector.device_copy": {"self.index.trace"},
                                                 "self.shared_curve.adjust", "self.curve.refs",
                                                 "self.shared_curve.refs"},
                       "kvtier.tiers.cpu_pool": {"self._release.atexit"},
-                      "kvtier.tiers.redis_data": {"self._scratch.t", "self._scratch.p", "self._scratch.put"}}
+                      "kvtier.tiers.shared_data": {"self._scratch.t", "self._scratch.p", "self._scratch.put"}}
 
 
 def test_no_object_writes_the_state_of_an_object_it_holds():
@@ -269,14 +269,15 @@ def test_only_kvtier_vllm_imports_kvtier_vllm():
     assert "kvtier.vllm.nvme_tier" in MODULES and bad == []
 
 
-# Packages depend one way (issue 24): policies <- tiers <- core <- {connector, vllm, cli, offline}. Each
+# Packages depend one way (issue 24): common <- policies <- tiers <- core <- {connector, vllm, cli, offline}. Each
 # installed package's row names the packages it may import; the root package holds `python -m kvtier`.
-LOWER = {"kvtier.core", "kvtier.tiers", "kvtier.policies"}
+LOWER = {"kvtier.core", "kvtier.tiers", "kvtier.policies", "kvtier.common"}
 MAY_IMPORT = {
     "kvtier.configs": set(),
-    "kvtier.policies": set(),
-    "kvtier.tiers": {"kvtier.policies"},
-    "kvtier.core": {"kvtier.tiers", "kvtier.policies"},
+    "kvtier.common": set(),
+    "kvtier.policies": {"kvtier.common"},
+    "kvtier.tiers": {"kvtier.policies", "kvtier.common"},
+    "kvtier.core": {"kvtier.tiers", "kvtier.policies", "kvtier.common"},
     "kvtier.connector": LOWER,
     "kvtier.vllm": LOWER,
     "kvtier.offline": LOWER,

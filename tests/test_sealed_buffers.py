@@ -9,8 +9,8 @@ import torch
 from kvtier.offline.blockgen import block_data, block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.nvme import NvmeTier
-from kvtier.tiers.redis_conn import Namespace, RedisSettings
-from kvtier.tiers.redis_data import RedisData
+from kvtier.tiers.shared_conn import Namespace, RedisSettings
+from kvtier.tiers.shared_data import SharedData
 from kvtier.tiers.sealing import Sealer
 
 BB = 65536 + 17   # not a multiple of 4 KiB: the padding after each ciphertext is written too
@@ -39,7 +39,7 @@ def test_encrypted_nvme_tier_makes_its_buffers_at_open(tmp_path):
 
 def test_encrypted_shared_puts_reuse_a_buffer_and_stay_byte_exact(redis_server):
     s = RedisSettings(url=redis_server.url, timeout_s=2.0, secret="fleet", batch_bytes=2 * BB)  # 2 values a batch
-    rd = RedisData(s, Namespace({"model": "reuse", "block_bytes": BB}, "fleet", 0, Sealer(KEY)), BB, threads=1)
+    rd = SharedData(s, Namespace({"model": "reuse", "block_bytes": BB}, "fleet", 0, Sealer(KEY)), BB, threads=1)
     try:
         keys = [f"reuse-{i}".encode() for i in range(7)]
         for seed in (1, 2):  # the second write's ciphertexts go through the buffer the first one used

@@ -24,7 +24,7 @@ import pytest
 from kvtier.cli.main import main
 from kvtier.core.config import ConfigError, parse_config
 from kvtier.tiers.redact import redact
-from kvtier.tiers.redis_conn import RedisSettings
+from kvtier.tiers.shared_conn import RedisSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = bytes(range(200, 232))          # a raw key (not text)
@@ -127,7 +127,7 @@ def _free_port() -> int:
 
 
 def _forms(srv, sock: str, pw: str) -> dict[str, tuple[str, str]]:
-    """form -> (the redis tier's YAML fields, the URL a `bench --redis` takes or '')."""
+    """form -> (the shared tier's YAML fields, the URL a `bench --redis` takes or '')."""
     hp = f"{srv.host}:{srv.port}"
     return {"userinfo": (f'url: "redis://:{pw}@{hp}/0"', f"redis://:{pw}@{hp}/0"),
             "user-and-password": (f'url: "redis://default:{pw}@{hp}/0"', f"redis://default:{pw}@{hp}/0"),

@@ -11,8 +11,8 @@ import torch
 
 from kvtier.core.config import parse_config
 from kvtier.core.stack import TierStack
-from kvtier.tiers.redis_conn import Namespace, RedisSettings
-from kvtier.tiers.redis_data import RedisData
+from kvtier.tiers.shared_conn import Namespace, RedisSettings
+from kvtier.tiers.shared_data import SharedData
 
 BB = 64 << 10
 SECRET = "fleet-secret"
@@ -45,7 +45,7 @@ def _bad_value(damage: str, good: bytes, url: str, key: bytes, block: torch.Tens
         return b""
     if damage == "foreign":  # another namespace's genuine value (another model), under our name
         cfg = _cfg(url, model="other")
-        rd = RedisData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
+        rd = SharedData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
         try:
             return bytes(rd.seal(key, block))
         finally:
@@ -73,7 +73,7 @@ def test_bad_value_read_once_deleted_then_a_miss(redis_server, damage, direct, c
     with TierStack.from_config(cfg) as st:
         st.tiers[1].conn.direct_reads = direct
         out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
-        with caplog.at_level(logging.WARNING, logger="kvtier.redis"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.shared"):
             assert st.get(keys, out) == 2
         assert all(torch.equal(a, b) for a, b in zip(out[:2], data[:2]))
         assert not cl.exists(name)                          # deleted on the server
@@ -111,13 +111,13 @@ def test_a_good_value_written_meanwhile_is_not_deleted(redis_server, monkeypatch
     it stays on the server (compare-and-delete by digest). This instance still misses it (its
     mark) until it writes the block itself; another instance is served."""
     cfg, keys, data, cl, name, good = _plant(redis_server, "rewritten", "truncated_by_one")
-    drop = RedisData.drop_bad
+    drop = SharedData.drop_bad
 
     def rewrite_first(self, items):
         cl.set(name, good)
         return drop(self, items)
 
-    monkeypatch.setattr(RedisData, "drop_bad", rewrite_first)
+    monkeypatch.setattr(SharedData, "drop_bad", rewrite_first)
     with TierStack.from_config(cfg) as st:
         out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
         assert st.get(keys, out) == 2
@@ -125,7 +125,7 @@ def test_a_good_value_written_meanwhile_is_not_deleted(redis_server, monkeypatch
         tot = st.ctrl.totals
         assert tot["bad_rewritten_blocks.shared"] == 1 and "bad_deleted_blocks.shared" not in tot
         assert st.lookup(keys) == 2                         # remembered as bad here
-    monkeypatch.setattr(RedisData, "drop_bad", drop)
+    monkeypatch.setattr(SharedData, "drop_bad", drop)
     n, tot = _fresh_get(cfg, keys, data)
     assert n == 4 and "corrupt_blocks.shared" not in tot
 
@@ -133,7 +133,7 @@ def test_a_good_value_written_meanwhile_is_not_deleted(redis_server, monkeypatch
 def test_undeletable_bad_value_is_still_read_once(redis_server, monkeypatch):
     """The server keeps the bad value (its script refused): the mark alone makes lookups miss."""
     cfg, keys, data, cl, name, good = _plant(redis_server, "kept", "random")
-    monkeypatch.setattr(RedisData, "drop_bad", lambda self, items: 0)
+    monkeypatch.setattr(SharedData, "drop_bad", lambda self, items: 0)
     with TierStack.from_config(cfg) as st:
         out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
         for _ in range(3):
@@ -144,9 +144,9 @@ def test_undeletable_bad_value_is_still_read_once(redis_server, monkeypatch):
 
 
 def test_bad_marks_are_bounded(monkeypatch):
-    import kvtier.tiers.redis as R
+    import kvtier.tiers.shared as R
     monkeypatch.setattr(R, "BAD_MAX", 3)
-    t = R.RedisTier("shared", RedisSettings(url="redis://127.0.0.1:1/0"), {"model": "m"}, BB, data=False)
+    t = R.SharedTier("shared", RedisSettings(url="redis://127.0.0.1:1/0"), {"model": "m"}, BB, data=False)
     try:
         keys = _keys("cap", 5)
         t.note_bad(keys)

@@ -11,8 +11,8 @@ import torch
 
 from kvtier.core.config import parse_config
 from kvtier.core.stack import TierStack
-from kvtier.tiers.redis_conn import Namespace, RedisSettings
-from kvtier.tiers.redis_data import RedisData
+from kvtier.tiers.shared_conn import Namespace, RedisSettings
+from kvtier.tiers.shared_data import SharedData
 
 BB = 64 << 10
 N = 24
@@ -76,9 +76,9 @@ def test_cluster_round_trip(redis_cluster):
     assert sum(per_node) == 48 and all(per_node), per_node  # spread over the three masters
 
 
-def _data_plane(url: str, secret: str | None = None, model: str = "m") -> RedisData:
+def _data_plane(url: str, secret: str | None = None, model: str = "m") -> SharedData:
     cfg = _cfg(url, model=model, secret=secret)
-    return RedisData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), secret), BB)
+    return SharedData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), secret), BB)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "planted", "swapped", "foreign_model", "garbage"])
@@ -254,7 +254,7 @@ policy: {{demotion: write_back}}
         assert (d["tier"], d["restored"], d["verified_blocks"], d["bad_served"]) == ("shared", 100, 100, 0)
         assert main(["inspect", "--config", str(yaml), "--json"]) == 0
         d = json.loads(capsys.readouterr().out)
-        sh = next(t for t in d["tiers"] if t["kind"] == "redis")
+        sh = next(t for t in d["tiers"] if t["kind"] == "shared")
         assert sh["resident_blocks"] == 100 and sh["server_memory"]["maxmemory_policy"] == "allkeys-lru"
         # a block the server lost: restore --verify fails and says so
         from kvtier.offline.blockgen import block_key

@@ -16,8 +16,8 @@ import torch
 
 from kvtier.core.config import parse_config
 from kvtier.core.stack import TierStack
-from kvtier.tiers.redis_conn import Namespace, RedisSettings
-from kvtier.tiers.redis_data import RedisData
+from kvtier.tiers.shared_conn import Namespace, RedisSettings
+from kvtier.tiers.shared_data import SharedData
 
 BB = 64 << 10
 SECRET = "fleet-secret"
@@ -48,7 +48,7 @@ def plant(cl, name: bytes, kind: str) -> None:
     assert cl.type(name) in (kind.encode(), kind)
 
 
-def _not_down(counters: dict, plane: RedisData) -> None:
+def _not_down(counters: dict, plane: SharedData) -> None:
     assert not plane.breaker.down
     assert not [k for k in counters if k.startswith(("unreachable", "skipped_blocks", "lookup_failures"))], counters
 
@@ -61,7 +61,7 @@ def test_wrong_typed_values_in_a_batch_are_bad_values_the_rest_is_served(where, 
     server = request.getfixturevalue("redis_server" if where == "standalone" else "redis_cluster")
     cfg = _cfg(server.url, cluster=where == "cluster")
     keys, data = _keys(f"batch-{where}-{direct}", 8), _blocks(8)
-    plane = RedisData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
+    plane = SharedData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
     cl = server.client()
     try:
         plane.direct_reads = direct
@@ -70,7 +70,7 @@ def test_wrong_typed_values_in_a_batch_are_bad_values_the_rest_is_served(where, 
         for i, kind in bad_at.items():
             plant(cl, plane.ns.name(keys[i]), kind)
         out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
-        with caplog.at_level(logging.WARNING, logger="kvtier.redis"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.shared"):
             r = plane.read([], out, keys).wait()
         assert r.ok == [i not in bad_at for i in range(8)]
         assert r.bad == [i in bad_at for i in range(8)]
@@ -112,7 +112,7 @@ def test_wrong_typed_values_are_misses_deleted_and_never_a_server_down(where, di
         shared = st.tiers[1]
         shared.conn.direct_reads = direct
         out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
-        with caplog.at_level(logging.WARNING, logger="kvtier.redis"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.shared"):
             assert st.get(keys, out) == 4
         assert all(torch.equal(a, b) for a, b in zip(out[:4], data[:4]))
         assert all(not cl.exists(ns.name(k)) for k in keys[4:])          # deleted on the server
@@ -140,26 +140,26 @@ def test_a_good_value_written_before_the_delete_stays(redis_server, monkeypatch)
     good value another instance SET between the read and the delete stays (counted as rewritten)."""
     cfg = _cfg(redis_server.url)
     keys, data = _keys("rewritten", 2), _blocks(2, 9)
-    plane = RedisData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
+    plane = SharedData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
     cl = redis_server.client()
     try:
         assert all(plane.write([], data, keys).wait().ok)
         name = plane.ns.name(keys[1])
         good = cl.get(name)
         plant(cl, name, "hash")
-        drop = RedisData.drop_bad
+        drop = SharedData.drop_bad
 
         def rewrite_first(self, items):
             cl.set(name, good)
             return drop(self, items)
 
-        monkeypatch.setattr(RedisData, "drop_bad", rewrite_first)
+        monkeypatch.setattr(SharedData, "drop_bad", rewrite_first)
         out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
         assert plane.read([], out, keys).wait().ok == [True, False]
         assert cl.get(name) == good
         c = plane.counters
         assert c["bad_rewritten_blocks"] == 1 and "bad_deleted_blocks" not in c and "bad_delete_failed_blocks" not in c
-        monkeypatch.setattr(RedisData, "drop_bad", drop)
+        monkeypatch.setattr(SharedData, "drop_bad", drop)
         assert plane.read([], out, keys).wait().ok == [True, True] and torch.equal(out[1], data[1])
     finally:
         plane.close()
@@ -171,25 +171,25 @@ def test_a_corrupt_string_replaced_by_a_list_before_its_delete_is_left(redis_ser
     failed delete), left in place (rewritten since); the next read finds it wrong-typed and drops it."""
     cfg = _cfg(redis_server.url)
     keys, data = _keys("relisted", 2), _blocks(2, 11)
-    plane = RedisData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
+    plane = SharedData(RedisSettings.of(cfg.tiers[1]), Namespace(cfg.fingerprint(), SECRET), BB)
     cl = redis_server.client()
     try:
         assert all(plane.write([], data, keys).wait().ok)
         name = plane.ns.name(keys[1])
         cl.set(name, cl.get(name)[:-1])   # truncated by one byte
-        drop = RedisData.drop_bad
+        drop = SharedData.drop_bad
 
         def relist_first(self, items):
             plant(cl, name, "list")
             return drop(self, items)
 
-        monkeypatch.setattr(RedisData, "drop_bad", relist_first)
+        monkeypatch.setattr(SharedData, "drop_bad", relist_first)
         out = [torch.zeros(BB, dtype=torch.uint8) for _ in keys]
         assert plane.read([], out, keys).wait().ok == [True, False]
         assert cl.type(name) in (b"list", "list")
         c = plane.counters
         assert c["bad_rewritten_blocks"] == 1 and "bad_delete_failed_blocks" not in c
-        monkeypatch.setattr(RedisData, "drop_bad", drop)
+        monkeypatch.setattr(SharedData, "drop_bad", drop)
         assert plane.read([], out, keys).wait().ok == [True, False]
         assert not cl.exists(name) and plane.counters["bad_deleted_blocks"] == 1
         _not_down(plane.counters, plane)
@@ -238,9 +238,9 @@ def test_native_tier_wrong_typed_values_are_load_misses_not_a_server_down(tmp_pa
 
 def test_a_wrong_typed_spill_manifest_is_damaged_not_a_server_down(redis_server):
     from kvtier.cli.manifest import get_shared_manifest, put_shared_manifest
-    from kvtier.tiers.redis import RedisTier
+    from kvtier.tiers.shared import SharedTier
 
-    t = RedisTier("shared", RedisSettings(url=redis_server.url, timeout_s=5, connect_timeout_s=5),
+    t = SharedTier("shared", RedisSettings(url=redis_server.url, timeout_s=5, connect_timeout_s=5),
                   {"model": "wrong-type-manifest"}, BB)
     cl = redis_server.client()
     try:

@@ -20,8 +20,8 @@ from kvtier.tiers.contract import DataPlane, Medium, Tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.nvme import NvmeTier
-from kvtier.tiers.redis import RedisTier, SimSharedTier
-from kvtier.tiers.redis_conn import RedisSettings
+from kvtier.tiers.shared import SharedTier, SimSharedTier
+from kvtier.tiers.shared_conn import RedisSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTROLLER = [ROOT / "kvtier/core/controller.py", ROOT / "kvtier/core/inflight.py"]
@@ -101,7 +101,7 @@ def test_every_tier_implements_the_whole_contract(tmp_path, redis_server):
     cfg = parse_config({"block_bytes": 4096, "model": "m", "tiers": [
         {"name": "cpu", "kind": "cpu", "capacity_blocks": 4},
         {"name": "shared", "kind": "redis", "url": redis_server.url}]}, check_env=False)
-    redis = RedisTier("shared", RedisSettings.of(cfg.tiers[1]), cfg.fingerprint(), 4096)
+    redis = SharedTier("shared", RedisSettings.of(cfg.tiers[1]), cfg.fingerprint(), 4096)
     tiers = [SlotTier("s", 4, 64, LRU(4)), CpuTier("cpu", 4, 4096, LRU(4), with_data=False),
              NvmeTier("nvme", str(tmp_path / "n"), 4, 4096, LRU(4), io="posix"),
              ClosedTier("nvme", Medium.FILE, False, 4096, "not open"), SimSharedTier("sim", 4, 64), redis]
@@ -164,7 +164,7 @@ def test_every_data_plane_has_one_verb_set(tmp_path, redis_server):
     cfg = parse_config({"block_bytes": 4096, "model": "m", "tiers": [
         {"name": "cpu", "kind": "cpu", "capacity_blocks": 4},
         {"name": "shared", "kind": "redis", "url": redis_server.url}]}, check_env=False)
-    redis = RedisTier("shared", RedisSettings.of(cfg.tiers[1]), cfg.fingerprint(), 4096)
+    redis = SharedTier("shared", RedisSettings.of(cfg.tiers[1]), cfg.fingerprint(), 4096)
     nvme, plane = _nvme_plane(tmp_path)
     pool = CpuPool(2, 4096, pin=False)
     try:

@@ -72,7 +72,7 @@ class SlotTier:
     kind = "slots"
     # what the tier declares (the controller and the drivers read these, never probe for methods)
     medium = Medium.HOST   # what holds its bytes (the data plane's medium)
-    shared = False         # the shared tier: its server owns membership and eviction (tiers.redis)
+    shared = False         # the shared tier: its server owns membership and eviction (tiers.shared)
     verifies = False       # a load carries each block's expected checksum (checksums(slots))
     data_plane = None      # the object that holds the bytes in this process, or None
     ready = True           # open: serves and takes blocks (tiers.closed.ClosedTier: not yet)
@@ -377,7 +377,7 @@ class SlotTier:
 
     def summary(self) -> str:
         """The tier in a start-up line: name, capacity and what else an operator needs to know."""
-        from kvtier.tiers.units import format_size
+        from kvtier.common.units import format_size
         return f"{self.name} {self._cap} blocks ({format_size(self._cap * self.block_bytes)})"
 
     def stats(self) -> dict:

@@ -2,7 +2,7 @@
 
 `Tier` lists exactly the calls `kvtier.core.controller.TierController` makes; every tier
 implements all of it: the slot tiers (`base.SlotTier`: CPU, NVMe, a closed tier) and the shared
-tier (`redis.RedisTier`, `redis.SimSharedTier`). A tier declares what it is (`shared`, `ready`)
+tier (`shared.SharedTier`, `shared.SimSharedTier`). A tier declares what it is (`shared`, `ready`)
 and answers the rest through its own methods, so the controller runs one path. `shared`
 declares the shared tier (the fleet's Redis/Valkey tier), whose membership is the server's: the
 server names blocks by key, holds no slot here, evicts on its own and is asked by `probe`; its
@@ -10,7 +10,7 @@ answers to the slot calls follow from that (nothing to pin: `touch` / `free_bloc
 `allocate` gives no slot; room is never short; `find` finds no slot).
 
 `DataPlane` is the bytes side, one per tier in the process that moves them (`cpu_pool.CpuPool`,
-`nvme_data.NvmeData`, `redis_data.RedisData`): `read` / `write` blocks named by slots and keys
+`nvme_data.NvmeData`, `shared_data.SharedData`): `read` / `write` blocks named by slots and keys
 into or out of given buffers, each returning a handle whose `IOResult` gives per-block outcomes
 (`ok`, `bad`: failed verification, `tags`: what a write sealed).
 """
@@ -34,7 +34,7 @@ class Medium(enum.Enum):
 
     HOST = "DRAM slots"            # tiers.cpu_pool.CpuPool
     FILE = "a file of slots"       # tiers.nvme_data.NvmeData
-    SHARED = "a shared server"     # tiers.redis_data.RedisData
+    SHARED = "a shared server"     # tiers.shared_data.SharedData
     OUTSIDE = "the caller's blocks"  # vLLM's KV cache, the CLI's buffers (kvtier.core.outside)
 
 

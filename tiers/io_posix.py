@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import xxhash
 
-from kvtier.tiers.once import Once
+from kvtier.common.once import Once
 
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 from .io_engine import ALIGN, HEADER, MAX_IO_BYTES, EngineFile, IOEngine, check_buffers, open_in, round_up

@@ -21,12 +21,12 @@ import logging
 import os
 from typing import Sequence
 
-from kvtier.tiers.once import Once
+from kvtier.common.once import Once
 from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 
 from .base import PENDING_SLOT, RESIDENT, SlotTier
 from .contract import Medium
-from .counters import Metric
+from kvtier.common.counters import Metric
 from .io_hooks import crash_point
 from .nvme_block import SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint, slot_stride
 from .nvme_dir import (DATA_FILE, INDEX_DIR, FingerprintMismatch, claim_dir, exists_at, fingerprint_diff,

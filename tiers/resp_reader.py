@@ -1,5 +1,5 @@
 """RESP replies read straight off a Redis connection's socket (the shared tier's fast GET path,
-`redis_data.RedisData`): payloads land in the caller's memory without an intermediate bytes."""
+`shared_data.SharedData`): payloads land in the caller's memory without an intermediate bytes."""
 
 from __future__ import annotations
 

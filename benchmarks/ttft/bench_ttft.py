@@ -287,7 +287,7 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
         import redis as _redis
         raw = _redis.Redis.from_url(url, socket_timeout=30)
         before = set(raw.scan_iter(match=b"kvt:*", count=1000))
-        E.build("shared-writer", U.kvtier_config(cpu_capacity_blocks=nblocks, redis_url=url, redis_timeout_s=10.0),
+        E.build("shared-writer", U.kvtier_config(cpu_capacity_blocks=nblocks, shared_url=url, shared_timeout_s=10.0),
                 False)
         E.generate("shared-writer", prompt)
         want = a.tokens // BLOCK - 1
@@ -318,8 +318,8 @@ def run(a, E, model, prompt, nblocks, vocab, dtype, url) -> None:
         E.build("kvtier-nvme-enc", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, nvme_path=nvme_enc,
                                                    nvme_capacity_blocks=nblocks, **enc), False)
     if url:
-        E.build("kvtier-shared", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, redis_url=url,
-                                                 redis_timeout_s=10.0), False)
+        E.build("kvtier-shared", U.kvtier_config(promote=False, cpu_capacity_blocks=nblocks, shared_url=url,
+                                                 shared_timeout_s=10.0), False)
 
     def raw_get_s() -> float:
         """The same values read by plain redis-py: pipelined GET, 16 MiB per pipeline."""

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 
 from kvtier.cli.common import print_result
-from kvtier.tiers.units import format_size, parse_size
+from kvtier.common.units import format_size, parse_size
 
 
 ENC_LIMIT = "the plain tier's {what}, same run (AES-256-GCM vs none)"

@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from kvtier.tiers.units import parse_size
+    from kvtier.common.units import parse_size
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default=None)
     p.add_argument("--block-bytes", default="2MiB")

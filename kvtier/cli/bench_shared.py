@@ -1,7 +1,7 @@
 """`kvtier bench` for the shared tier (Redis / Valkey): ours next to the plain redis-py client.
 
-ours: the tier's real paths, `RedisData.write` (seal: keyed header + payload hash, pipelined SET
-through the zero-copy packer, `threads` pipelines of at most `batch_bytes`) and `RedisData.read`
+ours: the tier's real paths, `SharedData.write` (seal: keyed header + payload hash, pipelined SET
+through the zero-copy packer, `threads` pipelines of at most `batch_bytes`) and `SharedData.read`
 (pipelined GET, verify header and payload hash, copy into a CPU tensor).
 limit: redis-py as a user would call it, default connection (hiredis packer and parser):
 pipelined SET of `bytes` values / GET of the same number of values of the same size (our header
@@ -54,17 +54,17 @@ def _raw_pipelines(client, names: list[bytes], vals: list[bytes] | None, per: in
 def bench_shared(settings, block_bytes: int, total: int, repeat: int, threads: int = 4,
                  encrypted: bool = False) -> list[dict]:
     """Rows 'shared put' and 'shared get' (and their encrypted rows) for one block size (see the module doc)."""
-    from kvtier.tiers.redis_conn import Namespace, connect
-    from kvtier.tiers.redis_data import RedisData
+    from kvtier.tiers.shared_conn import Namespace, connect
+    from kvtier.tiers.shared_data import SharedData
     from kvtier.tiers.sealing import Sealer
 
     n = max(1, total // block_bytes)
     token = os.urandom(6).hex()
     ns = Namespace({"kvtier-bench": token, "block_bytes": block_bytes}, settings.secret)
-    data = RedisData(settings, ns, block_bytes, threads=threads, name="bench")
+    data = SharedData(settings, ns, block_bytes, threads=threads, name="bench")
     ens = Namespace({"kvtier-bench": token, "block_bytes": block_bytes, "sealed": True}, settings.secret, 0,
                     Sealer(os.urandom(32))) if encrypted else None
-    sealed = RedisData(settings, ens, block_bytes, threads=threads, name="bench-sealed") if encrypted else None
+    sealed = SharedData(settings, ens, block_bytes, threads=threads, name="bench-sealed") if encrypted else None
     raw = connect(settings, plain=True)
     keys = [i.to_bytes(8, "big") + os.urandom(8) for i in range(n)]
     names = [ns.name(k) for k in keys] + ([ens.name(k) for k in keys] if encrypted else [])
@@ -169,7 +169,7 @@ def _delete(client, names: list[bytes], per: int = 512) -> int:
 def shared_settings(args) -> object | None:
     """The shared tier to bench: `--redis URL` (standalone; `--redis-cluster` for a cluster), else
     the config's redis tier; None when neither (or `--skip-redis`)."""
-    from kvtier.tiers.redis_conn import RedisSettings
+    from kvtier.tiers.shared_conn import RedisSettings
     if getattr(args, "skip_redis", False):
         return None
     url = getattr(args, "redis", None)
@@ -178,7 +178,7 @@ def shared_settings(args) -> object | None:
                              connect_timeout_s=5.0)
     from kvtier.core.config import load_config
     cfg = load_config(getattr(args, "config", None))
-    rt = [t for t in cfg.tiers if t.kind == "redis"]
+    rt = [t for t in cfg.tiers if t.kind == "shared"]
     if not rt:
         return None
     s = RedisSettings.of(rt[0])

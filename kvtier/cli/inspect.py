@@ -11,7 +11,7 @@ from typing import Any
 
 from kvtier.cli.common import CommandFailed, load_fitted, nvme_tier_config, open_nvme_read_only, print_result
 from kvtier.core.config import ConfigError, StackConfig
-from kvtier.tiers.units import format_size
+from kvtier.common.units import format_size
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -64,7 +64,7 @@ def inspect_stats(cfg: StackConfig) -> dict:
             if served is not None:  # a vLLM connector serves (or served) from this directory
                 st["serving"] = hit_ratios(served)
             tiers.append(st)
-        elif t.kind == "redis":
+        elif t.kind == "shared":
             tiers.append(inspect_shared(cfg, t))
         else:  # offline: a DRAM tier holds nothing; its capacity is what a stack would allocate
             tiers.append({"name": t.name, "kind": t.kind, "resident_blocks": 0,
@@ -135,7 +135,7 @@ def inspect_shared(cfg: StackConfig, t: Any) -> dict:
     shared = build_tier(cfg, idx, "control")
     try:
         n = shared.scan_count()
-        d = {"name": t.name, "kind": "redis", "server": shared.settings.where, "namespace": shared.ns.ns,
+        d = {"name": t.name, "kind": "shared", "server": shared.settings.where, "namespace": shared.ns.ns,
              "resident_blocks": n or 0, "capacity_blocks": t.blocks(cfg.block_bytes), "occupancy": 0.0,
              "eviction": "server", "engine": shared.io_engine}
         if n is None:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from kvtier.core.private_files import PrivateDir, pid_alive
 from kvtier.offline.blockgen import block_data
-from kvtier.tiers.redis_conn import error_text
+from kvtier.tiers.shared_conn import error_text
 
 MANIFEST = "spill-manifest.json"
 MANIFEST_FORMAT = 2   # 2: one record per spill (`spills`); 1 (no `format`): the last spill's only

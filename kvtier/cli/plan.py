@@ -29,7 +29,7 @@ from kvtier.cli.replay import load_gbps
 from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS
 from kvtier.offline.sizing import MIN_SAMPLE_BLOCKS, ROUTINGS, Sizing, belady_points, capacity_grid, measure
 from kvtier.offline.trace import TraceReader, apply_geometry, default_trace
-from kvtier.tiers.units import format_size, parse_size
+from kvtier.common.units import format_size, parse_size
 
 FRACTIONS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)   # table rows: shares of the unique blocks
 BELADY_FRACTIONS = (0.01, 0.05, 0.1)
@@ -155,7 +155,7 @@ def _tiers(cfg: StackConfig) -> tuple[list[tuple[Any, int]], tuple[Any, int] | N
     """(tier config, capacity in blocks) of the local tiers, and of the shared tier (0: unbounded)."""
     local, shared = [], None
     for t in cfg.storage_tiers():
-        if t.kind == "redis":
+        if t.kind == "shared":
             shared = (t, t.blocks(cfg.block_bytes))
         else:
             local.append((t, t.blocks(cfg.block_bytes)))
@@ -393,7 +393,7 @@ def suggest(sz: Sizing, base: StackConfig, cfg: StackConfig, local, shared, args
             yaml_text = _yaml(base, sizes, f"kvtier plan, {goal}: {summary}")
         else:
             yaml_text = (f"# {summary}\n# add a shared tier below the local tiers of your stack:\n"
-                         f"#   - {{name: shared, kind: redis, url: 'redis://HOST:6379/0', "
+                         f"#   - {{name: shared, kind: shared, url: 'redis://HOST:6379/0', "
                          f"capacity: {_size_str(sizes.get('shared', 0))}}}\n")
     else:
         top, top_c = local[0]

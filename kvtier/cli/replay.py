@@ -16,7 +16,7 @@ from kvtier.core.fit import check_environment, fit_to_machine
 from kvtier.core.stack import TierStack
 from kvtier.offline.replay import DEFAULT_LOAD_GBPS, DEFAULT_PREFILL_TPS, replay
 from kvtier.offline.trace import BLOCK_TOKENS, apply_geometry, default_trace
-from kvtier.tiers.units import format_size
+from kvtier.common.units import format_size
 
 
 def add_parser(sub) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from kvtier.cli.common import (CommandFailed, check_seed, engine_name, load_fitted, nvme_tier_config,
                                open_nvme_read_only, print_result, progress, staging_pool)
 from kvtier.cli.manifest import get_shared_manifest, read_manifest, read_manifest_if_dir
-from kvtier.tiers.units import format_size
+from kvtier.common.units import format_size
 from kvtier.offline.blockgen import block_key, fill_block
 
 
@@ -19,10 +19,10 @@ def cmd_restore(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     cfg = load_fitted(args.config, allocate=False)
     t = nvme_tier_config(cfg)
-    if any(c.kind == "redis" for c in cfg.tiers) and read_manifest_if_dir(t.path) is None:
+    if any(c.kind == "shared" for c in cfg.tiers) and read_manifest_if_dir(t.path) is None:
         # this data dir holds no spill (another machine's, or empty): restore from the fleet's tier
         from kvtier.core.builder import build_tier
-        idx = next(i for i, c in enumerate(cfg.storage_tiers()) if c.kind == "redis")
+        idx = next(i for i, c in enumerate(cfg.storage_tiers()) if c.kind == "shared")
         shared = build_tier(cfg, idx, "full")
         try:
             r = restore_shared(shared, args.seed, args.verify, args)

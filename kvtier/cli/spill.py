@@ -13,7 +13,7 @@ from kvtier.cli.common import check_seed, engine_name, load_fitted, print_result
 from kvtier.cli.manifest import digest, put_shared_manifest, read_manifest, write_manifest
 from kvtier.core.config import ConfigError
 from kvtier.core.stack import TierStack
-from kvtier.tiers.units import format_size
+from kvtier.common.units import format_size
 from kvtier.offline.blockgen import block_key, fill_block
 from kvtier.tiers.contract import Medium
 

@@ -63,22 +63,22 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
     if data not in DATA_MODES:
         raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}")
     t = cfg.storage_tiers()[index]
-    if closed is not None and t.kind in ("nvme", "redis"):
+    if closed is not None and t.kind in ("nvme", "shared"):
         from kvtier.tiers.closed import ClosedTier
         from kvtier.tiers.contract import Medium
-        return ClosedTier(t.name, Medium.SHARED if t.kind == "redis" else Medium.FILE, t.kind == "redis",
+        return ClosedTier(t.name, Medium.SHARED if t.kind == "shared" else Medium.FILE, t.kind == "shared",
                           cfg.block_bytes, closed)
     cap = t.blocks(cfg.block_bytes)
     fp = fingerprint or cfg.fingerprint()
     # checked with or without the data (the connector's scheduler): a bad key fails the start, in one line
     sealer = tier_sealer(cfg, t) if data != "none" else None
-    if t.kind == "redis":
+    if t.kind == "shared":
         if data == "none":
-            from kvtier.tiers.redis import SimSharedTier
+            from kvtier.tiers.shared import SimSharedTier
             return SimSharedTier(t.name, cap, cfg.block_bytes)
-        from kvtier.tiers.redis import RedisTier
-        from kvtier.tiers.redis_conn import RedisSettings
-        return RedisTier(t.name, RedisSettings.of(t), fp, cfg.block_bytes, ranks=ranks, capacity_blocks=cap,
+        from kvtier.tiers.shared import SharedTier
+        from kvtier.tiers.shared_conn import RedisSettings
+        return SharedTier(t.name, RedisSettings.of(t), fp, cfg.block_bytes, ranks=ranks, capacity_blocks=cap,
                          data=data == "full", threads=t.io_threads, sealer=sealer)
     eviction = make_eviction(cfg, t, cap)
     if t.kind == "cpu":
@@ -141,5 +141,5 @@ def make_tenants(cfg: StackConfig) -> Any:
 
 def fresh_evictions(cfg: StackConfig, tiers: Sequence[Any]) -> list[EvictionPolicy]:
     """New eviction policies for `tiers` (a cleared stack starts its policies afresh)."""
-    return [make_eviction(cfg, tc, t.capacity_blocks) if tc.kind != "redis" else None
+    return [make_eviction(cfg, tc, t.capacity_blocks) if tc.kind != "shared" else None
             for tc, t in zip(cfg.storage_tiers(), tiers)]

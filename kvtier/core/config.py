@@ -15,7 +15,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.fit import check_environment, fit_to_machine
 from kvtier.core.tenants_config import TenantsConfig, check_tenants
 from kvtier.tiers.redact import redact
-from kvtier.tiers.units import parse_size
+from kvtier.common.units import parse_size
 
 DEFAULT_CONFIG = "cpu-nvme.yaml"
 
@@ -114,7 +114,7 @@ class EncryptionConfig(KeySource):
 
 class TierConfig(_Model):
     name: str
-    kind: Literal["gpu", "cpu", "nvme", "redis"]
+    kind: Literal["gpu", "cpu", "nvme", "shared"]   # "redis": the older name of "shared"
     capacity: int | str | None = None  # bytes, or a share of free memory / disk ("25%", see fit_to_machine)
     capacity_blocks: int | None = None
     # cpu
@@ -125,7 +125,7 @@ class TierConfig(_Model):
     io_threads: int = Field(default=4, ge=1, le=64)
     direct: Literal["auto", True, False] = "auto"   # O_DIRECT (auto: when the filesystem takes it)
     on_fingerprint_mismatch: Literal["refuse", "namespace"] = "refuse"
-    # redis (the shared tier): server, client settings, the fleet's block secret
+    # shared (the fleet's Redis/Valkey server): server, client settings, the fleet's block secret
     url: str = "${KVTIER_REDIS_URL:-redis://localhost:6379/0}"
     cluster: bool = False              # a Redis Cluster (url names one node; the rest are discovered)
     username: str | None = None        # ACL user (or in the url); "${ENV}" is expanded
@@ -137,10 +137,15 @@ class TierConfig(_Model):
     pool_size: int = Field(default=16, ge=1, le=1024)           # connections per client
     batch_bytes: int = 16 << 20        # values per pipeline round trip
     secret: str | None = Field(default=None, repr=False)  # the fleet's block secret ("${KVTIER_SHARED_SECRET}")
-    encryption: EncryptionConfig | None = None   # nvme, redis: AES-256-GCM at rest
+    encryption: EncryptionConfig | None = None   # nvme, shared: AES-256-GCM at rest
     # per-tier policy overrides
     eviction: str | None = None
     admission: str | None = None
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _kind(cls, v: Any) -> Any:
+        return "shared" if v == "redis" else v   # the shared tier's older name, still read
 
     @field_validator("capacity", mode="before")
     @classmethod
@@ -196,12 +201,12 @@ class TierConfig(_Model):
     def _check(self) -> "TierConfig":
         if self.kind == "nvme" and not self.path:
             raise ValueError(f"tier {self.name!r}: kind nvme needs a path")
-        if self.kind not in ("gpu", "redis") and self.capacity is None and self.capacity_blocks is None:
+        if self.kind not in ("gpu", "shared") and self.capacity is None and self.capacity_blocks is None:
             raise ValueError(f"tier {self.name!r}: give capacity (e.g. 2GiB) or capacity_blocks")
         if self.capacity is not None and self.capacity_blocks is not None:
             raise ValueError(f"tier {self.name!r}: give capacity or capacity_blocks, not both")
-        if self.encryption is not None and self.kind not in ("nvme", "redis"):
-            raise ValueError(f"tier {self.name!r}: encryption is for the persistent tiers (nvme, redis)")
+        if self.encryption is not None and self.kind not in ("nvme", "shared"):
+            raise ValueError(f"tier {self.name!r}: encryption is for the persistent tiers (nvme, shared)")
         if isinstance(self.capacity, str) and self.kind not in ("cpu", "nvme"):
             raise ValueError(f"tier {self.name!r}: a share ({self.capacity}) is for cpu and nvme tiers; "
                              f"give a {self.kind} tier a size")
@@ -212,7 +217,7 @@ class TierConfig(_Model):
         return float(self.capacity[:-1]) / 100 if isinstance(self.capacity, str) else None
 
     def blocks(self, block_bytes: int) -> int:
-        if self.kind == "redis" and self.capacity is None and self.capacity_blocks is None:
+        if self.kind == "shared" and self.capacity is None and self.capacity_blocks is None:
             return 0  # the server's memory decides (replay models it as unbounded)
         if self.capacity_blocks is not None:
             return self.capacity_blocks
@@ -286,14 +291,14 @@ class StackConfig(_Model):
                     raise ValueError(f"tiers: nvme tiers {seen[real]!r} and {t.name!r} share the directory {real} "
                                      f"(each needs its own)")
                 seen[real] = t.name
-        order = {"gpu": 0, "cpu": 1, "nvme": 2, "redis": 3}
+        order = {"gpu": 0, "cpu": 1, "nvme": 2, "shared": 3}
         ranks = [order[t.kind] for t in self.tiers]
         if ranks != sorted(ranks):
-            raise ValueError("tiers: list them fastest first (gpu, cpu, nvme, redis)")
-        if sum(t.kind == "redis" for t in self.tiers) > 1:
-            raise ValueError("tiers: at most one redis tier (the shared tier, the lowest)")
-        if self.tiers[0].kind == "redis" or all(t.kind in ("gpu", "redis") for t in self.tiers):
-            raise ValueError("tiers: a redis tier needs a cpu tier above it (blocks reach the server from DRAM)")
+            raise ValueError("tiers: list them fastest first (gpu, cpu, nvme, shared)")
+        if sum(t.kind == "shared" for t in self.tiers) > 1:
+            raise ValueError("tiers: at most one shared tier (the lowest)")
+        if self.tiers[0].kind == "shared" or all(t.kind in ("gpu", "shared") for t in self.tiers):
+            raise ValueError("tiers: a shared tier needs a cpu tier above it (blocks reach the server from DRAM)")
         if sum(t.kind == "gpu" for t in self.tiers) > 1:
             raise ValueError("tiers: at most one gpu tier")
         return self
@@ -343,7 +348,7 @@ def parse_config(data: Any, source: str = "<dict>", check_env: bool = True) -> S
     for t in cfg.tiers:
         if t.path:
             t.path = expand_path(t.path)
-        if t.kind == "redis":
+        if t.kind == "shared":
             t.url = expand_vars(t.url)
             for f in ("username", "password", "secret", "tls_ca"):
                 v = getattr(t, f)

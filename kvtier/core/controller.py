@@ -21,11 +21,11 @@ import logging
 from typing import Any, Sequence
 
 from kvtier.core.leases import Lease, LeaseTable
-from kvtier.tiers.once import Once
+from kvtier.common.once import Once
 from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import group_by_tier, match_prefix
 from kvtier.tiers.contract import Tier
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 from kvtier.core.failed_loads import DEFAULT_CAP, FailedLoads
 from kvtier.core.inflight import PENDING, CopyInFlight, InFlight, Pending, StoreInFlight, rank_sums

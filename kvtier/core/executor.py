@@ -25,21 +25,21 @@ from typing import Any, Callable, Sequence
 
 from kvtier.core.handlers import Handlers, LoadRun, run_copies
 from kvtier.core.planes import Planes
-from kvtier.tiers.once import Once, cause
+from kvtier.common.once import Once, cause
 from kvtier.core.plan import CopyOp, Counters, LoadOp, Plan, Report, ReportBuilder, StoreOp
 from kvtier.core.staging import Staging
 from kvtier.core.write_behind import CopiesDown
 from kvtier.core.outside import Outside
 from kvtier.tiers.contract import DataPlane, Medium
 from kvtier.tiers.io_hooks import fault_point
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 log = logging.getLogger("kvtier.executor")
 
 
 class Executor:
     """Runs plans over the tiers' data planes (`planes[i]`: tier i's CpuPool, NvmeData or
-    RedisData, or None where this process has none) and an outside.
+    SharedData, or None where this process has none) and an outside.
 
     `write_lag_steps`: copies down are reported at most this many `step()`s after they were
     queued (0: in the same call). `tier_names` name the counters (`bytes_loaded.<tier>`...).

@@ -148,7 +148,7 @@ def fit_to_machine(cfg: StackConfig, *, reserved_memory: int = 0, shrink: bool =
     with one warning line each (returned). `check=False` only resolves the shares (for commands
     that allocate nothing: inspect, fsck, metadata-only replay). `kinds`: the tiers to look at
     (the vLLM connector's scheduler checks the disk; its workers size their own DRAM pools)."""
-    from kvtier.tiers.units import format_size as fs
+    from kvtier.common.units import format_size as fs
     from kvtier.tiers.nvme_block import slot_stride
     bb = cfg.block_bytes
     stride = slot_stride(bb)

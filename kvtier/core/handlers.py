@@ -36,8 +36,8 @@ from kvtier.tiers.contract import DataPlane, Medium
 from kvtier.tiers.cpu_pool import copy_blocks
 from kvtier.tiers.handles import DoneHandle, IOResult
 from kvtier.tiers.io_hooks import fault_point
-from kvtier.tiers.counters import Metric
-from kvtier.tiers.once import Once, cause
+from kvtier.common.counters import Metric
+from kvtier.common.once import Once, cause
 
 HOST, FILE, SHARED, OUTSIDE = Medium.HOST, Medium.FILE, Medium.SHARED, Medium.OUTSIDE
 Failed = list[tuple[list[CopyOp], BaseException | None]]   # copies not started, with why: the caller reports them

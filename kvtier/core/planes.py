@@ -9,7 +9,7 @@ from kvtier.tiers.contract import DataPlane, Medium
 
 
 class Planes:
-    """`planes[i]`: tier i's data plane (CpuPool, NvmeData or RedisData), None where this process has
+    """`planes[i]`: tier i's data plane (CpuPool, NvmeData or SharedData), None where this process has
     none; `tier_names` name the counters (`bytes_loaded.<tier>`...); `block_bytes`: one block."""
 
     def __init__(self, planes: Sequence[DataPlane | None], block_bytes: int, tier_names: Sequence[str] = ()) -> None:

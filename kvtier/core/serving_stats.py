@@ -12,7 +12,7 @@ import logging
 import os
 import time
 
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 from .private_files import PrivateDir, pid_alive, read_file
 

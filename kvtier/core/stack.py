@@ -25,7 +25,7 @@ from kvtier.core.executor import Executor
 from kvtier.core.outside import Buffers
 from kvtier.core.leases import Lease
 from kvtier.core.plan import Plan, Report
-from kvtier.tiers.counters import Metric
+from kvtier.common.counters import Metric
 
 log = logging.getLogger("kvtier.startup")
 

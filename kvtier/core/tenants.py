@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Sequence
 from kvtier.core.errors import ConfigError
 from kvtier.core.tenants_config import OTHER, is_name, quota_blocks
 from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
-from kvtier.tiers.counters import Metric
-from kvtier.tiers.once import Once
+from kvtier.common.counters import Metric
+from kvtier.common.once import Once
 
 log = logging.getLogger("kvtier.core.tenants")
 

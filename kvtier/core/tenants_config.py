@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvtier.core.errors import ConfigError
-from kvtier.tiers.units import parse_size
+from kvtier.common.units import parse_size
 
 DEFAULT = "default"    # the quotas entry of every tenant not named
 OTHER = "other"        # the account (and metrics label) of those tenants

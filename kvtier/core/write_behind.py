@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from kvtier.core.plan import CopyOp, ReportBuilder
 from kvtier.core.planes import Planes
-from kvtier.tiers.once import Once, cause
-from kvtier.tiers.counters import Metric
+from kvtier.common.once import Once, cause
+from kvtier.common.counters import Metric
 
 Done = tuple[list[tuple[Any, list[int]]], float, list[str]]   # ([(op, per-slot tags)], seconds, errors)
 

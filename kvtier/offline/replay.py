@@ -18,7 +18,7 @@ import torch
 from kvtier.core.stack import TierStack
 
 DEFAULT_PREFILL_TPS = 10_000.0            # prefill tokens/s of the model being served
-DEFAULT_LOAD_GBPS = {"cpu": 20.0, "nvme": 5.0, "redis": 1.0}  # host, NVMe, shared tier -> GPU GB/s
+DEFAULT_LOAD_GBPS = {"cpu": 20.0, "nvme": 5.0, "shared": 1.0}  # host, NVMe, shared tier -> GPU GB/s
 
 
 class _Blocks:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvtier.offline.sizing import Sizing, capacity_grid
-from kvtier.tiers.units import format_size
+from kvtier.common.units import format_size
 
 
 def plot(rep: dict, sz: Sizing, path: str) -> dict:

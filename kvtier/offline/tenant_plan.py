@@ -12,7 +12,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from kvtier.tiers.units import format_size
+from kvtier.common.units import format_size
 from kvtier.offline.sizing import measure
 from kvtier.offline.trace import Request
 

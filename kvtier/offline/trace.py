@@ -335,7 +335,7 @@ def apply_geometry(cfg, block_tokens: int, geometry: dict | None = None):
     wins: its block bytes and tokens, capacities in bytes counted in those blocks (as the served
     connector counts them); without one, `rescale_stack` to the trace's block tokens."""
     from kvtier.core.config import parse_config
-    from kvtier.tiers.units import format_size
+    from kvtier.common.units import format_size
     bb = (geometry or {}).get("block_bytes")
     if not bb:
         out = rescale_stack(cfg, block_tokens)

@@ -20,14 +20,12 @@ from vllm.v1.kv_offload.base import (Locality, OffloadingCounterMetadata, Offloa
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager
 
 from kvtier.core.builder import build_tier
-from kvtier.tiers.once import Once
-from kvtier.tiers.counters import Event
+from kvtier.common.once import Once
+from kvtier.common.counters import EVENTS_METRIC, Metric
 
 from .options import chunk_fingerprint, tier_stack
 
 log = logging.getLogger("kvtier.vllm")
-
-EVENTS_METRIC = "vllm:kv_offload_kvtier_events"
 
 
 class KvtierSecondaryTier(SecondaryTierManager):
@@ -64,13 +62,13 @@ class KvtierSecondaryTier(SecondaryTierManager):
         self._rows = None
         self._primary_kv_view = None
 
-    def count(self, event: Event, n: int = 1) -> None:
+    def count(self, event: Metric, n: int = 1) -> None:
         if n:
-            self.counters[event.label] = self.counters.get(event.label, 0) + n
+            self.counters[event.key] = self.counters.get(event.key, 0) + n
 
     def failed(self, what: str, e: BaseException) -> None:
         """A hook that failed: logged once per cause, counted."""
-        self.count(Event.errors_of(what))
+        self.count(Metric.errors_of(what))
         self._once((what, type(e).__name__), logging.ERROR, "kvtier: secondary tier %s: %s failed: %s",
                    self.tier_type, what, e)
 

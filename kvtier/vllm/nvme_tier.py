@@ -25,7 +25,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from kvtier.tiers.handles import IOHandle, IOResult
-from kvtier.tiers.counters import Event
+from kvtier.common.counters import Metric
 
 from .common import KvtierSecondaryTier
 
@@ -119,10 +119,10 @@ class KvtierNvmeTier(KvtierSecondaryTier):
             victims = tier.free_slots(need)
             if victims:
                 tier.evict(victims)
-                self.count(Event.EVICTED, len(victims))
+                self.count(Metric.EVICTED, len(victims))
         n = min(len(keys), tier.num_free_slots)
         if n < len(keys):
-            self.count(Event.STORE_SKIPPED_FULL, len(keys) - n)
+            self.count(Metric.STORE_SKIPPED_FULL, len(keys) - n)
         return tier.allocate(keys[:n]) if n else []
 
     def _flush(self, handle: IOHandle) -> IOResult:
@@ -151,7 +151,7 @@ class KvtierNvmeTier(KvtierSecondaryTier):
             bad = [s for s, ok in zip(st.slots, r.ok) if not ok]
             if bad:
                 self.tier.abort(bad)
-                self.count(Event.WRITE_ERRORS, len(bad))
+                self.count(Metric.WRITE_ERRORS, len(bad))
                 self._once(("write",), logging.ERROR, "kvtier: secondary tier %s: %d chunks not written (%s); they "
                            "stay in the primary tier only", self.tier_type, len(bad), r.errors[:2])
             good = [(s, c) for s, c, ok in zip(st.slots, r.tags or [-1] * len(st.slots), r.ok) if ok]
@@ -179,7 +179,7 @@ class KvtierNvmeTier(KvtierSecondaryTier):
             for k, c in zip(keys, job_metadata.chunk_ids):
                 s = self.tier.find(k)
                 if s is None:
-                    self.count(Event.LOAD_MISSES)   # evicted or quarantined since its lookup
+                    self.count(Metric.LOAD_MISSES)   # evicted or quarantined since its lookup
                     continue
                 slots.append(s)
                 found.append(k)
@@ -209,10 +209,10 @@ class KvtierNvmeTier(KvtierSecondaryTier):
         corrupt = [s for s, b in zip(ld.slots, bad) if b]
         if corrupt:   # quarantined while pinned: freed when the pins below are released
             self.tier.quarantine(corrupt, r.errors[0] if r.errors else "failed verification")
-            self.count(Event.CORRUPT_CHUNKS, len(corrupt))
+            self.count(Metric.CORRUPT_CHUNKS, len(corrupt))
             self._once(("corrupt",), logging.ERROR, "kvtier: secondary tier %s: %d chunks failed verification "
                        "(not served, quarantined): %s", self.tier_type, len(corrupt), r.errors[:2])
-        self.count(Event.READ_ERRORS, sum(1 for ok, b in zip(r.ok, bad) if not ok and not b))
+        self.count(Metric.READ_ERRORS, sum(1 for ok, b in zip(r.ok, bad) if not ok and not b))
         good = [k for k, ok in zip(ld.found, r.ok) if ok]
         self.tier.free_blocks(ld.slots)
         if good:

@@ -4,7 +4,7 @@ vLLM asks a secondary tier about each chunk of a request in turn, and keeps aski
 within the step. A key kvtier already knows is on the server answers at once; the others are
 gathered during the step and asked in one pipelined EXISTS when the step ends (`flush`, from
 `on_schedule_end`), on one thread; until the answer is in they are RETRY. A key found joins the
-tier's known set (`RedisTier.note_written`); a key not found is a miss for `MISS_TTL_S` (another
+tier's known set (`SharedTier.note_written`); a key not found is a miss for `MISS_TTL_S` (another
 instance may store it meanwhile). An unreachable server or an answer later than the tier's
 timeouts is a miss, counted.
 """
@@ -16,14 +16,14 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
-from kvtier.tiers.counters import Event
+from kvtier.common.counters import Metric
 
 MISS_TTL_S = 2.0
 MISSES_MAX = 1 << 16
 
 
 class BatchedLookup:
-    def __init__(self, tier, count: Callable[[Event, int], None]) -> None:
+    def __init__(self, tier, count: Callable[[Metric, int], None]) -> None:
         self.tier = tier
         self._count = count
         self._batch: dict[bytes, None] = {}                       # asked this step, in order
@@ -52,7 +52,7 @@ class BatchedLookup:
             self._resolve(fut)
             return self.ask(key) if key not in self._asked else None
         if time.monotonic() - t0 > self._patience:
-            self._count(Event.LOOKUP_TIMEOUTS, 1)
+            self._count(Metric.LOOKUP_TIMEOUTS, 1)
             self._miss([k for k in self._keys_of.pop(fut, []) if k in self._asked and self._asked[k][0] is fut])
             return False
         return None
@@ -78,7 +78,7 @@ class BatchedLookup:
         except Exception:  # noqa: BLE001 - counted as unreachable
             found = None
         if found is None:
-            self._count(Event.LOOKUP_FAILURES, 1)
+            self._count(Metric.LOOKUP_FAILURES, 1)
             found = [False] * len(keys)
         else:
             mine = set(keys)

@@ -1,4 +1,4 @@
-"""`KvtierSharedTier`: kvtier's shared tier (`tiers.redis.RedisTier`: Redis / Valkey / Redis
+"""`KvtierSharedTier`: kvtier's shared tier (`tiers.shared.SharedTier`: Redis / Valkey / Redis
 Cluster) as a vLLM secondary tier, for a fleet of vLLM instances of one model.
 
     {"type": "KvtierSharedTier", "module_path": "kvtier.vllm", "url": "redis://cache:6379/0",
@@ -7,7 +7,7 @@ Cluster) as a vLLM secondary tier, for a fleet of vLLM instances of one model.
 Keys live in the namespace of the fingerprint (model weights, dtype, layout, chunk geometry,
 parallelism, `namespace`), so another model or deployment on the same server never finds them;
 each value carries kvtier's keyed header, so a foreign, planted or corrupt value is a miss and a
-counter: it is deleted on the server while the server still holds that value (`RedisData.drop_bad`),
+counter: it is deleted on the server while the server still holds that value (`SharedData.drop_bad`),
 and a key whose load failed is a miss from then on (until this instance stores it again), so a bad
 value is never found again and again. The server owns eviction: a chunk found by a lookup
 may be gone at load (a failed load, vLLM recomputes). Lookups gather a step's unknown keys and
@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
 from kvtier.tiers.handles import IOHandle, IOResult
-from kvtier.tiers.counters import Event
+from kvtier.common.counters import Metric
 
 from .common import KvtierSecondaryTier
 from .shared_lookup import BatchedLookup
@@ -49,7 +49,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
 
     # the hits it serves come from another host: vLLM reports them as external
     medium: ClassVar[Medium | None] = None
-    kind = "redis"
+    kind = "shared"
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str, **options: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, **options)
@@ -61,7 +61,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         try:
             if self.tier.conn.breaker.down:
-                self.count(Event.LOOKUPS_SERVER_DOWN)
+                self.count(Metric.LOOKUPS_SERVER_DOWN)
                 return LookupResult.MISS
             if key in self._failed:
                 return LookupResult.MISS
@@ -121,7 +121,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
         if job.load:
             if lost:   # gone (the server evicted it), corrupt, foreign or unreachable: a miss from now on
                 self.tier.note_gone(lost)
-                self.count(Event.LOAD_MISSES, len(lost))
+                self.count(Metric.LOAD_MISSES, len(lost))
                 for k in lost:
                     self._failed[k] = None
                 while len(self._failed) > FAILED_MAX:
@@ -135,7 +135,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
             self._failed.pop(k, None)
         self._lookups.forget_miss(good)
         if lost:
-            self.count(Event.STORE_ERRORS, len(lost))
+            self.count(Metric.STORE_ERRORS, len(lost))
         self.finish(job.job_id, not lost, t0=job.t0, nbytes=r.nbytes)
 
     def get_finished_jobs(self) -> list[JobResult]:

@@ -20,7 +20,9 @@ GAUGE_PREFIX = "gauge_"
 OBS_PREFIX = "obs:"
 
 NONE, TIER, TENANT, HOOK = "none", "tier", "tenant", "hook"        # what a counter is counted per
+NATIVE = "native"   # per secondary tier under vLLM's own tiering: the `event` label of EVENTS_METRIC
 COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"         # how it is exported
+EVENTS_METRIC = "vllm:kv_offload_kvtier_events"   # kvtier/vllm's one series: labels (tier, event)
 
 
 class Metric(Enum):
@@ -152,12 +154,35 @@ class Metric(Enum):
     RECORD_ROTATIONS = ("record_rotations", NONE, None, None, "Rotations of the trace file.")
     RECORD_ERRORS = ("record_errors", NONE, None, None, "Failed writes of the trace.")
 
+    # kvtier's tiers under vLLM's own tiering (kvtier/vllm): each is a value of the `event` label of
+    # EVENTS_METRIC, its key the label (the shared tier's lookups count LOOKUP_TIMEOUTS / _FAILURES)
+    LOOKUPS_SERVER_DOWN = ("lookups_server_down", NATIVE, None, None,
+                           "Shared tier lookups answered as misses: the server is down.")
+    LOAD_MISSES = ("load_misses", NATIVE, None, None,
+                   "Chunks found by lookup and gone at load (evicted, quarantined or lost).")
+    EVICTED = ("evicted", NATIVE, None, None, "Chunks evicted from the NVMe tier to make room.")
+    STORE_SKIPPED_FULL = ("store_skipped_full", NATIVE, None, None,
+                          "Chunks not stored: the NVMe tier had no evictable room.")
+    WRITE_ERRORS = ("write_errors", NATIVE, None, None, "NVMe chunks whose write failed.")
+    READ_ERRORS = ("read_errors", NATIVE, None, None, "NVMe chunks whose read failed (not corrupt).")
+    CORRUPT_CHUNKS = ("corrupt_chunks", NATIVE, None, None, "NVMe chunks that failed verification on read.")
+    STORE_ERRORS = ("store_errors", NATIVE, None, None,
+                    "Stores that failed (a hook raised, or the shared tier lost the blocks).")
+    LOOKUP_ERRORS = ("lookup_errors", NATIVE, None, None, "Lookups whose hook raised.")
+    LOAD_ERRORS = ("load_errors", NATIVE, None, None, "Loads whose hook raised.")
+    INDEX_COMMIT_ERRORS = ("index_commit_errors", NATIVE, None, None, "NVMe index commits that raised.")
+
     def __init__(self, key: str, per: str, export: str | None, prom: str | None, help: str) -> None:
         self.key, self.per, self.export, self.prom, self.help = key, per, export, prom, help
 
     def at(self, where: str, tenant: str | None = None) -> str:
         """The key for one tier (or hook): `<key>.<where>`; per tenant `<key>.<where>|<tenant>`."""
         return f"{self.key}.{where}" if tenant is None else f"{self.key}.{where}|{tenant}"
+
+    @classmethod
+    def errors_of(cls, what: str) -> "Metric":
+        """The native event of a failed `what` hook: lookup, load, store or index_commit."""
+        return BY_KEY[f"{what}_errors"]
 
     @classmethod
     def exported(cls) -> list["Metric"]:
@@ -182,31 +207,4 @@ def check_declared(key: str) -> None:
     """Raise for a key no member declares (the test suite counts through this: a typo'd or
     undeclared counter fails the test that counts it)."""
     if declared(key) is None:
-        raise KeyError(f"counter {key!r} is not declared in kvtier/tiers/counters.py (Metric)")
-
-
-class Event(Enum):
-    """An event of kvtier's tiers under vLLM's own offloading connector (kvtier/vllm): the `event`
-    label of its one events counter. (label, help)."""
-
-    LOOKUPS_SERVER_DOWN = ("lookups_server_down", "Shared tier lookups answered as misses: the server is down.")
-    LOOKUP_TIMEOUTS = ("lookup_timeouts", "Shared tier lookups answered as misses after the timeout.")
-    LOOKUP_FAILURES = ("lookup_failures", "Shared tier lookups answered as misses: the server was unreachable.")
-    LOAD_MISSES = ("load_misses", "Chunks found by lookup and gone at load (evicted, quarantined or lost).")
-    EVICTED = ("evicted", "Chunks evicted from the NVMe tier to make room.")
-    STORE_SKIPPED_FULL = ("store_skipped_full", "Chunks not stored: the NVMe tier had no evictable room.")
-    WRITE_ERRORS = ("write_errors", "NVMe chunks whose write failed.")
-    READ_ERRORS = ("read_errors", "NVMe chunks whose read failed (not corrupt).")
-    CORRUPT_CHUNKS = ("corrupt_chunks", "NVMe chunks that failed verification on read.")
-    STORE_ERRORS = ("store_errors", "Stores that failed (a hook raised, or the shared tier lost the blocks).")
-    LOOKUP_ERRORS = ("lookup_errors", "Lookups whose hook raised.")
-    LOAD_ERRORS = ("load_errors", "Loads whose hook raised.")
-    INDEX_COMMIT_ERRORS = ("index_commit_errors", "NVMe index commits that raised.")
-
-    def __init__(self, label: str, help: str) -> None:
-        self.label, self.help = label, help
-
-    @classmethod
-    def errors_of(cls, what: str) -> "Event":
-        """The event of a failed `what` hook: lookup, load, store or index_commit."""
-        return {e.label: e for e in cls}[f"{what}_errors"]
+        raise KeyError(f"counter {key!r} is not declared in kvtier/common/counters.py (Metric)")

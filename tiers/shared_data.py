@@ -10,10 +10,10 @@ string, so a good value written since stays) and is
 reported `bad` (the controller remembers it: the next lookup misses). Transfers run on a small thread pool, each thread one pipeline
 of at most `batch_bytes` of values per round trip; the caller polls or waits on the handle.
 Puts copy no payload: the header is sealed on its own and the client's `ZeroCopyPacker` sends
-it, then a view of the tensor (`redis_conn.Parts`). Gets read the replies off the socket
+it, then a view of the tensor (`shared_conn.Parts`). Gets read the replies off the socket
 themselves (`_get_direct`; on a cluster per slot owner, a redirection falls back to redis-py's
 pipeline): each payload lands in a per-thread scratch block, is verified, then copied once.
-A server that fails or times out trips the breaker (`redis_conn.Breaker`): misses, one
+A server that fails or times out trips the breaker (`shared_conn.Breaker`): misses, one
 warning, a counter, retries with backoff.
 """
 
@@ -32,11 +32,11 @@ import torch
 from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
 from .contract import Medium
 from .resp_reader import Redirected, RespReader
-from .redis_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text
+from .shared_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text
 from .sealing import FAILED, NOT_OURS, RECORD_BYTES, TAG_BYTES
-from .counters import Metric
+from kvtier.common.counters import Metric
 
-log = logging.getLogger("kvtier.redis")
+log = logging.getLogger("kvtier.shared")
 
 EXISTS_BATCH = 2048   # keys per pipelined EXISTS round trip
 NOT_A_STRING = "not-a-string"   # `drop_bad`'s digest of a value of another Redis type (a list, a hash, ...)
@@ -95,7 +95,7 @@ def _cause(why: str) -> str:
     return re.sub(r"[0-9a-f]{8,}|\d+", "#", why)
 
 
-class RedisData:
+class SharedData:
     """Blocks of `block_bytes` under the keys of `ns` (one fingerprint, one rank) on one server."""
 
     medium = Medium.SHARED

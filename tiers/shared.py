@@ -11,7 +11,7 @@ eviction (`maxmemory` + `allkeys-lru`), and other instances write to it too. So:
 - `note_bad(keys)`: values that failed verification (deleted on the server by the reader when
   unchanged) are remembered, in a bounded set, as misses: the next lookup stops before them,
   so a bad value is read once, not again and again. Writing the block again clears the mark.
-The bytes move through `redis_data.RedisData` (offline: this object's `data_plane`; in vLLM
+The bytes move through `shared_data.SharedData` (offline: this object's `data_plane`; in vLLM
 each worker opens its own). `SimSharedTier` is the metadata-only model replay runs: an LRU of
 `capacity_blocks` (unbounded when 0), as a server with `allkeys-lru` behaves.
 """
@@ -29,11 +29,11 @@ from typing import Callable, Sequence
 from kvtier.policies.base import NO_INFO, RequestInfo
 
 from .contract import BlockView, Medium
-from .counters import Metric
-from .redis_conn import Namespace, RedisSettings
-from .redis_data import RedisData
+from kvtier.common.counters import Metric
+from .shared_conn import Namespace, RedisSettings
+from .shared_data import SharedData
 
-log = logging.getLogger("kvtier.redis")
+log = logging.getLogger("kvtier.shared")
 
 KNOWN_MAX = 1 << 18      # keys remembered as on the server (about 30 MB)
 BAD_MAX = 1 << 16        # keys remembered as bad (their oldest marks go first)
@@ -89,7 +89,7 @@ class _SharedBase:
     membership and eviction, so the slot calls answer accordingly: no slot, nothing to pin,
     never short of room (the server evicts), a bad value noted by key (`note_bad`)."""
 
-    kind = "redis"
+    kind = "shared"
     medium = Medium.SHARED
     shared = True
     verifies = False
@@ -102,10 +102,10 @@ class _SharedBase:
     num_free_slots = sys.maxsize        # room is never short: the server evicts
 
     def close(self) -> None:
-        """Nothing held (RedisTier closes its connections)."""
+        """Nothing held (SharedTier closes its connections)."""
 
     def drain(self) -> None:
-        """Nothing in flight (RedisTier waits for its transfers)."""
+        """Nothing in flight (SharedTier waits for its transfers)."""
 
     def summary(self) -> str:
         return f"{self.name} (a shared server's, modelled as an LRU of {self.capacity_blocks} blocks)"
@@ -197,7 +197,7 @@ class _SharedBase:
         return self.num_resident
 
 
-class RedisTier(_SharedBase):
+class SharedTier(_SharedBase):
     def __init__(self, name: str, settings: RedisSettings, fingerprint: dict, block_bytes: int,
                  ranks: int = 1, capacity_blocks: int = 0, data: bool = True, threads: int = 4,
                  count: Callable[[str, float], None] | None = None, sealer=None) -> None:
@@ -207,7 +207,7 @@ class RedisTier(_SharedBase):
         self.ranks = max(1, ranks)
         self.capacity_blocks = capacity_blocks
         self.ns = Namespace(fingerprint, settings.secret, rank=0, sealer=sealer)
-        self.conn = RedisData(settings, self.ns, block_bytes, threads=threads if data else 1, count=count,
+        self.conn = SharedData(settings, self.ns, block_bytes, threads=threads if data else 1, count=count,
                               name=name)
         self.with_data = data
         self.data_plane = self.conn if data else None

@@ -23,10 +23,10 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .nvme_block import BlockCodec
-from .counters import Metric
+from kvtier.common.counters import Metric
 from .redact import redact
 
-log = logging.getLogger("kvtier.redis")
+log = logging.getLogger("kvtier.shared")
 
 KEY_PREFIX = "kvt"
 
