@@ -13,31 +13,34 @@ with several, as vLLM requires.
 
 `SupportsHMA`: hybrid models (sliding window, Mamba / linear attention, several attention
 groups) keep vLLM's hybrid KV-cache manager; connector/groups.py says which group kinds are
-served, connector/hybrid.py how one hit covers them all.
+served and how one hit covers them all.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorTransferResults, SupportsHMA)
 
+from kvtier.common.counters import Metric
+from kvtier.common.once import Once, cause
 from kvtier.core.config import ConfigError
 from kvtier.tiers.contract import Medium
+from kvtier.tiers.redact import redact
 
 from . import start_check
-from .guard import Guard, hook
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, block_ids_of
 from .shutdown import close_scheduler, close_worker
 from .sides import (fingerprint, kv_shape, model_identity, scheduler_side, settings, start_scheduler_side,
                     worker_side)
 from .startup import attach_vllm_log_handler, register_by_name, scheduler_line, worker_line
-from .stats import SchedulerStats, connector_stats, prom_metrics, worker_stats
+from .metrics import SchedulerStats, connector_stats, prom_metrics, worker_stats
 
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -69,6 +72,46 @@ def live_connectors(role: str | None = None) -> list["KVTierConnector"]:
     return out
 
 
+def hook(recover: str | None = None, default: Any = None, refuse: tuple = (), name: str | None = None) -> Callable:
+    """Decorate a connector hook: no exception leaves it. vLLM runs the hooks inside its engine
+    loop, where an exception kills the engine; kvtier is a cache, so every failure has a safe
+    answer (a lookup finds nothing, a load that cannot run is a load error vLLM recomputes, a store
+    that cannot run is dropped). On an exception the failure is counted (`hook_errors.<hook>`) and
+    logged once per hook and cause (`hook_failed`), then the hook answers `self.side.<recover>(*args)`
+    (the scheduler's or the worker's safe answer, from its own state) or `default`. Exceptions of
+    the `refuse` types pass through (a start-up that must not go on)."""
+    def deco(fn: Callable) -> Callable:
+        called = name or fn.__name__
+
+        @functools.wraps(fn)
+        def wrapper(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except refuse:
+                raise
+            except Exception as e:  # noqa: BLE001 - the engine must survive any failure of ours
+                side = self.side
+                hook_failed(side.count, self.failures_once, called, e)
+                if recover is None:
+                    return default() if callable(default) else default
+                try:
+                    return getattr(side, recover)(*args, **kwargs)
+                except Exception as e2:  # noqa: BLE001
+                    hook_failed(side.count, self.failures_once, called + ".recover", e2)
+                    return default() if callable(default) else default
+        return wrapper
+    return deco
+
+
+def hook_failed(count: Callable[..., None], once: Once, name: str, e: BaseException) -> None:
+    """A hook's failure: counted (`hook_errors.<name>`), logged once per hook and cause."""
+    count(Metric.HOOK_ERRORS.at(name))
+    once(("hook", name) + cause(e), logging.ERROR,
+         "kvtier: %s failed (%s: %s); answered as a miss / recompute, vLLM keeps serving "
+         "(counted in hook_errors; later failures of this kind are logged at DEBUG)",
+         name, type(e).__name__, redact(str(e)), exc_info=e)
+
+
 def _worker_pool() -> int | None:
     """This process's worker CPU pool size, when a worker side lives here (the scheduler's cpu share)."""
     pools = [c.worker.pools[0].num_slots for c in live_connectors("worker") if c.worker and c.worker.pools]
@@ -77,9 +120,11 @@ def _worker_pool() -> int | None:
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's hooks, each forwarded to the scheduler side (`sched`, connector/scheduler.py) or a
-    worker's (`worker`, connector/worker.py); a failure is answered by that side's guard
-    (connector/guard.py). The class methods vLLM calls before any connector is built forward to
-    connector/start_check.py, the stats ones to connector/stats.py."""
+    worker's (`worker`, connector/worker.py); a failure is answered by that side's safe answer
+    (`hook`). The class methods vLLM calls before any connector is built forward to
+    connector/start_check.py, the stats ones to connector/metrics.py."""
+
+    failures_once = Once(log)   # a hook's failure: one line per hook and cause in this process
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
@@ -115,9 +160,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return False
 
     @property
-    def guard(self) -> Guard:
-        """The side's guard: what a failed hook counts, logs and answers (connector/guard.py)."""
-        return self.sched.guard if self.sched is not None else self.worker.guard
+    def side(self) -> Any:
+        """The side this connector runs: what a failed hook counts into and answers from (`hook`)."""
+        return self.sched if self.sched is not None else self.worker
 
     # ---- class methods: before any connector object is built ---------------------------
     @classmethod
@@ -188,7 +233,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Asynchronous loads: received once their blocks are in the KV; a failed one fails its
         request with several groups (a hybrid model: no block-level errors), else its blocks are
         load errors (`get_block_ids_with_load_errors`). Sent: finished requests held for their
-        stores (connector/held_requests.py)."""
+        stores (`scheduler.StoreHolds`, `worker.SendingRequests`)."""
         out = self._transfer_results(finished_req_ids)
         if not self.hybrid:
             out.failed_recving = set()
@@ -303,7 +348,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @hook()
     def get_kv_connector_stats(self) -> KVTierStats | None:
-        """This step's counters (vLLM calls it once per step on each side; connector/stats.py)."""
+        """This step's counters (vLLM calls it once per step on each side; connector/metrics.py)."""
         if self.worker is not None:
             return worker_stats(self.worker)
         return self.sched_stats.interval() if self.sched is not None else None

@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.core.plan import Counters, LoadOp, CopyOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
 from kvtier.common.counters import GAUGE_PREFIX, OBS_PREFIX, Metric
+from kvtier.core.plan import CopyOp, Counters, LoadOp, Report, StoreOp  # noqa: F401  (the ops the workers run)
 
 try:  # vLLM is optional for the pure-Python parts (unit tests, offline use)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorMetadata,
-                                                                     KVConnectorWorkerMetadata)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 except Exception:  # pragma: no cover - vLLM absent
     class KVConnectorMetadata:  # type: ignore[no-redef]
         pass
@@ -29,6 +28,9 @@ except Exception:  # pragma: no cover
     @dataclass
     class KVConnectorStats:  # type: ignore[no-redef]
         data: dict[str, Any] = field(default_factory=dict)
+
+
+HOLD_LIMIT_S = 60.0   # the longest a worker holds a finished request for its stores (`sending`)
 
 
 @dataclass
@@ -47,7 +49,7 @@ class KVTierMetadata(KVConnectorMetadata):
     tier_names: list[str] | None = None
     model_identity: str | None = None    # the model's identity once known (the worker opens the shared tier)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)  # accepted, not planned: load errors
-    sending: dict[str, list[int]] = field(default_factory=dict)  # finished, held for these stores (held_requests.py)
+    sending: dict[str, list[int]] = field(default_factory=dict)  # finished, held for these stores (vLLM's delay-free protocol)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.copies and not self.failed_loads

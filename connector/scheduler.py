@@ -5,7 +5,7 @@ ids, how far its blocks were offered to the store) and turns hooks into `TierCon
 `get_num_new_matched_tokens` -> `acquire` (a lease), `update_state_after_alloc` -> `load`,
 `build_connector_meta` -> `store` for the blocks computed this step (or the lazy walk of the GPU
 free queue) and `take_plan`, `update_connector_output` -> `complete`, finish -> `release`.
-Every model runs one path: the group rules (`connector/hybrid.py`) say which blocks a hit loads
+Every model runs one path: the group rules (`groups.GroupRules`) say which blocks a hit loads
 and a step stores; a one-group model is their one-group case. Every placement decision is the
 controller's (`kvtier.core.controller`). The API is plain (request ids, block hashes, block ids
 per group) so tests and offline drivers use it without vLLM.
@@ -14,22 +14,23 @@ per group) so tests and offline drivers use it without vLLM.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from kvtier.core.controller import PENDING, TierController
+from kvtier.common.counters import Metric
 from kvtier.common.once import Once, cause
-from kvtier.tiers.contract import Medium
+from kvtier.core.builder import build_tier, build_tiers
+from kvtier.core.controller import PENDING, TierController
+from kvtier.core.identity import ModelIdentity
 from kvtier.policies.base import RequestInfo
 from kvtier.tiers.base import SlotTier
-from kvtier.common.counters import Metric
+from kvtier.tiers.contract import Medium
+from kvtier.tiers.redact import redact
 
-from .guard import SchedulerGuard
-from .held_requests import StoreHolds
-from .hybrid import GroupRules
+from .groups import GroupRules
 from .lazy_offload import LazyOffload
-from .lora import LoraGate
-from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta
+from .metadata import HOLD_LIMIT_S, KVTierMetadata, KVTierStats, KVTierWorkerMeta, block_ids_of
 
 log = logging.getLogger("kvtier.connector")
 
@@ -43,7 +44,7 @@ class SchedulerOptions:
     `max_blocks_per_step` blocks a step, and stores the blocks kvtier lacks before vLLM reuses
     them (one-group models with prefix caching; else eager). async_shared_loads: a hit that
     reaches the shared tier loads asynchronously. hold_stores: stores complete in a later step
-    (a GPU): a finished request is held while its stores are unreported (held_requests.py)."""
+    (a GPU): a finished request is held while its stores are unreported (`StoreHolds`)."""
     store: bool = True
     offload: str = "eager"
     max_blocks_per_step: int | None = 64
@@ -98,11 +99,10 @@ class KVTierScheduler:
         self._async_step: list[str] = []       # requests whose asynchronous load this step plans
         self._failed_loads: dict[str, list[int]] = {}  # accepted by vLLM, not planned: load errors
         self._once = Once(log)
-        self.guard = SchedulerGuard(self)         # a hook's failure: counted, logged once, answered safely
         self._async_inflight: set[str] = set()  # ... until the workers report it done
         self.model_identity = model_identity
         self.holds = StoreHolds(options.hold_stores)  # finished requests vLLM keeps for their stores
-        self.lora = LoraGate(self.count)                # LoRA requests pass through (connector/lora.py)
+        self.lora = LoraGate(self.count)                # LoRA requests pass through (`LoraGate`)
 
     @property
     def leases(self):
@@ -312,7 +312,22 @@ class KVTierScheduler:
             meta.nvme_dir = self.nvme_dir
             meta.nvme_capacity = self.tiers[self.nvme].capacity_blocks
 
-    # ---- failures: the safe answer (connector/guard.py) ------------------------------------
+    # ---- failures: a failed hook's safe answer (`connector.hook`): no lease or pending slot is left
+    # behind, loads vLLM accepted become load errors (recomputed) ------------------------------------
+    def lookup_failed(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self.release(request.request_id)
+        return 0, False
+
+    def alloc_failed(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.fail_alloc(request, block_ids_of(blocks), num_external_tokens)
+
+    def meta_failed(self, scheduler_output: Any) -> KVTierMetadata:
+        return self.fail_plan()
+
+    def finish_failed(self, request: Any, block_ids: Any) -> tuple[bool, None]:
+        self.release(request.request_id)
+        return False, None
+
     def fail_alloc(self, request: Any, tables: Tables | None, num_external_tokens: int) -> None:
         """`update_state_after_alloc` failed after vLLM accepted `num_external_tokens` from us: the
         lease goes, and the blocks vLLM expects loaded are reported as load errors (recomputed)."""
@@ -374,7 +389,7 @@ class KVTierScheduler:
 
     def has_pending_push_work(self) -> bool:
         """Lazy offload still has finished requests' blocks to write behind (connector/lazy_offload.py),
-        or a finished request is held for its stores (held_requests.py)."""
+        or a finished request is held for its stores (`StoreHolds`)."""
         return self.lazy is not None and self.lazy.pending() or self.holds.pending()
 
     # ---- worker results ----------------------------------------------------------------
@@ -498,3 +513,164 @@ class KVTierScheduler:
         if self.recorder is not None:
             self.recorder.close()
         self.ctrl.close()
+
+
+# ---- LoRA requests pass through ----------------------------------------------------------------------
+class LoraGate:
+    """Requests with a LoRA adapter pass through kvtier: never looked up, never stored.
+
+    vLLM's block hashes name a request's adapter by its name and path, not by its weights, and the
+    fingerprint names the base model only: an adapter rewritten in place with other weights, in this
+    process or after a restart, would be served KV its weights never made. So such a request's KV
+    stays in vLLM's own prefix cache; kvtier counts it (`lora_passthrough`, once per request) and
+    says so in one line, once."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        self._count = count
+        self._seen: set[str] = set()
+        self._once = Once(log)
+
+    def passes_through(self, request: Any) -> bool:
+        """True for a request with a LoRA adapter (counted at its first sight)."""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return False
+        rid = request.request_id
+        if rid not in self._seen:
+            self._seen.add(rid)
+            self._count(Metric.LORA_PASSTHROUGH.key)
+            self._once(("lora",), logging.WARNING, "kvtier: requests with a LoRA adapter (first: %s, adapter %r) "
+                       "pass through: their KV is neither looked up nor stored in kvtier's tiers",
+                       rid, getattr(lora, "lora_name", lora))
+        return True
+
+    def finished(self, req_id: str) -> None:
+        self._seen.discard(req_id)
+
+
+# ---- the persistent tiers open once the model's identity is known ------------------------------------
+# The persistent tiers (NVMe, shared) open only once the model's identity is known.
+#
+# Their blocks are keyed by the fingerprint, and the fingerprint names the model by the digest of
+# its whole weights (`identity.ModelIdentity`, a thread). At start the scheduler waits up to
+# `WAIT_S` for it (a digest from the cache, or small weights, is done by then); otherwise the
+# persistent tiers are built closed (`tiers.closed.ClosedTier`: lookups miss, copies into them are
+# skipped and counted as `not_open_blocks.<tier>`; the DRAM tier serves) and `poll`, called from the
+# scheduler's hooks, opens them under the full fingerprint at the first step after the digest is
+# done, with one log line giving the time it took and its GB/s.
+
+WAIT_S = 1.0
+CLOSED_WHY = "until the weights' digest is done"
+
+
+class PersistentTiers:
+    """Builds the scheduler's tiers and opens the closed ones when `identity` is known.
+    `fingerprint_of(model identity)`: the full fingerprint."""
+
+    def __init__(self, cfg: Any, identity: ModelIdentity, fingerprint_of: Callable[[str | None], dict],
+                 ranks: int = 1, wait_s: float = WAIT_S) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.fingerprint_of = fingerprint_of
+        self.ranks = ranks
+        self.t0 = time.monotonic()
+        identity.done.wait(wait_s)
+        self.closed: list[int] = []          # indices of the tiers still closed
+        self.failed = False
+
+    def build(self) -> list[Any]:
+        """The tiers: all open when the identity is known now, else the persistent ones closed."""
+        if self.identity.value is not None:
+            return build_tiers(self.cfg, "control", self.fingerprint_of(self.identity.value), ranks=self.ranks)
+        tiers = build_tiers(self.cfg, "control", self.fingerprint_of(None), ranks=self.ranks, closed=CLOSED_WHY)
+        self.closed = [i for i, t in enumerate(tiers) if not t.ready]
+        return tiers
+
+    def poll(self, sched: Any) -> bool:
+        """Open the closed tiers once the digest is done (the scheduler's thread); True when it did."""
+        if not self.closed or self.failed or not self.identity.done.is_set():
+            return False
+        ident = self.identity
+        if ident.value is None:
+            self.failed = True   # identity.py logged why; they stay closed
+            sched.count(Metric.IDENTITY_UNKNOWN.key)
+            return False
+        fp = self.fingerprint_of(ident.value)
+        opened = []
+        try:
+            for i in self.closed:
+                tier = build_tier(self.cfg, i, "control", fp, self.ranks)
+                sched.open_tier(i, tier)
+                opened.append(tier.summary())
+        except Exception as e:  # noqa: BLE001 - a directory in use, another fingerprint, ...
+            self.failed = True
+            sched.count(Metric.PERSISTENT_OPEN_FAILED.key)
+            log.error("kvtier: persistent tiers stay closed: opening them failed (%s: %s)", type(e).__name__,
+                      redact(str(e)))
+            return False
+        self.closed = []
+        sched.persistent_open(fp["model"])
+        log.info("kvtier: persistent tiers open %.1f s after start: %s; model %s (%s)",
+                 time.monotonic() - self.t0, "; ".join(opened), ident.value, ident.how)
+        return True
+
+
+# ---- finished requests held for their stores (vLLM's delay-free protocol) ---------------------------
+# Finished requests whose KV is still being copied out: vLLM's delay-free protocol.
+#
+# On a GPU a store's copies run after `wait_for_save` returned (`worker.PendingStores`). A
+# request that finishes while a store of its blocks is still unreported is held: `request_finished`
+# returns delay_free=True, so vLLM keeps its blocks, and the next step's metadata names it with
+# those stores (`KVTierMetadata.sending`). Each worker reports it in `finished_sending` once, in
+# the first `get_finished` where none of those stores is still copying on that worker (completed,
+# failed, or dropped at shutdown), or after `HOLD_LIMIT_S` (counted: `held_release_timeouts`).
+# vLLM frees the blocks once every worker reported it (`KVOutputAggregator`, world size: every rank
+# reports, a rank with nothing copying at once). The CPU backend copies in the hook: never held.
+class StoreHolds:
+    """Scheduler side: each request's store ops not yet reported, and the requests held for them."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled                    # stores complete in a later step (a GPU)
+        self.ops: dict[str, set[int]] = {}        # request -> store ops planned, not reported
+        self.of_op: dict[int, str] = {}
+        self.announce: dict[str, list[int]] = {}  # held, to be named in the next step's metadata
+        self.held: dict[str, float] = {}          # held until vLLM's finished_sending names it
+
+    def planned(self, req_id: str, op_id: int) -> None:
+        if self.enabled and op_id:
+            self.ops.setdefault(req_id, set()).add(op_id)
+            self.of_op[op_id] = req_id
+
+    def reported(self, op_ids: Iterable[int]) -> None:
+        """Stores a worker report names (stored or failed): no longer a reason to hold."""
+        for op in op_ids:
+            rid = self.of_op.pop(op, None)
+            ops = self.ops.get(rid) if rid is not None else None
+            if ops is not None:
+                ops.discard(op)
+                if not ops:
+                    del self.ops[rid]
+
+    def finish(self, req_id: str) -> bool:
+        """`req_id` finished: held (True) when some of its stores are not reported yet."""
+        ops = self.ops.pop(req_id, None)
+        if not ops:
+            return False
+        for op in ops:
+            self.of_op.pop(op, None)
+        self.announce[req_id] = sorted(ops)
+        self.held[req_id] = time.monotonic()
+        return True
+
+    def take_announce(self) -> dict[str, list[int]]:
+        out, self.announce = self.announce, {}
+        return out
+
+    def released(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self.held.pop(rid, None)
+
+    def pending(self) -> bool:
+        """A request held (within twice the workers' bound): vLLM keeps stepping to release it."""
+        now = time.monotonic()
+        return any(now - t < 2 * HOLD_LIMIT_S for t in self.held.values())

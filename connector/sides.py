@@ -24,12 +24,12 @@ from kvtier.core.digest_cache import data_dir_of
 from .drain import drain_at_sigterm
 from .groups import Group, GroupKind, block_geometry, served_groups
 from .handoff import clear_reports
-from .hybrid import GroupRules
+from .groups import GroupRules
 from kvtier.core.identity import ModelIdentity
 from .engine_identity import effective_config_digest, load_source, weights_pin
 from .kv_layout import layout_name
 from .parallel import shards, store_rank, world_size
-from .persistent import PersistentTiers
+from .scheduler import PersistentTiers
 from .scheduler import KVTierScheduler, SchedulerOptions
 from .startup import flush_budget_s, shared_opener, warn_per_process_hashes
 from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
@@ -131,7 +131,7 @@ def device_type(vllm_config: Any) -> str:
 
 
 def stores_finish_later(vllm_config: Any) -> bool:
-    """A device's stores complete in a later step (held_requests.py); the CPU backend's in the hook."""
+    """A device's stores complete in a later step (`scheduler.StoreHolds`); the CPU backend's in the hook."""
     return device_type(vllm_config) != "cpu"
 
 

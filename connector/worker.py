@@ -12,26 +12,24 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from kvtier.common.counters import Metric
+from kvtier.common.once import Once, cause
 from kvtier.core.builder import tier_sealer
 from kvtier.core.config import StackConfig
 from kvtier.core.executor import Executor
 from kvtier.core.plan import Counters
-from kvtier.common.once import Once, cause
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
-from kvtier.common.counters import Metric
-from kvtier.tiers.io_hooks import fault_point
+from kvtier.tiers.io_engine import fault_point
 
 from .config import tier_of
 from .kv_layout import KVCopier, KVLayout
-from .metadata import KVTierMetadata, KVTierWorkerMeta, KVTierStats, interval_stats
-from .guard import WorkerGuard
-from .held_requests import SendingRequests
-from .pending_stores import PendingStores
+from .metadata import HOLD_LIMIT_S, KVTierMetadata, KVTierStats, KVTierWorkerMeta, interval_stats
 from .startup import fit_pool_slots
 
 log = logging.getLogger("kvtier.connector")
@@ -77,7 +75,6 @@ class KVTierWorker:
         self._ranks = ranks                   # workers on this host, each with its own pool
         self.counters = Counters()   # this worker's counters (its executor's too)
         self._once = Once(log)
-        self.guard = WorkerGuard(self)        # a hook's failure: counted, logged once, answered safely
         self.layout: KVLayout | None = None
         self.pools: list[CpuPool] = []
         self.kv: KVCopier | None = None       # the executor's outside: vLLM's KV
@@ -248,7 +245,7 @@ class KVTierWorker:
 
     def finished_sending(self) -> set[str]:
         """Held finished requests (`bind`) none of whose stores is still copying on this worker:
-        each reported once (`held_requests.py`)."""
+        each reported once (`SendingRequests`)."""
         if self.ex is None:
             return self.sending.take(set())
         self.pending.poll()
@@ -356,7 +353,36 @@ class KVTierWorker:
             self.ex.finish_loads(wait=False)
         return self.ex.take_load_errors(False)
 
-    # ---- failures: the safe answer when a step's work cannot run (connector/guard.py) ----------
+    # ---- failures: a failed hook's safe answer (`connector.hook`): the step's loads fail as load
+    # errors, its stores are dropped, a request waiting for its load or held for its stores is never kept
+    def register_failed(self, kv_caches: dict) -> None:
+        log.error("kvtier: worker rank %s runs without kvtier: every planned load is recomputed, "
+                  "nothing is stored", self.rank)
+        self.disable()
+
+    def load_failed(self, *args: Any, **kwargs: Any) -> None:
+        self.fail_step_loads()
+
+    def layer_wait_failed(self, layer_name: str) -> None:
+        self.settle_loads()   # never an early return: the host waits, or the loads fail
+
+    def save_failed(self) -> None:
+        self.fail_step_stores()
+
+    def transfers_failed(self, finished_req_ids: set[str]) -> Any:
+        """Every waiting load failed (the connector keeps `failed_recving` for a hybrid model only)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+        failed = self.fail_async()
+        sent = self.sending.take_all()   # never held forever
+        return KVConnectorTransferResults(finished_recving=set(failed), finished_sending=sent,
+                                          failed_recving=set(failed))
+
+    def load_errors_failed(self) -> set[int]:
+        return self.take_load_errors(finish=False)
+
+    def worker_meta_failed(self) -> KVTierWorkerMeta | None:
+        return self.take_report(finish=False)
+
     def fail_step_loads(self) -> None:
         meta = self._meta
         if meta is None:
@@ -427,3 +453,132 @@ class KVTierWorker:
             p.close()
         self.pools = []
         return final
+
+
+# ---- finished requests held for their stores, the worker's side ---------------------------------------
+class SendingRequests:
+    """Worker side: the held requests the metadata named, until this worker reports each once."""
+
+    def __init__(self, count: Any, once: Any) -> None:
+        self.count, self.once = count, once
+        self.limit_s = HOLD_LIMIT_S
+        self.held: dict[str, tuple[frozenset, float]] = {}
+
+    def add(self, sending: dict[str, list[int]]) -> None:
+        now = time.monotonic()
+        for rid, ops in sending.items():
+            self.held.setdefault(rid, (frozenset(ops), now))
+
+    def take(self, copying: set[int]) -> set[str]:
+        """Held requests none of whose stores is `copying` (op ids still copying here), or held
+        longer than `limit_s`: reported once, forgotten."""
+        now = time.monotonic()
+        out: set[str] = set()
+        late = 0
+        for rid, (ops, t0) in self.held.items():
+            if not ops & copying:
+                out.add(rid)
+            elif now - t0 >= self.limit_s:
+                out.add(rid)
+                late += 1
+        for rid in out:
+            del self.held[rid]
+        if late:
+            self.count(Metric.HELD_RELEASE_TIMEOUTS.key, late)
+            self.once(("held_timeout",), logging.ERROR, "kvtier: %d finished requests released after %.0f s with "
+                      "their stores still copying (the compute stream still waits for those copies)",
+                      late, self.limit_s)
+        return out
+
+    def take_all(self) -> set[str]:
+        """Every held request (a failed hook's safe answer: never held forever)."""
+        out = set(self.held)
+        self.held.clear()
+        return out
+
+
+# ---- stores whose device copies are still running ----------------------------------------------------
+# A worker's stores whose device copies are still running, reported in a later step.
+#
+# `wait_for_save` queues a step's GPU -> CPU copies on the side stream and returns (no host wait).
+# Each step's hooks poll the oldest stores' events (`Streams.query`); once one completed, its
+# stores are reported stored (the scheduler commits them from that step's report) and the copies
+# down held behind it (NVMe writes with their checksums, shared-tier puts: they read the CPU slots)
+# start. A store whose event reports an error is not stored and its copies down are dropped, so
+# nothing of it is committed. At shutdown `drain` waits (bounded) and drops what is left, counted.
+
+
+@dataclass
+class _Pending:
+    planned: list                      # (StoreOp, job) pairs whose copies the event covers
+    event: Any
+    t0: float
+    copies: list = field(default_factory=list)     # copies down that read these slots: start after
+    failed: set = field(default_factory=set)       # (tier, slot) whose store failed in their step
+
+
+class PendingStores:
+    """Oldest first; the side stream runs them in order, so only a completed prefix is reported."""
+
+    def __init__(self, ex: Any) -> None:
+        self.ex = ex
+        self.q: list[_Pending] = []
+
+    def __len__(self) -> int:
+        return len(self.q)
+
+    def add(self, deferred: tuple | None) -> None:
+        """The executor's last deferred store (`Executor.take_deferred`), if any."""
+        if deferred is not None:
+            self.q.append(_Pending(*deferred))
+
+    def copying(self) -> set[int]:
+        """Op ids of the stores still copying."""
+        return {op.op_id for p in self.q for op, _ in p.planned}
+
+    def hold(self, copies: list, failed: set) -> bool:
+        """Copies down of this step: held behind the newest pending store (they may read its
+        slots); False when nothing is pending (they may start now)."""
+        if not self.q:
+            return False
+        self.q[-1].copies.extend(copies)
+        self.q[-1].failed |= failed
+        return True
+
+    def poll(self) -> int:
+        """Report the stores whose copies completed (oldest first); returns how many remain."""
+        ex = self.ex
+        while self.q:
+            p = self.q[0]
+            try:
+                if not ex.outside.done(p.event):
+                    break
+            except Exception as e:  # noqa: BLE001 - the copies failed: nothing of them is committed
+                self.q.pop(0)
+                ex.count(Metric.STORE_COPY_FAILED.key, len(p.planned))
+                ex.once(("store_event",) + cause(e), logging.ERROR, "kvtier: a store's device copies failed (%s): "
+                        "not stored, its copies down dropped", e)
+                ex.copy(p.copies, p.failed | ex.store_lost(p.planned, e))
+                continue
+            self.q.pop(0)
+            ex.store_done(p.planned, time.perf_counter() - p.t0)
+            ex.copy(p.copies, p.failed)
+        return len(self.q)
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for every pending store (polling); those still running are
+        dropped (not stored, their copies down not started) and counted; returns how many."""
+        deadline = time.monotonic() + timeout_s
+        while self.poll() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if not self.q:
+            return 0
+        ex, late, self.q = self.ex, self.q, []
+        n = sum(len(op.slots) for p in late for op, _ in p.planned)
+        ex.count(Metric.STORES_DROPPED.key, n)
+        log.error("kvtier: %d stores (%d blocks) still copying after %.1f s (closing): dropped, not stored",
+                  len(late), n, timeout_s)
+        for p in late:
+            ex.store_lost(p.planned, RuntimeError("still copying at shutdown"))
+            ex.fail_stores([], p.copies)
+        return len(late)

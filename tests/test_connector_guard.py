@@ -1,4 +1,4 @@
-"""No exception leaves a vLLM hook (connector/guard.py): each failure has a safe answer that
+"""No exception leaves a vLLM hook (`connector.hook`): each failure has a safe answer that
 keeps the books straight (no lease or pending slot left behind, accepted loads recomputed)."""
 
 from __future__ import annotations
@@ -7,23 +7,23 @@ import logging
 import os
 import sys
 
-from kvtier.connector.guard import hook
 from kvtier.common.once import Once
+from kvtier.connector.connector import hook, hook_failed
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parts_util import worker_settings  # noqa: E402
 from test_connector_scheduler import Req, make, run_step, store_request  # noqa: E402
 
 
-class _Guard:
-    """A side's guard: records failures, answers `_fallback` / fails in `_bad_fallback`."""
+class _Side:
+    """A side: counts failures, answers `fallback` / fails in `bad_fallback`."""
 
     def __init__(self):
-        self.failures = []
+        self.counted = []
         self.recovered = []
 
-    def failed(self, name, e):
-        self.failures.append((name, type(e).__name__))
+    def count(self, key, v=1):
+        self.counted.append(key)
 
     def fallback(self, x):
         self.recovered.append(x)
@@ -35,7 +35,8 @@ class _Guard:
 
 class _Hooked:
     def __init__(self):
-        self.guard = _Guard()
+        self.side = _Side()
+        self.failures_once = Once(logging.getLogger("kvtier.test"))
 
     @hook(recover="fallback")
     def ok(self, x):
@@ -60,25 +61,24 @@ class _Hooked:
 
 def test_hook_answers_the_fallback_and_counts():
     h = _Hooked()
-    g = h.guard
-    assert h.ok(3) == 6 and g.failures == []
+    g = h.side
+    assert h.ok(3) == 6 and g.counted == []
     assert h.boom(3) == -3 and g.recovered == [3]
     assert h.boom_default() == (0, False)
     assert h.boom_twice() == set()           # the fallback failed too: the default, both counted
     assert h._part_of_a_hook() is None       # counted under the hook's name
-    assert g.failures == [("boom", "OSError"), ("boom_default", "RuntimeError"), ("boom_twice", "ValueError"),
-                          ("boom_twice.recover", "KeyError"), ("a_hook", "ValueError")]
+    assert g.counted == ["hook_errors.boom", "hook_errors.boom_default", "hook_errors.boom_twice",
+                         "hook_errors.boom_twice.recover", "hook_errors.a_hook"]
 
 
-def test_a_sides_guard_counts_each_failure_and_logs_each_cause_once(caplog):
-    """`Guard.failed`: every failure counted under its hook, one ERROR line per hook and cause."""
-    from kvtier.connector.guard import Guard
+def test_a_hooks_failure_is_counted_each_time_and_logged_once_per_cause(caplog):
+    """`hook_failed`: every failure counted under its hook, one ERROR line per hook and cause."""
     counted = []
-    g = Guard(lambda k, v=1: counted.append(k))
+    once = Once(logging.getLogger("kvtier.connector"))
     with caplog.at_level(logging.DEBUG, logger="kvtier.connector"):
         for _ in range(2):
-            g.failed("wait_for_save", OSError(28, "No space left on device"))
-        g.failed("wait_for_save", OSError(30, "Read-only file system"))
+            hook_failed(lambda k, v=1: counted.append(k), once, "wait_for_save", OSError(28, "No space left on device"))
+        hook_failed(lambda k, v=1: counted.append(k), once, "wait_for_save", OSError(30, "Read-only file system"))
     assert counted == ["hook_errors.wait_for_save"] * 3
     assert [r.levelno for r in caplog.records if r.name == "kvtier.connector"] == \
         [logging.ERROR, logging.DEBUG, logging.ERROR]

@@ -13,7 +13,7 @@ from kvtier.tiers.nvme_control import NvmeControl
 from kvtier.connector.kv_layout import KVLayout
 from kvtier.connector.worker import KVTierWorker
 from kvtier.policies.lru import LRU
-from kvtier.tiers import io_hooks
+from kvtier.tiers import io_engine as io_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parts_util import worker_settings  # noqa: E402

@@ -97,7 +97,7 @@ def _bounded_generate(llm, prompts, max_steps):
 @pytest.mark.parametrize("kind", ["EIO", "EISDIR"])
 def test_hybrid_model_nvme_read_errors_are_not_offered_again(gemma, prompts, baseline, stored, tmp_path,
                                                              monkeypatch, capsys, kind):
-    from kvtier.tiers.io_hooks import HOOKS
+    from kvtier.tiers.io_engine import HOOKS
 
     d = tmp_path / "tier"
     shutil.copytree(stored, d)                       # each kind on its own copy

@@ -79,7 +79,7 @@ POINTS = [("read", "EIO"), ("load_copy", "error"), ("layer_wait", "error"), ("st
 
 @pytest.mark.parametrize("point,kind", POINTS, ids=[p for p, _ in POINTS])
 def test_fault_point_gives_the_same_tokens(served, prompts, baseline, monkeypatch, caplog, capsys, point, kind):
-    from kvtier.tiers.io_hooks import HOOKS
+    from kvtier.tiers.io_engine import HOOKS
 
     llm, _ = served
     s, w = _parts()
@@ -149,7 +149,7 @@ def test_restart_serves_only_good_blocks(served, model_dir, prompts, baseline, c
 
 
 def test_spec_decoding_v1_order_drops_what_a_failed_load_computed(model_dir, capsys, monkeypatch):
-    from kvtier.tiers import io_hooks
+    from kvtier.tiers import io_engine as io_hooks
 
     """vLLM's V1 model runner with speculative decoding (here a draft model: the target itself) takes the load errors and
     the worker report before the deferred `wait_for_save`. Pass 2 extends stored prompts by two

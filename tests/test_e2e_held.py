@@ -1,4 +1,4 @@
-"""vLLM's delay-free protocol end to end on the CPU build (connector/held_requests.py): the CPU
+"""vLLM's delay-free protocol end to end on the CPU build (`scheduler.StoreHolds`, `worker.SendingRequests`): the CPU
 backend's stores complete in the hook, so it never holds a request; here the scheduler side is
 told its stores finish later (as on a GPU), so a request whose last step stored a block is held
 (`request_finished` -> True: vLLM's scheduler runs `request_finished` before it reads the step's

@@ -88,7 +88,7 @@ def _noise(buf):
 
 
 def test_load_failure_recomputes(model_dir, prompts, baseline, monkeypatch):
-    from kvtier.tiers import io_hooks
+    from kvtier.tiers import io_engine as io_hooks
 
     llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64))
     try:

@@ -1,5 +1,5 @@
 """A block whose load failed, for any reason, is not offered again until it is rewritten (issue 33
-item 2): the controller's one memory (`kvtier.core.failed_loads`), on real tiers (DRAM, NVMe files,
+item 2): the controller's one memory (`kvtier.core.ledger`), on real tiers (DRAM, NVMe files,
 a real redis-server). Each failure kind (EIO, EISDIR, a short read of a truncated file, a data file
 that cannot be opened, a failed verification, a copy into the KV that failed) is remembered for
 a one-group lookup (a prefix) and a several-group one (exact keys: `find` / `acquire_keys`), a
@@ -16,11 +16,11 @@ from hypothesis import given, settings, strategies as st
 
 from kvtier.core.config import parse_config
 from kvtier.core.executor import Executor
-from kvtier.core.failed_loads import FailedLoads
+from kvtier.core.ledger import FailedLoads
 from kvtier.core.outside import Buffers
 from kvtier.core.stack import TierStack
 from kvtier.offline.blockgen import block_data, block_key
-from kvtier.tiers import io_hooks
+from kvtier.tiers import io_engine as io_hooks
 from kvtier.tiers.nvme_block import HEADER_BYTES, slot_stride
 from kvtier.tiers.nvme_dir import data_file
 

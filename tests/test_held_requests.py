@@ -1,4 +1,4 @@
-"""vLLM's delay-free protocol for stores still copying (connector/held_requests.py), on CPU with
+"""vLLM's delay-free protocol for stores still copying (`scheduler.StoreHolds`, `worker.SendingRequests`), on CPU with
 `probes.DeferredStreams` (copies run only when the test lets them, as a GPU's run later): the
 scheduler side and the worker side driven through the connector's own hooks, the workers' outputs
 aggregated by vLLM's own `KVOutputAggregator`. A finished request with a store in flight is held
@@ -32,7 +32,7 @@ NB = 12
 
 
 class Conn(C.KVTierConnector):
-    """The connector's hooks (guard included) around one worker and, on rank 0, the scheduler: a `KVTierConnector` built
+    """The connector's hooks (their safe answers included) around one worker and, on rank 0, the scheduler: a `KVTierConnector` built
     without a vLLM config."""
 
     def __init__(self, worker, sched=None) -> None:

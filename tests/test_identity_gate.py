@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.core.digest_cache import CACHE_FILE
 from kvtier.core.identity import DigestStats, ModelIdentity, weights_digest
-from kvtier.connector.persistent import PersistentTiers
+from kvtier.connector.scheduler import PersistentTiers
 from kvtier.connector.scheduler import KVTierScheduler
 from kvtier.core.builder import build_controller
 from kvtier.core.config import parse_config

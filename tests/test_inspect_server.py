@@ -106,7 +106,7 @@ def test_a_state_that_cannot_be_written_never_fails_the_server(monkeypatch, capl
     import logging
     import types
 
-    from kvtier.connector.stats import SchedulerStats
+    from kvtier.connector.metrics import SchedulerStats
 
     counted = []
     sched = types.SimpleNamespace(totals={"blocks_looked_up": 3}, count=lambda k, v=1: counted.append(k),

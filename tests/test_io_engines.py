@@ -16,7 +16,7 @@ import xxhash
 
 from kvtier.tiers import io_kvikio
 from kvtier.tiers.cpu_pool import CpuPool
-from kvtier.tiers.io_hooks import HOOKS
+from kvtier.tiers.io_engine import HOOKS
 from kvtier.tiers.io_engines import (AUTO_HOST_REASON, KVIKIO_HOST_NOTE, ALIGN, EngineUnavailable, KvikioEngine,
                                      PosixEngine, cuda_driver_reason, select_engine)
 from kvtier.tiers.nvme_block import BlockCodec, UnsafePath

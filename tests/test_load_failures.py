@@ -16,7 +16,7 @@ import torch
 
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
 from kvtier.connector.worker import KVTierWorker
-from kvtier.tiers import io_hooks
+from kvtier.tiers import io_engine as io_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))
 from parts_util import worker_settings  # noqa: E402

@@ -187,9 +187,9 @@ def test_completion_changes_the_controllers_state_only_through_methods():
         tree = ast.parse(MODULES[m].read_text())
         scope = tree if cls is None else next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
         return [n for n in ast.walk(scope) if isinstance(n, ast.FunctionDef)]
-    methods = {n.name for m in ("kvtier.core.controller", "kvtier.core.inflight", "kvtier.core.plan")
+    methods = {n.name for m in ("kvtier.core.controller", "kvtier.core.ledger", "kvtier.core.plan")
                for n in functions(m)}
-    inflight = {n.name for n in functions("kvtier.core.inflight", "InFlight")}
+    inflight = {n.name for n in functions("kvtier.core.ledger", "InFlight")}
     parts = [n for n in functions("kvtier.core.controller", "TierController") if n.name in COMPLETION]
     assert sorted(n.name for n in parts) == sorted(COMPLETION)
     nodes = [a for n in parts for a in ast.walk(n) if isinstance(a, ast.Attribute)]
@@ -208,8 +208,7 @@ FAMILY_BASES = {("kvtier.core.config", "_Model"),      # pydantic settings every
                 ("kvtier.core.config", "KeySource"),   # an encryption config is a key source (its fields)
                 ("kvtier.core.plan", "Report"),        # a worker's report is a Report vLLM carries
                 ("kvtier.core.handlers", "ReadLoad"),  # a lower tier's load: FileLoad, SharedLoad fill its hooks
-                ("kvtier.core.handlers", "BehindCopy"),  # a copy written behind: FileCopy, SharedCopy
-                ("kvtier.connector.guard", "Guard")}     # a hook's failure counted and logged; each side's guard adds its safe answers
+                ("kvtier.core.handlers", "BehindCopy")}  # a copy written behind: FileCopy, SharedCopy
 
 
 def _kvtier_classes() -> dict[tuple[str, str], ast.ClassDef]:

@@ -24,7 +24,7 @@ from kvtier.tiers.shared import SharedTier, SimSharedTier
 from kvtier.tiers.shared_conn import RedisSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTROLLER = [ROOT / "kvtier/core/controller.py", ROOT / "kvtier/core/inflight.py"]
+CONTROLLER = [ROOT / "kvtier/core/controller.py", ROOT / "kvtier/core/ledger.py"]
 
 
 def _protocol_members(proto) -> set[str]:

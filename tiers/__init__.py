@@ -2,7 +2,7 @@
 
 from .base import SlotTier, TierFull
 from .contract import BlockView, DataPlane, Medium, Tier
-from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
+from .io_engine import DoneHandle, FutureHandle, IOHandle, IOResult
 
 __all__ = ["BlockView", "DataPlane", "Medium", "SlotTier", "Tier", "TierFull", "DoneHandle", "FutureHandle",
            "IOHandle", "IOResult"]

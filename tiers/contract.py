@@ -24,7 +24,7 @@ import torch
 
 from kvtier.policies.base import NO_INFO, RequestInfo
 
-from .handles import IOHandle
+from .io_engine import IOHandle
 
 
 class Medium(enum.Enum):

@@ -10,7 +10,7 @@ from kvtier.policies.base import EvictionPolicy
 
 from .base import SlotTier
 from .cpu_pool import CpuPool
-from .handles import IOHandle
+from .io_engine import IOHandle
 
 
 class CpuTier(SlotTier):

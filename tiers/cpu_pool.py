@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from .handles import DoneHandle, IOHandle, IOResult
+from .io_engine import DoneHandle, IOHandle, IOResult
 from .contract import Medium
 
 log = logging.getLogger("kvtier.cpu")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 
 from .io_engine import ALIGN, HEADER, MAX_IO_BYTES, EngineFile, EngineUnavailable, IOEngine, round_up
-from .io_hooks import HOOKS, crash_point
+from .io_engine import HOOKS, crash_point
 from .io_kvikio import KvikioEngine, cuda_driver_reason
 from .io_posix import PosixEngine
 

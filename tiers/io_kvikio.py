@@ -12,9 +12,9 @@ import threading
 import torch
 import xxhash
 
-from .handles import FutureHandle, IOHandle, IOResult
+from .io_engine import FutureHandle, IOHandle, IOResult
 from .io_engine import HEADER, EngineFile, EngineUnavailable, IOEngine, check_buffers, open_in
-from .io_hooks import fault_point
+from .io_engine import fault_point
 
 log = logging.getLogger("kvtier.nvme")
 

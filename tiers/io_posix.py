@@ -21,9 +21,9 @@ import xxhash
 
 from kvtier.common.once import Once
 
-from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
+from .io_engine import DoneHandle, FutureHandle, IOHandle, IOResult
 from .io_engine import ALIGN, HEADER, MAX_IO_BYTES, EngineFile, IOEngine, check_buffers, open_in, round_up
-from .io_hooks import HOOKS, crash_point, fault_point
+from .io_engine import HOOKS, crash_point, fault_point
 from .sealing import TAG_BYTES
 
 log = logging.getLogger("kvtier.nvme")

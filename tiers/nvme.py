@@ -29,7 +29,7 @@ import torch
 from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
 
 from .base import PENDING_SLOT, RESIDENT
-from .handles import IOHandle, IOResult
+from .io_engine import IOHandle, IOResult
 from .io_engine import MAX_IO_BYTES
 from .nvme_control import NvmeControl
 from .nvme_data import NvmeData, check_space

@@ -27,7 +27,7 @@ from kvtier.policies.base import EvictionPolicy, RequestInfo, NO_INFO
 from .base import PENDING_SLOT, RESIDENT, SlotTier
 from .contract import Medium
 from kvtier.common.counters import Metric
-from .io_hooks import crash_point
+from .io_engine import crash_point
 from .nvme_block import SECRET_FILE, NoSecret, check_tree, load_secret, open_dir, record_fingerprint, slot_stride
 from .nvme_dir import (DATA_FILE, INDEX_DIR, FingerprintMismatch, claim_dir, exists_at, fingerprint_diff,
                        fingerprint_hash, lock_dir, make_fingerprint)

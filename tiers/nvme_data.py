@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .handles import IOHandle, IOResult
+from .io_engine import IOHandle, IOResult
 from .contract import Medium
 from .io_engine import MAX_IO_BYTES
 from .io_engines import select_engine

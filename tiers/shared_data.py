@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .handles import DoneHandle, FutureHandle, IOHandle, IOResult
+from .io_engine import DoneHandle, FutureHandle, IOHandle, IOResult
 from .contract import Medium
 from .resp_reader import Redirected, RespReader
 from .shared_conn import Breaker, Namespace, Parts, RedisSettings, connect, error_text

@@ -20,16 +20,24 @@ import itertools
 import logging
 from typing import Any, Sequence
 
-from kvtier.core.leases import Lease, LeaseTable
+from kvtier.common.counters import Metric
 from kvtier.common.once import Once
+from kvtier.core.ledger import (
+    DEFAULT_CAP,
+    PENDING,
+    CopyInFlight,
+    FailedLoads,
+    InFlight,
+    Lease,
+    LeaseTable,
+    Pending,
+    StoreInFlight,
+    rank_sums,
+)
+from kvtier.core.plan import CopyOp, Counters, LoadOp, Plan, Report, StoreOp
 from kvtier.policies.base import NO_INFO, AdmissionPolicy, PromotionPolicy, RequestInfo
 from kvtier.tiers.base import group_by_tier, match_prefix
 from kvtier.tiers.contract import Tier
-from kvtier.common.counters import Metric
-
-from kvtier.core.failed_loads import DEFAULT_CAP, FailedLoads
-from kvtier.core.inflight import PENDING, CopyInFlight, InFlight, Pending, StoreInFlight, rank_sums
-from kvtier.core.plan import CopyOp, Counters, LoadOp, Plan, Report, StoreOp
 
 log = logging.getLogger("kvtier.core.controller")
 
@@ -47,7 +55,7 @@ class TierController:
         served in place). `ranks`: workers that each write a shard of every block (a copy to
         NVMe commits once every rank reported). `writeback_blocks`: the write-back batch.
         `tenants`: per-tenant quotas and counters (`kvtier.core.tenants.Tenants`), or None.
-        `failed_loads_cap`: keys whose load failed remembered at most (`kvtier.core.failed_loads`)."""
+        `failed_loads_cap`: keys whose load failed remembered at most (`kvtier.core.ledger`)."""
         if demotion not in DEMOTION:
             raise ValueError(f"demotion must be one of {DEMOTION}, got {demotion!r}")
         self.counters = Counters()   # every count of the control plane (and of the tiers, tenants)
@@ -542,7 +550,7 @@ class TierController:
 
     def _remember_failed(self, rep: Report) -> None:
         """Blocks whose load failed, for any reason: remembered, so no lookup offers them again
-        until a fresh copy is written (`kvtier.core.failed_loads`)."""
+        until a fresh copy is written (`kvtier.core.ledger`)."""
         for t, blocks in rep.unread.items():
             tier = self.tiers[t]
             keys = list(blocks) if tier.shared else [k for s in blocks if (k := tier.key_at(s)) is not None]

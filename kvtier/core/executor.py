@@ -7,11 +7,11 @@ in the *outside* (where blocks live outside the tiers) and how often they report
 - `kvtier.connector.kv_layout.KVCopier`: vLLM's KV cache (gather / scatter, on a GPU on a side
   stream ordered against the forward, one event per layer).
 
-Each tier's data plane (`kvtier.tiers.contract.DataPlane`, looked up in `kvtier.core.planes.Planes`)
+Each tier's data plane (`kvtier.tiers.contract.DataPlane`, looked up in `kvtier.core.handlers.Planes`)
 declares its medium; an op is run by the handler of its (source medium, destination medium), one
 of each class of `kvtier.core.handlers.HANDLERS`, built from the executor's parts (`Handlers`): a
 load is (tier, OUTSIDE), a store (OUTSIDE, tier), a copy down (tier, tier), the last written
-behind the step (`kvtier.core.write_behind.CopiesDown`).
+behind the step (`kvtier.core.handlers.CopiesDown`).
 
 Every failure is a per-block result (a miss, a load error the caller recomputes, a store not
 committed), logged once per cause and counted; nothing here raises into the caller's step.
@@ -24,14 +24,14 @@ import time
 from typing import Any, Callable, Sequence
 
 from kvtier.core.handlers import Handlers, LoadRun, run_copies
-from kvtier.core.planes import Planes
+from kvtier.core.handlers import Planes
 from kvtier.common.once import Once, cause
 from kvtier.core.plan import CopyOp, Counters, LoadOp, Plan, Report, ReportBuilder, StoreOp
 from kvtier.core.staging import Staging
-from kvtier.core.write_behind import CopiesDown
+from kvtier.core.handlers import CopiesDown
 from kvtier.core.outside import Outside
 from kvtier.tiers.contract import DataPlane, Medium
-from kvtier.tiers.io_hooks import fault_point
+from kvtier.tiers.io_engine import fault_point
 from kvtier.common.counters import Metric
 
 log = logging.getLogger("kvtier.executor")
@@ -360,7 +360,7 @@ class Executor:
 
     def unread(self, op: LoadOp, oks: Sequence[bool]) -> None:
         """Report the blocks of `op` not loaded (`oks` False), whatever the reason: the controller
-        remembers them (`kvtier.core.failed_loads`). A shared-tier block (slot -1) by its key."""
+        remembers them (`kvtier.core.ledger`). A shared-tier block (slot -1) by its key."""
         ids = op.keys if op.slots and op.slots[0] < 0 and op.keys else op.slots
         self.report.unread(op.tier, [x for x, ok in zip(ids, oks) if not ok])
 

@@ -65,7 +65,7 @@ class Plan:
 class Report:
     """An executor's results: store op -> per-block ok, request -> load ok, copy op -> per-slot
     checksum (-1: failed), tier -> slots that failed verification, tier -> blocks whose load
-    failed for any reason (`unread`: the controller remembers them, `kvtier.core.failed_loads`).
+    failed for any reason (`unread`: the controller remembers them, `kvtier.core.ledger`).
 
     Aggregating over workers (tensor parallel ranks) ANDs the flags; copies keep each rank's
     checksums (ranks hold different shards in different files)."""

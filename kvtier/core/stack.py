@@ -23,7 +23,7 @@ from kvtier.core.config import StackConfig, load_config
 from kvtier.core.controller import TierController
 from kvtier.core.executor import Executor
 from kvtier.core.outside import Buffers
-from kvtier.core.leases import Lease
+from kvtier.core.ledger import Lease
 from kvtier.core.plan import Plan, Report
 from kvtier.common.counters import Metric
 

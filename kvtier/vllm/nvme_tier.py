@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
-from kvtier.tiers.handles import IOHandle, IOResult
+from kvtier.tiers.io_engine import IOHandle, IOResult
 from kvtier.common.counters import Metric
 
 from .common import KvtierSecondaryTier
