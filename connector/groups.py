@@ -114,8 +114,16 @@ def _fixed_point(groups: Sequence[Group], present: Callable[[Group, int], bool],
     return max(local, n)
 
 
-def groups_of(kv_cache_config: Any) -> list[Group]:
-    """The groups of vLLM's `KVCacheConfig` kvtier serves (its prefix-cacheable ones), in order.
+def block_span(spec: Any, dcp: int = 1) -> int:
+    """Tokens one block of a group spans: its spec's (per-rank) block size, times `dcp` where
+    decode context parallelism shards its tokens (vLLM's `resolve_dcp_kv_block_size`)."""
+    sharded = dcp > 1 and bool(getattr(spec, "dcp_sharded", True))
+    return int(spec.block_size) * (dcp if sharded else 1)
+
+
+def groups_of(kv_cache_config: Any, dcp: int = 1) -> list[Group]:
+    """The groups of vLLM's `KVCacheConfig` kvtier serves (its prefix-cacheable ones), in order,
+    each block spanning `block_span` tokens (`dcp`: decode context parallel size).
     A spec kvtier does not know (cross attention, encoder-only...) is not served: ValueError."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
@@ -125,7 +133,7 @@ def groups_of(kv_cache_config: Any) -> list[Group]:
         if gid not in serve:
             continue
         spec, eagle = g.kv_cache_spec, bool(getattr(g, "is_eagle_group", False))
-        bt = int(spec.block_size)
+        bt = block_span(spec, dcp)
         if isinstance(spec, MambaSpec):
             out.append(Group(gid, GroupKind.MAMBA, bt, eagle=eagle))
         elif isinstance(spec, SlidingWindowSpec):
@@ -140,33 +148,40 @@ def groups_of(kv_cache_config: Any) -> list[Group]:
     return out
 
 
-def block_geometry(kv_cache_config: Any) -> tuple[int, int]:
+def block_geometry(kv_cache_config: Any, dcp: int = 1) -> tuple[int, int]:
     """(bytes of one block id over every layer region, vLLM's scheduler block in tokens). With
     several groups (the hybrid allocator) the groups' layers are overlaid on the same regions (one
     page per layer and block, the same size in every group), so a block id owns one page of each
-    region whatever its group: the largest group's pages."""
+    region whatever its group: the largest group's pages. Under decode context parallelism
+    (`dcp`) the bytes are this rank's pages, the tokens the block's whole span (`block_span`)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if not groups:
         return 0, 0
     bb = max(int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) for g in groups)
     bt = 1
     for g in groups:
-        bt = math.lcm(bt, int(g.kv_cache_spec.block_size))
+        bt = math.lcm(bt, block_span(g.kv_cache_spec, dcp))
     return bb, bt
 
 
-def served_groups(kv_cache_config: Any, eagle: bool = False) -> tuple[list, str | None]:
+def served_groups(kv_cache_config: Any, eagle: bool = False, cp: tuple[int, int] = (1, 1)) -> tuple[list, str | None]:
     """(the groups kvtier serves, why it cannot serve them or None). `eagle`: speculative decoding
     drops the draft's trailing block (vLLM's `use_eagle_block_drop`); where vLLM flags no group as
-    the draft's (a one-group model), every group counts as the draft's, as in vLLM's own cache."""
+    the draft's (a one-group model), every group counts as the draft's, as in vLLM's own cache.
+    `cp`: (dcp, pcp); under context parallelism only full-attention groups are served (the
+    others' per-rank state under it is not a shard kvtier knows how to serve)."""
     if kv_cache_config is None or not getattr(kv_cache_config, "kv_cache_groups", None):
         return [], "no KV-cache groups"
     try:
-        groups = groups_of(kv_cache_config)
+        groups = groups_of(kv_cache_config, cp[0])
     except ValueError as e:
         return [], str(e)
     if not groups:
         return [], "no prefix-cacheable KV-cache group"
+    other = sorted({g.kind.value for g in groups if g.kind is not GroupKind.FULL})
+    if max(cp) > 1 and other:
+        return [], (f"context parallelism (dcp {cp[0]}, pcp {cp[1]}) with {', '.join(other)} KV-cache groups: "
+                    f"kvtier serves only full attention under it")
     if any(g.block_tokens % min(x.block_tokens for x in groups) for g in groups):
         return [], "KV-cache groups whose block sizes do not divide each other"
     if eagle and not any(g.eagle for g in groups):   # vLLM: KVCacheCoordinator's fallback

@@ -28,9 +28,8 @@ from .groups import GroupRules
 from kvtier.core.identity import ModelIdentity
 from .engine_identity import effective_config_digest, load_source, weights_pin
 from .kv_layout import layout_name
-from .parallel import shards, store_rank, world_size
-from .scheduler import PersistentTiers
-from .scheduler import KVTierScheduler, SchedulerOptions
+from .parallel import context_parallel, context_parallel_refused, shards, store_rank, world_size
+from .scheduler import KVTierScheduler, PersistentTiers, SchedulerOptions
 from .startup import flush_budget_s, shared_opener, warn_per_process_hashes
 from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
 
@@ -55,12 +54,26 @@ class KVShape:
 
 
 def kv_shape(vllm_config: Any, kv_cache_config: Any) -> KVShape:
-    bb, bt = block_geometry(kv_cache_config)
-    groups, why = served_groups(kv_cache_config, _drops_draft_block(vllm_config))
+    """Under context parallelism (`parallel.context_parallel`) a block spans vLLM's whole block
+    (`block_size x dcp` tokens) and must be vLLM's own scheduler block, else nothing is served."""
+    dcp, pcp, _ = context_parallel(vllm_config)
+    bb, bt = block_geometry(kv_cache_config, dcp)
+    groups, why = served_groups(kv_cache_config, _drops_draft_block(vllm_config), (dcp, pcp))
+    if why is None and dcp * pcp > 1:
+        why = context_parallel_refused(vllm_config) or _not_vllms_block(vllm_config, kv_cache_config, bt)
     shape = KVShape(groups, bb, bt or vllm_config.cache_config.block_size, why)
     if not shape.enabled:
         log.warning("kvtier: connector disabled: %s", why or f"block of {bb} bytes")
     return shape
+
+
+def _not_vllms_block(vllm_config: Any, kv_cache_config: Any, tokens: int) -> str | None:
+    """Why `tokens` is not vLLM's scheduler block (`resolve_kv_cache_block_sizes`), or None."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+    theirs, _ = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    if theirs == tokens:
+        return None
+    return f"kvtier's block of {tokens} tokens is not vLLM's scheduler block of {theirs} under context parallelism"
 
 
 def _drops_draft_block(vllm_config: Any) -> bool:
@@ -112,17 +125,20 @@ def model_key(identity: str | None, vllm_config: Any) -> str | None:
 def fingerprint(cfg: Any, vllm_config: Any, shape: KVShape, model: str | None) -> dict:
     """What must match for a stored block to be served: the model (`model_key`: its weights'
     identity and the engine's effective config), KV dtype, layout (the blocks' byte format,
-    `kv_layout.layout_name`, plus a digest of the groups when several), parallelism."""
+    `kv_layout.layout_name`, plus a digest of the groups when several), parallelism (tp, pp; and
+    dcp, pcp and the interleave under context parallelism, which decide a rank's bytes of a block)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     layout = layout_name(device_type(vllm_config))
     if shape.hybrid:
         layout += ":groups-" + xxhash.xxh3_64_hexdigest(repr(shape.groups).encode())
+    dcp, pcp, interleave = context_parallel(vllm_config)
+    cp = {"dcp": dcp, "pcp": pcp, "cp_interleave": interleave} if dcp * pcp > 1 else {}
     return cfg.fingerprint(
         model=model_key(model, vllm_config) or "(not known yet)", revision=str(getattr(mc, "revision", None)),
         dtype=str(getattr(mc, "dtype", "?")),
         kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
         layout=layout, tp=int(getattr(pc, "tensor_parallel_size", 1)),
-        pp=int(getattr(pc, "pipeline_parallel_size", 1)))
+        pp=int(getattr(pc, "pipeline_parallel_size", 1)), **cp)
 
 
 def device_type(vllm_config: Any) -> str:

@@ -84,8 +84,13 @@ def scheduler_line(conn: Any) -> str:
     return (f"kvtier connector (scheduler) started: tiers {'; '.join(parts) or 'none (disabled)'}; "
             f"block {conn.block_tokens} tokens x {_size(bb)}; {policies}, offload {pol.offload}, "
             f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
-            f"{_identity_part(conn, fingerprint_hash(fp))} ({fp['dtype']}, tp {fp['tp']} pp {fp['pp']}); "
+            f"{_identity_part(conn, fingerprint_hash(fp))} ({fp['dtype']}, tp {fp['tp']} pp {fp['pp']}{_cp(fp)}); "
             f"config {st.source}")
+
+
+def _cp(fp: dict) -> str:
+    """Context parallelism as the fingerprint names it, or nothing without it."""
+    return f" dcp {fp['dcp']} pcp {fp['pcp']} interleave {fp['cp_interleave']}" if "dcp" in fp else ""
 
 
 def _identity_part(conn: Any, fp_hash: str) -> str:
