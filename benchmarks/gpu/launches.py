@@ -5,9 +5,10 @@ an aten op that is neither a view nor an allocation, a kernel or a memcpy on CUD
     python benchmarks/gpu/launches.py [--json] [--layers 80]
 
 An 80-layer KV (vLLM's per-layer NHD views, bf16, 512 B per layer and block) and a worker on it:
-- 1,000 blocks stored (one request, consecutive DRAM slots, as a fresh pool hands them out), then
-  loaded: launches per layer each way; `..._scattered_rows`: the same with every slot apart (one
-  host<->device memcpy per run of consecutive rows);
+- 1,000 blocks of 1,000 one-block requests stored in one step (consecutive DRAM slots, as a fresh
+  pool hands them out), then loaded: launches per layer each way; `..._one_request`: the same
+  blocks as one request; `..._scattered_rows`: every slot apart (one host<->device memcpy per run
+  of consecutive rows);
 - one step of 16 one-block requests loading and 16 storing (slots apart), and of 1 and 1:
   every launch of the step (`launches_16_requests`, `launches_1_request`), the events recorded, the
   compute stream's waits on store events (`compute_waits_on_stores_per_step`) and the share of
@@ -80,9 +81,13 @@ def measure(layers: int = 80) -> dict:
         blocks = torch.randperm(SLOTS, generator=g)[:BLOCKS].tolist()
         dst = torch.randperm(SLOTS, generator=g)[:BLOCKS].tolist()
         out: dict = {"layers": layers}
-        for name, slots in (("", list(range(BLOCKS))), ("_scattered_rows", list(range(0, 2 * BLOCKS, 2)))):
-            st = b.step([], [StoreOp(1, 0, slots, blocks)])
-            ld = b.step([LoadOp("r", 0, slots, dst)], [])
+        apart = list(range(0, 2 * BLOCKS, 2))
+        for name, slots, requests in (("", list(range(BLOCKS)), BLOCKS), ("_one_request", list(range(BLOCKS)), 1),
+                                      ("_scattered_rows", apart, BLOCKS)):
+            size = BLOCKS // requests
+            parts = [(i, slots[i:i + size], blocks[i:i + size], dst[i:i + size]) for i in range(0, BLOCKS, size)]
+            st = b.step([], [StoreOp(1 + i, 0, sl, bl) for i, sl, bl, _ in parts])
+            ld = b.step([LoadOp(f"r{i}", 0, sl, d) for i, sl, _, d in parts], [])
             out[f"store_launches_per_layer_1000_blocks{name}"] = round(st["store_launches"] / layers, 2)
             out[f"load_launches_per_layer_1000_blocks{name}"] = round(ld["load_launches"] / layers, 2)
         for n in (16, 1):
