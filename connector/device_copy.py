@@ -12,19 +12,23 @@ returns, without synchronizing; a load's blocks are read by attention layer by l
   an earlier step may still read the blocks being overwritten), records one event per layer, and
   `wait_layer` makes the compute stream wait on that layer's event (no host-side wait).
 
-The copies are batched: blocks are gathered / scattered by index on the device through a device
-staging buffer laid out as the host rows are (all layers of a block, layer after layer), so one
-host<->device copy moves each run of consecutive rows and one kernel per layer moves the blocks;
-no per-block, per-layer views are kept. Consecutive chunks reuse the staging buffer in stream order
-(no host wait). Every host buffer a copy touches is registered (pinned): the rows (the CPU pool,
-staging) and the block indices (`IndexRing`); a run of rows that crosses the end of one
-registration is split there, so no copy spans two. The stream and event calls go through a
-`Streams` object, so the ordering is testable on CPU tensors with a fake that runs copies later.
+The copies are batched per step and direction: every request's blocks (`store_parts` /
+`load_parts`: all host buffers together, their rows in order) are gathered / scattered by one
+index tensor (copied to the device once) through a device staging buffer laid out as the host
+rows are (all layers of a block, layer after layer), so one host<->device copy moves each run of
+consecutive rows and a constant number of kernels per layer moves the blocks, however many
+requests; no per-block, per-layer views are kept. Consecutive chunks of the staging size reuse
+the staging buffer in stream order (no host wait). Every host buffer a copy touches is registered
+(pinned): the rows (the CPU pool, staging) and the block indices (`IndexRing`); a run of rows that
+crosses the end of one registration is split there, so no copy spans two. The stream and event
+calls go through a `Streams` object, so the ordering is testable on CPU tensors with a fake that
+runs copies later.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from typing import Any, Iterator, Protocol, Sequence
 
 import torch
@@ -121,48 +125,51 @@ def split_runs(host: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> list
 class IndexRing:
     """The block indices of the gathers and scatters, written into a registered (pinned) host ring
     and copied to the device on the side stream (`Streams.run`). A part of the ring is written again
-    only once the copy that read it completed: its event is queried, and the host waits for it only
-    when the ring wrapped onto a copy still queued (a ring's worth of indices in flight)."""
+    only once the copy that read it completed: the copies in flight are kept in ring order, so only
+    the oldest are looked at (O(1) per copy, amortized): those a ring behind the new part are
+    retired (the host waits only when the ring wrapped onto a copy still queued), done ones are
+    dropped."""
 
     def __init__(self, streams: Streams, device: torch.device, pin: bool | str, entries: int = INDEX_ENTRIES) -> None:
         self.streams = streams
         self.device = device
         self.buf = host_buffer(entries * 8, pin, row_bytes=8, what="index ring")
         self.host = self.buf.tensor.view(torch.int64)
-        self.pos = 0
-        self.inflight: list[tuple[int, int, Any]] = []   # (first, end, event after its copy)
+        self.size = self.host.numel()
+        self.pos = 0   # entries handed out so far (a part never wraps: the ring's tail is skipped)
+        self.inflight: deque[tuple[int, Any]] = deque()   # (first entry, event after its copy), in order
         self.trace: list[tuple[int, int]] | None = None   # host ranges copied (tests)
 
     def to_device(self, ids: Sequence[int]) -> torch.Tensor:
         """`ids` on the device, after the side stream's work so far (call on the side stream)."""
         n = len(ids)
-        if n > self.host.numel():
-            raise RuntimeError(f"{n} block indices in one copy; the index ring holds {self.host.numel()}")
-        if self.pos + n > self.host.numel():
-            self.pos = 0
-        lo, hi = self.pos, self.pos + n
-        s = self.streams
-        keep = []
-        for a, b, ev in self.inflight:
-            if s.query(ev):
-                continue
-            if a < hi and lo < b:
-                s.sync(ev)
-                continue
-            keep.append((a, b, ev))
-        self.inflight = keep
-        src = self.host[lo:hi]
+        if n > self.size:
+            raise RuntimeError(f"{n} block indices in one copy; the index ring holds {self.size}")
+        lo = self.pos
+        if lo % self.size + n > self.size:
+            lo += self.size - lo % self.size
+        hi = lo + n
+        s, q = self.streams, self.inflight
+        while q:   # a part that starts a ring before `hi` may share entries with [lo, hi)
+            first, ev = q[0]
+            if first < hi - self.size:
+                if not s.query(ev):
+                    s.sync(ev)
+            elif not s.query(ev):
+                break
+            q.popleft()
+        src = self.host[lo % self.size:lo % self.size + n]
         src.copy_(torch.as_tensor(ids, dtype=torch.int64))
         if self.trace is not None:
             self.trace.append((src.data_ptr(), n * 8))
         dst = torch.empty(n, dtype=torch.int64, device=self.device)
         s.run(_to_device, dst, src)
-        self.inflight.append((lo, hi, s.record()))
+        q.append((lo, s.record()))
         self.pos = hi
         return dst
 
     def close(self) -> None:
-        self.inflight = []
+        self.inflight.clear()
         self.buf.close()
 
 
@@ -170,9 +177,17 @@ def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+Part = tuple[torch.Tensor, Sequence[int], Sequence[int]]   # (host rows, block ids, their rows)
+Run = tuple[torch.Tensor, int, int, int]   # (host, first staging row, first host row, length)
+
+
 class DeviceCopier:
     """Blocks of the device KV (`flat[l]`: [num_blocks, ...] uint8 per layer, a block's bytes in
-    index order: `kv_layout.canonical_view`) <-> rows of a host tensor ([rows, block_bytes] uint8: layer 0's bytes of a block, then layer 1's, ...)."""
+    index order: `kv_layout.canonical_view`) <-> rows of host tensors ([rows, block_bytes] uint8:
+    layer 0's bytes of a block, then layer 1's, ...). Per chunk of the staging size, whatever the
+    number of parts (requests): a store is two kernels per layer (gather, into staging) and a load
+    one (scatter), plus one host<->device copy per run of consecutive rows and one copy of the
+    indices per call."""
 
     def __init__(self, flat: Sequence[torch.Tensor], offsets: Sequence[int], streams: Streams,
                  staging_bytes: int = STAGING_BYTES, pin: bool | str = "auto") -> None:
@@ -181,9 +196,9 @@ class DeviceCopier:
         self.block_bytes = self.offsets[-1]
         self.streams = streams
         self.device = self.flat[0].device
-        self.chunk = max(1, staging_bytes // self.block_bytes)
         self._staging: torch.Tensor | None = None
         self.index = IndexRing(streams, self.device, pin)
+        self.chunk = max(1, min(staging_bytes // self.block_bytes, self.index.size))
         self.trace: list[tuple[int, int]] | None = None   # host ranges copied, rows and indices (tests)
 
     def traced(self) -> list[tuple[int, int]]:
@@ -192,29 +207,69 @@ class DeviceCopier:
         return self.trace
 
     def _stage(self, n: int) -> torch.Tensor:
-        if self._staging is None:
+        if self._staging is None or self._staging.shape[0] < self.chunk:
             self._staging = torch.empty((self.chunk, self.block_bytes), dtype=torch.uint8, device=self.device)
         return self._staging[:n]
 
-    def _chunks(self, block_ids: Sequence[int], rows: Sequence[int]) -> Iterator[tuple[list[int], list[int]]]:
-        for i in range(0, len(block_ids), self.chunk):
-            yield list(block_ids[i:i + self.chunk]), list(rows[i:i + self.chunk])
+    def _chunks(self, parts: Sequence[Part]) -> list[tuple[torch.Tensor, list[Run]]]:
+        """(device indices, host runs (host, first staging row, first host row, length)) per chunk
+        of all `parts` together, their blocks in host-row order (so neighbouring rows of different
+        parts are one copy); the indices go to the device once when they fit the index ring."""
+        hosts: dict[tuple[int, int, int], int] = {}
+        tensors: list[torch.Tensor] = []
+        entries: list[tuple[int, int, int]] = []   # (host, row, block)
+        for host, ids, rows in parts:
+            if len(ids) != len(rows):
+                raise ValueError(f"{len(ids)} blocks for {len(rows)} rows")
+            key = (host.data_ptr(), host.stride(0), host.shape[0])
+            h = hosts.setdefault(key, len(tensors))
+            if h == len(tensors):
+                tensors.append(host)
+            entries.extend((h, r, b) for b, r in zip(ids, rows))
+        entries.sort()
+        ids = [b for _, _, b in entries]
+        whole = self.index.to_device(ids) if 0 < len(ids) <= self.index.size else None
+        out = []
+        for c0 in range(0, len(entries), self.chunk):
+            sub = entries[c0:c0 + self.chunk]
+            idx = whole[c0:c0 + len(sub)] if whole is not None else self.index.to_device(ids[c0:c0 + len(sub)])
+            out.append((idx, self._runs(tensors, sub)))
+        return out
 
-    def _runs(self, host: torch.Tensor, rws: list[int]) -> list[tuple[int, int, int]]:
-        runs = split_runs(host, row_runs(rws))
+    def _runs(self, tensors: list[torch.Tensor], sub: list[tuple[int, int, int]]) -> list[Run]:
+        """(host, first staging row, first host row, length) per run of consecutive rows of one
+        host in `sub` ((host, row, block), sorted), cut where a registration ends."""
+        runs = []
+        i = 0
+        while i < len(sub):
+            j = i
+            while j < len(sub) and sub[j][0] == sub[i][0]:
+                j += 1
+            host = tensors[sub[i][0]]
+            for k, r0, n in split_runs(host, row_runs([r for _, r, _ in sub[i:j]])):
+                runs.append((host, i + k, r0, n))
+            i = j
         if self.trace is not None:
-            rb = host.stride(0)
-            self.trace.extend((host.data_ptr() + r0 * rb, n * rb) for _, r0, n in runs)
+            self.trace.extend((h.data_ptr() + r0 * h.stride(0), n * h.stride(0)) for h, _, r0, n in runs)
         return runs
 
     def store(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int]) -> Any:
-        """KV blocks -> host rows, after the forward; returns the event to poll (`query`) before
-        the host bytes are used. The compute stream's later work waits for it (not the host)."""
+        """`store_parts` of one part."""
+        return self.store_parts([(host, block_ids, rows)])
+
+    def load(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int]) -> list[Any]:
+        """`load_parts` of one part."""
+        return self.load_parts([(host, block_ids, rows)])
+
+    def store_parts(self, parts: Sequence[Part]) -> Any:
+        """KV blocks -> host rows, after the forward, all parts together; returns the event to poll
+        (`query`) before the host bytes are used. The compute stream's later work waits for it
+        (not the host)."""
         s = self.streams
         s.fence()
         with self._settled(), s.side():
-            for ids, rws in self._chunks(block_ids, rows):
-                s.run(self._gather, host, self.index.to_device(ids), self._runs(host, rws))
+            for idx, runs in self._chunks(parts):
+                s.run(self._gather, idx, runs)
             ev = s.record()
         try:
             s.compute_wait(ev)
@@ -222,20 +277,20 @@ class DeviceCopier:
             s.sync(ev)
         return ev
 
-    def load(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int]) -> list[Any]:
-        """Host rows -> KV blocks, after the work queued on the compute stream; returns one event
-        per layer (`compute_wait` it before that layer's attention)."""
+    def load_parts(self, parts: Sequence[Part]) -> list[Any]:
+        """Host rows -> KV blocks, all parts together, after the work queued on the compute stream;
+        returns one event per layer, recorded after that layer's last scatter (`compute_wait` it
+        before that layer's attention)."""
         s = self.streams
         s.fence()
         events: list[Any] = []
         with self._settled(), s.side():
-            chunks = list(self._chunks(block_ids, rows))
-            for c, (ids, rws) in enumerate(chunks):
-                s.run(self._stage_rows, host, self._runs(host, rws))
-                idx = self.index.to_device(ids)
+            chunks = self._chunks(parts)
+            for c, (idx, runs) in enumerate(chunks):
+                s.run(self._stage_rows, idx.numel(), runs)
                 last = c == len(chunks) - 1
                 for li in range(len(self.flat)):
-                    s.run(self._scatter, li, idx, len(ids))
+                    s.run(self._scatter, li, idx)
                     if last:
                         events.append(s.record())
         return events
@@ -255,21 +310,21 @@ class DeviceCopier:
             raise
 
     # the copies themselves, queued on the side stream by `Streams.run`
-    def _gather(self, host: torch.Tensor, idx: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    def _gather(self, idx: torch.Tensor, runs: list[Run]) -> None:
         st = self._stage(idx.numel())
         for li, f in enumerate(self.flat):
             st[:, self.offsets[li]:self.offsets[li + 1]].copy_(f.index_select(0, idx).flatten(1))
-        for i, r0, n in runs:
+        for host, i, r0, n in runs:
             host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
 
-    def _stage_rows(self, host: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
-        st = self._stage(sum(n for _, _, n in runs))
-        for i, r0, n in runs:
-            st[i:i + n].copy_(host[r0:r0 + n], non_blocking=True)
+    def _stage_rows(self, n: int, runs: list[Run]) -> None:
+        st = self._stage(n)
+        for host, i, r0, k in runs:
+            st[i:i + k].copy_(host[r0:r0 + k], non_blocking=True)
 
-    def _scatter(self, li: int, idx: torch.Tensor, n: int) -> None:
+    def _scatter(self, li: int, idx: torch.Tensor) -> None:
         f = self.flat[li]
-        f.index_copy_(0, idx, self._stage(n)[:, self.offsets[li]:self.offsets[li + 1]].view(-1, *f.shape[1:]))
+        f.index_copy_(0, idx, self._stage(idx.numel())[:, self.offsets[li]:self.offsets[li + 1]].view(-1, *f.shape[1:]))
 
     def close(self) -> None:
         self._staging = None

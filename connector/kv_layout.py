@@ -218,12 +218,16 @@ class DeviceJob:
 Job = RowCopy | ViewCopy | DeviceJob
 
 
+def _parts(jobs: Sequence[DeviceJob]) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+    return [(j.host, j.block_ids, j.rows) for j in jobs]
+
+
 class KVCopier:
     """Copies between vLLM's KV (`layout`) and the slots of a CPU pool (or any rows buffer).
 
     On the CPU backend: row copies (`RowCopy`, numpy / one torch copy per run). On a GPU: the
-    device copier (`device_copy.DeviceCopier`: batched, on a side stream ordered against the
-    forward). Otherwise per-layer canonical views (`ViewCopy`).
+    device copier (`device_copy.DeviceCopier`: a step's jobs batched together, on a side stream
+    ordered against the forward). Otherwise per-layer canonical views (`ViewCopy`).
     `streams` forces the device copier (tests drive it on CPU tensors with a fake that runs the
     copies later, as a GPU does: `benchmarks/gpu/probes.DeferredStreams`).
     """
@@ -300,10 +304,7 @@ class KVCopier:
         if self.device is None:
             self.run(jobs, to_outside=False)
             return None
-        ev = None
-        for j in jobs:
-            ev = self.device.store(j.host, j.block_ids, j.rows)
-        return ev
+        return self.device.store_parts(_parts(jobs)) if jobs else None
 
     def load_layered(self, jobs: Sequence[Job]) -> list | None:
         """Enqueue host -> KV copies; returns one event per layer for `wait_layer` (None: the
@@ -311,10 +312,7 @@ class KVCopier:
         if self.device is None:
             self.run(jobs, to_outside=True)
             return None
-        events = None
-        for j in jobs:  # the side stream runs them in order: the last job's events cover all
-            events = self.device.load(j.host, j.block_ids, j.rows)
-        return events
+        return self.device.load_parts(_parts(jobs)) if jobs else None
 
     def wait_layer(self, event) -> None:
         self.device.streams.compute_wait(event)
@@ -339,14 +337,15 @@ class KVCopier:
                     self.copy(j.dst, j.src)
                 else:
                     self.copy(j.src, j.dst)
-            elif isinstance(j, DeviceJob):
-                dev = self.device
-                if to_outside:
-                    events = dev.load(j.host, j.block_ids, j.rows)
-                    if events:
-                        dev.streams.sync(events[-1])
-                else:
-                    dev.streams.sync(dev.store(j.host, j.block_ids, j.rows))
+        dj = [j for j in jobs if isinstance(j, DeviceJob)]
+        if dj:   # all together, as one step's (`DeviceCopier.load_parts` / `store_parts`)
+            dev = self.device
+            if to_outside:
+                events = dev.load_parts(_parts(dj))
+                if events:
+                    dev.streams.sync(events[-1])
+            else:
+                dev.streams.sync(dev.store_parts(_parts(dj)))
 
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         # shapes differ only for non-contiguous layer blocks: view the byte side accordingly

@@ -12,6 +12,11 @@ syncs, preferring one stream whenever both can run. A missing wait then shows as
 - `load_probe`: a block is loaded while the side stream is delayed, then each layer is read on
   the compute stream after `wait_layer`, before any host sync: the reads equal the source.
 Each takes `ordered=False` to switch the wait off; then the probe must fail (it is not vacuous).
+
+`DeferredStreams(count=True)` also counts what a GPU would be asked to do: each queued item's
+launches (the aten ops it runs that are neither views nor allocations: a kernel or a memcpy each
+on CUDA) and the bytes they move, the events recorded and the compute stream's waits
+(`benchmarks/gpu/launches.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
 from kvtier.connector.config import load_settings
@@ -33,14 +39,52 @@ ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1,
           "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
 
 
-class DeferredStreams:
-    """`device_copy.Streams` on CPU that runs copies later, as a GPU does (see the module)."""
+_NO_KERNEL = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten._unsafe_view.default, torch.ops.aten.set_.source_Storage_storage_offset,
+              torch.ops.aten.lift_fresh.default}
 
-    def __init__(self, prefer: str = "side") -> None:
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+class Launches(TorchDispatchMode):
+    """Counts the aten ops run inside it that would launch work on a GPU (a kernel or a memcpy:
+    views and allocations do not) and the bytes they write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and func not in _NO_KERNEL:
+            self.n += 1
+            if func is torch.ops.aten.index_copy_.default:
+                self.bytes += _nbytes(args[3])
+            elif func._schema.is_mutable:
+                self.bytes += _nbytes(args[0])
+            else:
+                self.bytes += _nbytes(out)
+        return out
+
+
+class DeferredStreams:
+    """`device_copy.Streams` on CPU that runs copies later, as a GPU does (see the module).
+    `count`: each executed item's launches and bytes (`item_launches`, `item_bytes`, by stream,
+    in queue order), and the events recorded and the compute stream's waits (`events`, `waited`)."""
+
+    def __init__(self, prefer: str = "side", count: bool = False) -> None:
         self.prefer = prefer
         self.q: dict[str, list] = {"compute": [], "side": []}
         self.done = {"compute": 0, "side": 0}
         self.cur = "compute"
+        self.count = count
+        self.item_launches: dict[str, list[int]] = {"compute": [], "side": []}
+        self.item_bytes: dict[str, list[int]] = {"compute": [], "side": []}
+        self.events = 0
+        self.waited: list[int] = []
 
     def fence(self) -> None:
         self.q["side"].append(("wait", "compute", len(self.q["compute"])))
@@ -61,9 +105,11 @@ class DeferredStreams:
         self.q["compute"].append(("op", fn, args))
 
     def record(self) -> int:
+        self.events += 1
         return len(self.q["side"])
 
     def compute_wait(self, event: int) -> None:
+        self.waited.append(event)
         self.q["compute"].append(("wait", "side", event))
 
     def sync(self, event: int) -> None:
@@ -88,8 +134,16 @@ class DeferredStreams:
             item = q[i]
             if item[0] == "wait" and self.done[item[1]] < item[2]:
                 continue
-            if item[0] == "op":
+            n = b = 0
+            if item[0] == "op" and self.count:
+                with Launches() as m:
+                    item[1](*item[2])
+                n, b = m.n, m.bytes
+            elif item[0] == "op":
                 item[1](*item[2])
+            if self.count:
+                self.item_launches[name].append(n)
+                self.item_bytes[name].append(b)
             self.done[name] += 1
             return True
         return False

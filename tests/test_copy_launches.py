@@ -1,0 +1,216 @@
+"""A step's device copies are batched (issue 36, items 2 and 5), on CPU through
+`probes.DeferredStreams` (copies run later, as a GPU's do; `count=True` counts each queued
+item's launches): all requests' stores of a step, and all their loads, take the same kernels per
+layer as one request's (only host<->device copies follow runs of rows); every layout round-trips
+byte-exact with many requests and chunks crossing the staging size, each layer's reads on the
+compute stream seeing its blocks; the index ring looks at its oldest copies only (O(1) per copy);
+`benchmarks/gpu/launches.py --json` prints the figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.connector.device_copy import DeviceCopier, IndexRing
+from kvtier.connector.kv_layout import KVLayout
+from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
+from kvtier.connector.worker import KVTierWorker
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+import probes  # noqa: E402
+from parts_util import worker_settings  # noqa: E402
+
+LAYERS = 6
+
+
+def counted_step(w: KVTierWorker, st: probes.DeferredStreams, loads, stores) -> tuple[int, int, int]:
+    """One step's hooks; (load launches, store launches, events) once its copies ran."""
+    st.drain()
+    s0, e0 = len(st.q["side"]), st.events
+    w.bind(KVTierMetadata(loads=loads, stores=stores))
+    w.start_load()
+    s1 = len(st.q["side"])
+    w.save()
+    s2 = len(st.q["side"])
+    st.drain()
+    w.take_report()
+    n = st.item_launches["side"]
+    return sum(n[s0:s1]), sum(n[s1:s2]), st.events - e0
+
+
+@pytest.fixture
+def counting():
+    st = probes.DeferredStreams(count=True)
+    kv = probes.views("LBNHC", LAYERS, 80, 2, 16, 8, torch.bfloat16, "cpu")
+    w = KVTierWorker(worker_settings(64), copy_streams=st)
+    w.register_kv_caches(kv)
+    yield w, st
+    w.close()
+
+
+def test_sixteen_requests_launch_what_one_does(counting):
+    """16 one-block requests storing (slots 0..15) and 16 loading (slots 20..35) in one step: the
+    same launches and events as 1 and 1 (before: 16 times the kernels, one event per layer and
+    request). Rows apart: one host<->device copy more per run, nothing per layer."""
+    w, st = counting
+    one = counted_step(w, st, [LoadOp("a", 0, [20], [40])], [StoreOp(1, 0, [0], [1])])
+    assert one == (LAYERS + 2, 2 * LAYERS + 2, LAYERS + 3)   # + the indices' copy and one run of rows
+    many = counted_step(w, st, [LoadOp(f"l{i}", 0, [20 + i], [40 + i]) for i in range(16)],
+                        [StoreOp(10 + i, 0, [i], [1 + i]) for i in range(16)])
+    assert many == one
+    apart = counted_step(w, st, [LoadOp(f"l{i}", 0, [2 * i], [40 + i]) for i in range(16)],
+                         [StoreOp(10 + i, 0, [33 + 2 * i], [1 + i]) for i in range(16)])
+    assert apart == (one[0] + 15, one[1] + 15, one[2])
+
+
+def test_one_index_copy_per_direction_and_chunks_follow_bytes(counting):
+    """40 blocks in chunks of 8 staging blocks: 5 chunks, the kernels per layer 5 times one chunk's,
+    the indices copied once per direction."""
+    w, st = counting
+    w.kv.device.chunk = 8
+    _, sv, _ = counted_step(w, st, [], [StoreOp(1 + i, 0, [4 * i + k for k in range(4)],
+                                                [4 * i + k for k in range(4)]) for i in range(10)])
+    ld, _, _ = counted_step(w, st, [LoadOp(f"l{i}", 0, [4 * i + k for k in range(4)],
+                                           [40 + 4 * i + k for k in range(4)]) for i in range(10)], [])
+    assert (ld, sv) == (5 * LAYERS + 5 + 1, 5 * 2 * LAYERS + 5 + 1)
+
+
+CASES = [(lay, 1) for lay in probes.ORDERS] + [("LBNHC", 2), ("LHBNC", 2)]
+
+
+@pytest.mark.parametrize("layout,ratio", CASES)
+def test_many_requests_round_trip_byte_exact_layer_by_layer(layout, ratio):
+    """Every layout (per-layer and cross-layer pages, 2-way kernel splits): 13 requests of 1-3
+    blocks stored and loaded in one step each, rows in runs and apart, in chunks of 4 staging
+    blocks (each crossing requests): the stored rows are the blocks' canonical bytes, and each
+    layer's compute-stream reads after `wait_layer`, queued before any host sync, see the loaded
+    blocks."""
+    nb = 48
+    kv = probes.views(layout, 3, nb, 2, 16, 8, torch.bfloat16, "cpu", ratio)
+    g = torch.Generator().manual_seed(7)
+    for t in kv.values():
+        t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    orig = {n: t.clone() for n, t in kv.items()}
+    st = probes.DeferredStreams("compute")
+    w = KVTierWorker(worker_settings(64), num_blocks=nb, copy_streams=st)
+    w.register_kv_caches(kv)
+    w.kv.device.chunk = 4
+    sizes = [1, 3, 2, 1, 2, 3, 1, 1, 2, 3, 2, 1, 2]
+    assert sum(sizes) == 24   # loaded into blocks 24..47
+    apart = (30 + torch.randperm(34, generator=g)).tolist()
+    stores, loads, b = [], [], 0
+    for i, n in enumerate(sizes):
+        slots = list(range(b, b + n)) if i % 2 else apart[b:b + n]      # runs of rows, rows apart
+        stores.append(StoreOp(1 + i, 0, slots, list(range(b, b + n))))
+        loads.append(LoadOp(f"r{i}", 0, slots, list(range(24 + b, 24 + b + n))))
+        b += n
+    w.bind(KVTierMetadata(stores=stores))
+    w.save()
+    st.drain()
+    assert w.take_report().stored == {op.op_id: [True] * len(op.slots) for op in stores}
+    rows = w.pools[0].buffer.view(64, -1)
+    for op in stores:
+        for blk, sl in zip(op.block_ids, op.slots):
+            assert torch.equal(rows[sl], torch.cat([probes.canonical(t, blk, ratio) for t in orig.values()]))
+    for t in kv.values():
+        t[24 * ratio:].zero_()
+    outs: dict[str, torch.Tensor] = {}
+    w.bind(KVTierMetadata(loads=loads))
+    w.start_load()
+    for name, t in kv.items():
+        w.wait_layer(name)
+        st.compute(lambda n=name, t=t: outs.__setitem__(n, t[24 * ratio:].clone()))
+    st.drain()
+    assert w.take_report().loaded == {op.req_id: True for op in loads}
+    for name in kv:
+        assert torch.equal(outs[name], orig[name][:24 * ratio]), name
+    w.close()
+
+
+def test_parts_of_two_host_buffers_in_chunks_byte_exact():
+    """A step's loads from two host buffers (DRAM slots, staging rows) and its stores to both, in
+    chunks of 3 blocks that mix them: byte-exact both ways; one index copy per direction."""
+    kv = probes.views("LBHNC", 4, 32, 2, 16, 8, torch.bfloat16, "cpu")
+    for t in kv.values():
+        t.normal_()
+    orig = {n: t.clone() for n, t in kv.items()}
+    lay = KVLayout(kv)
+    st = probes.DeferredStreams("compute")
+    dc = DeviceCopier(lay.canon, lay.offsets, st, staging_bytes=3 * lay.block_bytes, pin=False)
+    trace = dc.traced()
+    a = torch.zeros(10, lay.block_bytes, dtype=torch.uint8)
+    c = torch.zeros(6, lay.block_bytes, dtype=torch.uint8)
+    parts = [(a, [5, 1], [7, 2]), (c, [9, 3, 4], [0, 1, 2]), (a, [11], [3]), (c, [0], [5])]
+    ev = dc.store_parts(parts)
+    st.sync(ev)
+    for host, ids, rws in parts:
+        for blk, r in zip(ids, rws):
+            assert torch.equal(host[r], torch.cat([probes.canonical(t, blk) for t in orig.values()]))
+    back = [(host, [b + 16 for b in ids], rws) for host, ids, rws in parts]
+    events = dc.load_parts(back)
+    assert len(events) == 4
+    st.drain()
+    for n, t in kv.items():
+        for _, ids, _ in parts:
+            for blk in ids:
+                assert torch.equal(t[blk + 16], orig[n][blk])
+    assert len([x for x in trace if x[1] == 7 * 8]) == 2     # the 7 indices, once each way
+    dc.close()
+
+
+class Queries(probes.DeferredStreams):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = self.syncs = 0
+
+    def query(self, event):
+        self.queries += 1
+        return super().query(event)
+
+    def sync(self, event):
+        self.syncs += 1
+        super().sync(event)
+
+
+def test_the_index_ring_looks_at_its_oldest_copies_only():
+    """3,000 index copies of 1-3 entries through a ring of 256, none run until the ring wraps onto
+    them: each copy queries the events of the copies it overwrites and one more (before: every
+    copy in flight, about a hundred), and every copy reads its own indices."""
+    st = Queries()
+    ring = IndexRing(st, torch.device("cpu"), pin=False, entries=256)
+    most, outs = 0, []
+    for i in range(3000):
+        n = 1 + i % 3
+        q0 = st.queries
+        with st.side():
+            outs.append((ring.to_device([i] * n), [i] * n))
+        most = max(most, st.queries - q0)
+    assert most <= 4 and st.queries <= 2 * 3000
+    assert st.syncs > 0                      # the ring wrapped onto queued copies: the host waited
+    st.drain()
+    assert all(d.tolist() == want for d, want in outs)
+    ring.close()
+
+
+def test_launches_benchmark_prints_one_json_line():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "launches.py"), "--json", "--layers", "16"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    for k in ("layers", "store_launches_per_layer_1000_blocks", "load_launches_per_layer_1000_blocks",
+              "launches_16_requests", "compute_waits_on_stores_per_step", "layer0_wait_fraction"):
+        assert k in res, k
+    assert res["layers"] == 16
+    assert res["store_launches_per_layer_1000_blocks"] <= 4 and res["load_launches_per_layer_1000_blocks"] <= 4
+    assert res["launches_16_requests"] == res["launches_1_request"] + 2 * 15    # one host copy per run more
+    assert res["events_16_requests"] == res["events_1_request"]
