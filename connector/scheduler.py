@@ -9,6 +9,11 @@ Every model runs one path: the group rules (`groups.GroupRules`) say which block
 and a step stores; a one-group model is their one-group case. Every placement decision is the
 controller's (`kvtier.core.controller`). The API is plain (request ids, block hashes, block ids
 per group) so tests and offline drivers use it without vLLM.
+
+What else the scheduler side owns, each with its request-level rule: the persistent tiers that
+open once the model's identity is known (`PersistentTiers`), requests with a LoRA adapter that
+pass through (`LoraGate`), finished requests held while their stores copy (`StoreHolds`), and
+each hook's safe answer when it fails (`lookup_failed`, `alloc_failed`, ...).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ this class adds only what is vLLM's: `register_kv_caches` (the KV layout, `kv_la
 the CPU pool sized to the memory left), the step's metadata (which ops run in `start_load_kv`,
 which in `wait_for_save`, which load asynchronously), layer-by-layer loads on a GPU
 (`wait_for_layer_load`), the NVMe data file opened from the metadata, and the per-step report
-(`KVTierWorkerMeta`).
+(`KVTierWorkerMeta`). On a device, a store's copies run after `wait_for_save` returned and it is
+reported in a later step (`PendingStores`); a finished request held for them is reported sent
+once none of its stores still copies here (`SendingRequests`). Each hook's safe answer when it
+fails is a method here (`load_failed`, `save_failed`, ...).
 """
 
 from __future__ import annotations
