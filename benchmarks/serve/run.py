@@ -17,8 +17,19 @@ KV connector is configured (vllm/utils/ompmultiprocessing.py: "reserve one more 
 nixl_connector"), so with `auto` the kvtier server would compute on fewer cores than the
 baseline. Both servers get the same explicit `VLLM_CPU_OMP_THREADS_BIND` (--bind).
 
-Usage: python benchmarks/serve/run.py [--out DIR] [--num-prompts N] [--quick]
-Prints req/s and TTFT p50/p99 side by side, writes results.json and serve.png in --out.
+Arms (`--arms`, each scenario runs them in turn, alternating their order per round):
+
+- `vllm`: plain vLLM with the scenario's pool; `kvtier`: the same plus kvtier's CPU tier;
+- `pool`: plain vLLM with a pool `--pool-factor` times the pressure pool (13: it holds the
+  working set; what kvtier is compared against when it serves from below the GPU);
+- `nvme`: the scenario's pool, kvtier with a DRAM tier well below the working set
+  (`--nvme-cpu-blocks`) and an NVMe tier that holds it: hits are served from NVMe;
+- `fleet`: two servers sharing one redis-server (started here); each prompt goes first to server
+  A, then its repeat to server B; the row is B's pass (TTFT, req/s), run twice: with the shared
+  tier (`fleet`) and without it (`fleet-alone`: each server its own DRAM tier only).
+
+Usage: python benchmarks/serve/run.py [--out DIR] [--num-prompts N] [--arms vllm,kvtier,...]
+Prints req/s and TTFT p50/p99 per arm, writes results.json and serve.png in --out.
 """
 
 from __future__ import annotations
@@ -128,13 +139,24 @@ def dataset_args(name: str, a, trace_path: Path) -> list[str]:
             "--disable-shuffle", "--num-prompts", str(a.num_prompts)]
 
 
-def run_one(model: str, label: str, kvtier: bool, pool_blocks: int | None, ds: list[str], a, out: Path) -> dict:
+def kvtier_extra(arm: str, label: str, a, out: Path, shared_url: str | None = None) -> dict | None:
+    """kv_connector_extra_config of an arm (None: plain vLLM)."""
+    if arm in ("vllm", "pool"):
+        return None
+    if arm == "nvme":  # DRAM well below the working set, NVMe holding it
+        return {"cpu_capacity_blocks": a.nvme_cpu_blocks, "nvme_path": str(out / f"nvme-{label}"),
+                "nvme_capacity": a.nvme_capacity}
+    if arm in ("fleet", "fleet-alone"):
+        return {"cpu_capacity_blocks": a.cpu_blocks, **({"shared_url": shared_url} if arm == "fleet" else {})}
+    if a.kvtier_config == "shipped":  # configs/gpu-cpu-nvme.yaml: lazy offload, NVMe write-through
+        return {"config": "gpu-cpu-nvme", "cpu_capacity_blocks": a.cpu_blocks, "nvme_capacity": a.nvme_capacity,
+                "nvme_path": str(out / f"nvme-{label}")}
+    return {"cpu_capacity_blocks": a.cpu_blocks}
+
+
+def start_server(model: str, label: str, extra: dict | None, pool_blocks: int | None, a, out: Path) -> "S.Server":
     cfg = None
-    if kvtier:
-        extra = {"cpu_capacity_blocks": a.cpu_blocks}
-        if a.kvtier_config == "shipped":  # configs/gpu-cpu-nvme.yaml: lazy offload, NVMe write-through
-            extra = {"config": "gpu-cpu-nvme", "cpu_capacity_blocks": a.cpu_blocks, "nvme_capacity": a.nvme_capacity,
-                     "nvme_path": str(out / f"nvme-{label}")}
+    if extra is not None:
         cfg = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.connector",
                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                           "kv_connector_extra_config": extra})
@@ -143,27 +165,62 @@ def run_one(model: str, label: str, kvtier: bool, pool_blocks: int | None, ds: l
                    max_num_seqs=a.concurrency, num_gpu_blocks=pool_blocks)
     try:
         srv.wait_ready(300)
-        cmd = [sys.executable, BENCH, "--backend", "vllm", "--base-url", srv.url, "--model", "tiny",
-               "--tokenizer", model, "--endpoint", "/v1/completions", "--max-concurrency", str(a.concurrency),
-               "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,e2el",
-               "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out),
-               "--result-filename", f"{label}.json", "--disable-tqdm", *ds]
-        t0 = time.monotonic()
-        with open(out / f"{label}.bench.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.bench_timeout).returncode
-        if rc != 0:
-            raise RuntimeError(f"bench failed ({rc}), see {out / (label + '.bench.log')}")
-        res = json.loads((out / f"{label}.json").read_text())
-        m = S.parse_metrics(srv.metrics_text())
-        return {"label": label, "kvtier": kvtier, "pool_blocks": pool_blocks, "wall_s": round(time.monotonic() - t0, 1),
-                "completed": res.get("completed"), "req_s": res.get("request_throughput"),
-                "ttft_p50_ms": res.get("median_ttft_ms"), "ttft_p99_ms": res.get("p99_ttft_ms"),
-                "e2el_p50_ms": res.get("median_e2el_ms"),
-                "vllm_prefix_hit_tokens": S.metric(m, "vllm:prefix_cache_hits_total"),
-                "prompt_tokens": S.metric(m, "vllm:prompt_tokens_total"),
-                "kvtier_hit_tokens": S.metric(m, "vllm:kvtier_hit_tokens_total")}
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+def bench(srv: "S.Server", model: str, label: str, ds: list[str], a, out: Path) -> dict:
+    """One `vllm bench serve` pass against `srv`; its req/s, TTFT and the server's hit counters."""
+    cmd = [sys.executable, BENCH, "--backend", "vllm", "--base-url", srv.url, "--model", "tiny",
+           "--tokenizer", model, "--endpoint", "/v1/completions", "--max-concurrency", str(a.concurrency),
+           "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,e2el",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out),
+           "--result-filename", f"{label}.json", "--disable-tqdm", *ds]
+    t0 = time.monotonic()
+    with open(out / f"{label}.bench.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.bench_timeout).returncode
+    if rc != 0:
+        raise RuntimeError(f"bench failed ({rc}), see {out / (label + '.bench.log')}")
+    res = json.loads((out / f"{label}.json").read_text())
+    m = S.parse_metrics(srv.metrics_text())
+    return {"label": label, "wall_s": round(time.monotonic() - t0, 1),
+            "completed": res.get("completed"), "req_s": res.get("request_throughput"),
+            "ttft_p50_ms": res.get("median_ttft_ms"), "ttft_p99_ms": res.get("p99_ttft_ms"),
+            "e2el_p50_ms": res.get("median_e2el_ms"),
+            "vllm_prefix_hit_tokens": S.metric(m, "vllm:prefix_cache_hits_total"),
+            "prompt_tokens": S.metric(m, "vllm:prompt_tokens_total"),
+            "kvtier_hit_tokens": S.metric(m, "vllm:kvtier_hit_tokens_total")}
+
+
+def run_one(model: str, label: str, arm: str, pool_blocks: int | None, ds: list[str], a, out: Path) -> dict:
+    srv = start_server(model, label, kvtier_extra(arm, label, a, out), pool_blocks, a, out)
+    try:
+        r = bench(srv, model, label, ds, a, out)
     finally:
         srv.stop()
+    return {**r, "arm": arm, "kvtier": arm != "vllm" and arm != "pool", "pool_blocks": pool_blocks}
+
+
+def run_fleet(model: str, label: str, arm: str, pool_blocks: int | None, ds: list[str], a, out: Path) -> dict:
+    """Two servers, one redis-server (`fleet`; `fleet-alone`: no shared tier): every prompt to
+    server A, then the same prompts to server B; the row is B's pass."""
+    from redis_util import RedisServer
+
+    with RedisServer(maxmemory="2gb") as rs:
+        srvs = []
+        try:
+            for side in ("a", "b"):
+                srvs.append(start_server(model, f"{label}-{side}", kvtier_extra(arm, label, a, out, rs.url),
+                                         pool_blocks, a, out))
+            bench(srvs[0], model, f"{label}-a", ds, a, out)
+            srvs[0].wait_idle()
+            r = bench(srvs[1], model, label, ds, a, out)
+        finally:
+            for srv in srvs:
+                srv.stop()
+    return {**r, "arm": arm, "kvtier": True, "pool_blocks": pool_blocks}
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -175,16 +232,27 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, key, title in zip(axes, ("req_s", "ttft_p50_ms", "ttft_p99_ms"),
                               ("requests/s (higher is better)", "TTFT p50 ms", "TTFT p99 ms")):
-        for j, (kv, name) in enumerate(((False, "vLLM"), (True, "vLLM + kvtier"))):
-            vals = [next((r[key] or 0 for r in rows if r["scenario"] == s and r["kvtier"] == kv), 0) for s in scen]
-            ax.bar([i + (j - 0.5) * 0.4 for i in range(len(scen))], vals, 0.4, label=name)
+        arms = list(dict.fromkeys(_arm(r) for r in rows))
+        w = 0.8 / len(arms)
+        for j, arm in enumerate(arms):
+            vals = [next((r[key] or 0 for r in rows if r["scenario"] == s and _arm(r) == arm), 0) for s in scen]
+            ax.bar([i + (j - (len(arms) - 1) / 2) * w for i in range(len(scen))], vals, w, label=ARM_NAMES.get(arm, arm))
         ax.set_xticks(range(len(scen)), [s.replace("prefix_repetition", "prefix rep.").replace("/", "\n")
                                          for s in scen], fontsize=8)
         ax.set_title(title)
     axes[0].legend()
-    fig.suptitle(f"vLLM OpenAI server on CPU, {rows[0].get('model', '')} random Llama, with and without kvtier (one run each)")
+    fig.suptitle(f"vLLM OpenAI server on CPU, {rows[0].get('model', '')} random Llama, with and without kvtier")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+ARM_NAMES = {"vllm": "vLLM", "kvtier": "vLLM + kvtier", "pool": "vLLM, big pool", "nvme": "vLLM + kvtier (NVMe)",
+             "fleet": "fleet, shared tier", "fleet-alone": "fleet, no shared tier"}
+
+
+def _arm(r: dict) -> str:
+    """A row's arm (results written before arms existed: vllm or kvtier)."""
+    return r.get("arm") or ("kvtier" if r["kvtier"] else "vllm")
 
 
 def _medians(rows: list[dict]) -> dict:
@@ -209,9 +277,13 @@ def main() -> int:
     p.add_argument("--kvtier-config", choices=("cpu", "shipped"), default="cpu",
                    help="kvtier's stack: one CPU tier (eager), or the shipped vLLM config (gpu-cpu-nvme: lazy "
                         "offload, NVMe write-through) with --cpu-blocks and --nvme-capacity")
-    p.add_argument("--nvme-capacity", default="2GiB", help="with --kvtier-config shipped")
+    p.add_argument("--nvme-capacity", default="2GiB", help="the nvme arm's NVMe tier (and --kvtier-config shipped's)")
+    p.add_argument("--arms", default="vllm,kvtier",
+                   help="comma-separated: vllm, kvtier, pool, nvme, fleet (fleet adds fleet-alone)")
+    p.add_argument("--pool-factor", type=int, default=13, help="the pool arm's pool: this many pressure pools")
+    p.add_argument("--nvme-cpu-blocks", type=int, default=32, help="the nvme arm's DRAM tier (blocks)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="run each scenario's two servers this many times, alternating (medians reported)")
+                   help="run each scenario's arms this many times, alternating their order (medians reported)")
     p.add_argument("--bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for both servers "
                    "(default: every core but core 0, or '0' on one core)")
     p.add_argument("--datasets", default="prefix_repetition,trace")
@@ -230,32 +302,40 @@ def main() -> int:
     trace_path = out / "mooncake_scaled.jsonl"
     tinfo = trace_dataset(trace_path, a.num_prompts, a.trace_max_blocks, out_cap=16)
     print(f"trace dataset: {tinfo}; OMP bind {a.bind!r} for both servers", flush=True)
+    arms = [x for arm in a.arms.split(",") for x in ((arm, "fleet-alone") if arm == "fleet" else (arm,))]
     rows = []
     for dsn in a.datasets.split(","):
         for pool in a.pools.split(","):
             blocks = a.pressure_blocks if pool == "pressure" else None
             for rnd in range(a.rounds):
-                for kv in ((False, True) if rnd % 2 == 0 else (True, False)):  # A/B, then B/A
-                    label = f"{dsn}-{pool}-{'kvtier' if kv else 'vllm'}" + (f"-r{rnd}" if a.rounds > 1 else "")
-                    r = run_one(model, label, kv, blocks, dataset_args(dsn, a, trace_path), a, out)
+                for arm in (arms if rnd % 2 == 0 else arms[::-1]):  # A/B/..., then .../B/A
+                    label = f"{dsn}-{pool}-{arm}" + (f"-r{rnd}" if a.rounds > 1 else "")
+                    run = run_fleet if arm.startswith("fleet") else run_one
+                    pb = a.pressure_blocks * a.pool_factor if arm == "pool" else blocks
+                    r = run(model, label, arm, pb, dataset_args(dsn, a, trace_path), a, out)
                     r["scenario"] = f"{dsn}/{pool}"
                     r["model"] = a.model
                     r["round"] = rnd
                     rows.append(r)
                     print(json.dumps(r), flush=True)
     (out / "results.json").write_text(json.dumps({"args": vars(a), "trace": tinfo, "rows": rows}, indent=1))
-    print(f"\n{'scenario':32} {'req/s':>15} {'TTFT p50 ms':>19} {'TTFT p99 ms':>19} {'kvtier hit tok':>14}")
-    print(f"{'':32} {'vLLM':>7} {'+kvtier':>7} {'vLLM':>9} {'+kvtier':>9} {'vLLM':>9} {'+kvtier':>9}")
-    import statistics
-    for s in dict.fromkeys(r["scenario"] for r in rows):
-        b = _medians([r for r in rows if r["scenario"] == s and not r["kvtier"]])
-        k = _medians([r for r in rows if r["scenario"] == s and r["kvtier"]])
-        ratios = [rk["req_s"] / rb["req_s"] for rb, rk in zip([r for r in rows if r["scenario"] == s and not r["kvtier"]],
-                                                            [r for r in rows if r["scenario"] == s and r["kvtier"]])]
-        print(f"{s:32} {b['req_s']:7.2f} {k['req_s']:7.2f} {b['ttft_p50_ms']:9.1f} {k['ttft_p50_ms']:9.1f} "
-              f"{b['ttft_p99_ms']:9.1f} {k['ttft_p99_ms']:9.1f} {int(k['kvtier_hit_tokens']):14d}"
-              + (f"   req/s ratio per round {[round(x, 3) for x in ratios]}, median {statistics.median(ratios):.3f}"
-                 if a.rounds > 1 else ""))
+    print(f"\n{'scenario':28} {'arm':14} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'kvtier hit tok':>14}  ratios")
+    for sc in dict.fromkeys(r["scenario"] for r in rows):
+        by = {arm: [r for r in rows if r["scenario"] == sc and _arm(r) == arm] for arm in arms}
+        for arm, rs in by.items():
+            if not rs:
+                continue
+            m = _medians(rs)
+            note = ""
+            if arm == "kvtier" and by.get("vllm"):
+                note = f"req/s / vllm per round {[round(k['req_s'] / v['req_s'], 3) for k, v in zip(rs, by['vllm'])]}"
+            if arm == "nvme" and by.get("pool"):
+                note = f"req/s / pool per round {[round(k['req_s'] / v['req_s'], 3) for k, v in zip(rs, by['pool'])]}"
+            if arm == "fleet" and by.get("fleet-alone"):
+                note = ("TTFT p50 alone / shared per round "
+                        f"{[round(v['ttft_p50_ms'] / k['ttft_p50_ms'], 2) for k, v in zip(rs, by['fleet-alone'])]}")
+            print(f"{sc:28} {arm:14} {m['req_s']:7.2f} {m['ttft_p50_ms']:9.1f} {m['ttft_p99_ms']:9.1f} "
+                  f"{int(m['kvtier_hit_tokens'] or 0):14d}  {note}")
     plot(rows, out / "serve.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'serve.png'}")
     return 0
