@@ -1,13 +1,16 @@
-"""The tier contract: what the controller asks of every tier, and the executor of every data plane.
+"""The tier contracts: what the controller asks of every tier and of the slot tiers, and what the
+executor asks of every data plane.
 
-`Tier` lists exactly the calls `kvtier.core.controller.TierController` makes; every tier
-implements all of it: the slot tiers (`base.SlotTier`: CPU, NVMe, a closed tier) and the shared
-tier (`shared.SharedTier`, `shared.SimSharedTier`). A tier declares what it is (`shared`, `ready`)
-and answers the rest through its own methods, so the controller runs one path. `shared`
-declares the shared tier (the fleet's Redis/Valkey tier), whose membership is the server's: the
-server names blocks by key, holds no slot here, evicts on its own and is asked by `probe`; its
-answers to the slot calls follow from that (nothing to pin: `touch` / `free_blocks` do nothing;
-`allocate` gives no slot; room is never short; `find` finds no slot).
+`Tier` is what every tier answers, in the paired-verb shape vLLM's offloading uses: `lookup` /
+`holds` (what it holds), `prepare_load` / `complete_load` (a load's use and outcome),
+`complete_store` (a store's outcome), plus what it declares (`shared`, `ready`, `medium`,
+`verifies`, ...) and its lifecycle. Blocks are named by the tier's address: a slot, or for the
+shared tier (`shared.SharedTier`, `shared.SimSharedTier`: the fleet's Redis/Valkey tier, whose
+server owns membership and eviction) a key. `SlotTierContract` is what only slot tiers have
+(`base.SlotTier`: CPU, NVMe, a closed tier): slots, pins, the eviction cursor, a block's life
+(`allocate` -> `commit` / `abort` -> `evict`). The controller asks it of its local tiers only;
+the shared tier answers `Tier` alone, so it answers nothing with a no-op (nothing to reserve for
+a store: the server names blocks by key and evicts on its own).
 
 `DataPlane` is the bytes side, one per tier in the process that moves them (`cpu_pool.CpuPool`,
 `nvme_data.NvmeData`, `shared_data.SharedData`): `read` / `write` blocks named by slots and keys
