@@ -126,7 +126,7 @@ def test_async_load_of_a_vanished_block_reports_it(redis_server):
     assert done == {"rb"}
     assert wb.take_load_errors() == {22}       # vLLM recomputes from there
     assert b.ctrl.totals["gone_blocks.shared"] == 1
-    assert not b.ctrl.tiers[1].known(key)
+    assert not b.ctrl.tiers[1].holds(key)
     # vLLM recomputes from block 2; the blocks computed then are offered to the store again: the
     # vanished one goes back to DRAM and to the server (the promoted ones are in DRAM already)
     cpu0, sh0 = b.ctrl.totals["stored_blocks.cpu"], b.ctrl.totals.get("stored_blocks.shared", 0)

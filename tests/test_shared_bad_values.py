@@ -151,8 +151,8 @@ def test_bad_marks_are_bounded(monkeypatch):
         keys = _keys("cap", 5)
         t.note_bad(keys)
         assert t.stats()["bad_marked_blocks"] == 3          # the two oldest marks went
-        assert t.probe(keys[:2], wait=False) is None        # not marked: asked
+        assert t.lookup(keys[:2], wait=False) is None        # not marked: asked
         t.note_written(keys[2:3])
-        assert t.stats()["bad_marked_blocks"] == 2 and t.known(keys[2])
+        assert t.stats()["bad_marked_blocks"] == 2 and t.holds(keys[2])
     finally:
         t.close()

@@ -132,7 +132,7 @@ def test_found_then_evicted_is_a_handled_miss(redis_server):
         assert st.get(keys, out) == 5
         assert st.ctrl.totals["gone_blocks.shared"] == 1
         assert st.tiers[1].stats()["missing_blocks"] == 1
-        assert not st.tiers[1].known(keys[5])  # a later store puts it again
+        assert not st.tiers[1].holds(keys[5])  # a later store puts it again
         assert st.put(keys[5:6], data[5:6]) == 1 and st.ctrl.totals["stored_blocks.shared"] == 1
 
 
@@ -144,13 +144,13 @@ def test_lookup_does_not_wait_for_the_server(redis_server):
         st.put(keys, data)
     with TierStack.from_config(cfg) as st:
         tier = st.tiers[1]
-        assert tier.probe(keys, wait=False) is None
+        assert tier.lookup(keys, wait=False) is None
         deadline = time.monotonic() + 30
-        while (n := tier.probe(keys, wait=False)) is None:
+        while (n := tier.lookup(keys, wait=False)) is None:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert n == N
-        assert tier.probe(keys, wait=False) == N  # known now: answered at once
+        assert tier.lookup(keys, wait=False) == N  # known now: answered at once
 
 
 def test_dead_server_gives_misses_one_warning_and_recovers(redis_factory, caplog):

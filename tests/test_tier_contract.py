@@ -1,6 +1,7 @@
-"""The tier contract (`kvtier.tiers.contract`): every tier implements exactly the calls the
-controller makes, the controller runs one path whichever tier is the shared one, and every data
-plane has one verb set returning per-block outcomes (no out-parameter lists)."""
+"""The tier contracts (`kvtier.tiers.contract`): every tier answers `Tier` (the paired verbs),
+the slot tiers `SlotTierContract` too, and the shared tier nothing it would answer with a no-op;
+together they are exactly the calls the controller makes, which asks the shared tier `Tier` only.
+Every data plane has one verb set returning per-block outcomes (no out-parameter lists)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from kvtier.offline.blockgen import block_data, block_key
 from kvtier.policies.lru import LRU
 from kvtier.tiers.base import SlotTier
 from kvtier.tiers.closed import ClosedTier
-from kvtier.tiers.contract import DataPlane, Medium, Tier
+from kvtier.tiers.contract import DataPlane, Medium, SlotTierContract, Tier
 from kvtier.tiers.cpu import CpuTier
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.nvme import NvmeTier
@@ -81,60 +82,113 @@ def _controller_calls() -> set[str]:
     return used
 
 
-def test_the_contract_lists_exactly_the_calls_the_controller_makes():
+# what `Tier` declares for the drivers (stack, connector, executor), not the controller
+FOR_DRIVERS = {"kind", "medium", "verifies", "data_plane", "summary", "drain"}
+
+
+def test_the_contracts_list_exactly_the_calls_the_controller_makes():
     used = _controller_calls()
-    declared = _protocol_members(Tier)
-    assert used - declared == set(), f"the controller calls what the contract lacks: {sorted(used - declared)}"
-    assert declared - used == set(), f"the contract lists what the controller never calls: {sorted(declared - used)}"
-    assert {"probe", "touch", "commit_written", "load_fields", "note_gone"} <= used   # the walk sees the calls
+    tier, slot = _protocol_members(Tier), _protocol_members(SlotTierContract)
+    assert used - tier - slot == set(), f"the controller calls what the contracts lack: {sorted(used - tier - slot)}"
+    assert slot - used == set(), f"the slot contract lists what the controller never calls: {sorted(slot - used)}"
+    assert tier - used == FOR_DRIVERS, f"Tier lists what nobody calls: {sorted(tier - used - FOR_DRIVERS)}"
+    assert {"lookup", "holds", "prepare_load", "complete_load", "complete_store", "touch"} <= used   # the walk sees them
+
+
+def test_the_controller_asks_the_shared_tier_only_the_tier_contract():
+    """`self.tiers[self.shared]` (and a tier the controller checked `.shared` on) gets `Tier` calls only."""
+    tier = _protocol_members(Tier)
+    asked = {node.attr for path in CONTROLLER for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self.tiers[self.shared]"}
+    assert asked and asked <= tier, sorted(asked - tier)
 
 
 def test_the_controller_has_no_branch_on_which_tier_is_shared():
-    """One path: no `t == self.shared` / `t != self.shared`; the shared tier answers the slot calls."""
+    """No `t == self.shared` / `t != self.shared`: it branches on declarations (`tier.shared`,
+    a local tier's index below `nlocal`)."""
     for path in CONTROLLER:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
                 assert "self.shared" not in ast.unparse(node), f"{path.name}: {ast.unparse(node)}"
 
 
-def test_every_tier_implements_the_whole_contract(tmp_path, redis_server):
+def _takes_the_contracts_keywords(t, proto) -> list[str]:
+    """Members of `proto` whose parameters `t`'s method lacks."""
+    bad = []
+    for m in _protocol_members(proto):
+        want, have = getattr(proto, m, None), getattr(t, m)
+        if callable(want) and not isinstance(getattr(type(t), m, None), property):
+            ps = [p for p in inspect.signature(want).parameters if p != "self"]
+            if not set(ps) <= set(inspect.signature(have).parameters):
+                bad.append(m)
+    return bad
+
+
+def test_every_tier_implements_its_contract(tmp_path, redis_server):
+    """Every tier answers `Tier`; the slot tiers `SlotTierContract` too; the shared tiers have none
+    of the slot tier's members."""
     cfg = parse_config({"block_bytes": 4096, "model": "m", "tiers": [
         {"name": "cpu", "kind": "cpu", "capacity_blocks": 4},
         {"name": "shared", "kind": "redis", "url": redis_server.url}]}, check_env=False)
     redis = SharedTier("shared", RedisSettings.of(cfg.tiers[1]), cfg.fingerprint(), 4096)
-    tiers = [SlotTier("s", 4, 64, LRU(4)), CpuTier("cpu", 4, 4096, LRU(4), with_data=False),
+    slots = [SlotTier("s", 4, 64, LRU(4)), CpuTier("cpu", 4, 4096, LRU(4), with_data=False),
              NvmeTier("nvme", str(tmp_path / "n"), 4, 4096, LRU(4), io="posix"),
-             ClosedTier("nvme", Medium.FILE, False, 4096, "not open"), SimSharedTier("sim", 4, 64), redis]
+             ClosedTier("nvme", Medium.FILE, False, 4096, "not open")]
+    shared = [SimSharedTier("sim", 4, 64), redis]
+    slot_only = _protocol_members(SlotTierContract) - _protocol_members(Tier)
     try:
-        members, bad = _protocol_members(Tier), []
-        for t in tiers:
-            missing = sorted(m for m in members if not hasattr(t, m))
-            assert not missing, f"{type(t).__name__} lacks {missing}"
-            assert isinstance(t, Tier)
-            for m in members:   # a method the contract calls with keywords takes them
-                want, have = getattr(Tier, m, None), getattr(t, m)
-                if callable(want) and not isinstance(getattr(type(t), m, None), property):
-                    ps = [p for p in inspect.signature(want).parameters if p != "self"]
-                    if not set(ps) <= set(inspect.signature(have).parameters):
-                        bad.append((type(t).__name__, m))
-        assert not bad, bad
+        for t in slots + shared:
+            missing = sorted(m for m in _protocol_members(Tier) if not hasattr(t, m))
+            assert not missing and isinstance(t, Tier), f"{type(t).__name__} lacks {missing}"
+            assert not _takes_the_contracts_keywords(t, Tier), type(t).__name__
+        for t in slots:
+            assert isinstance(t, SlotTierContract), type(t).__name__
+            assert not _takes_the_contracts_keywords(t, SlotTierContract), type(t).__name__
+        for t in shared:
+            assert t.shared and not isinstance(t, SlotTierContract)
+            assert sorted(m for m in slot_only if hasattr(t, m)) == [], type(t).__name__
     finally:
-        for t in tiers:
+        for t in slots + shared:
             t.close()
 
 
-def test_the_shared_tier_answers_the_slot_calls_as_a_tier_without_slots():
-    """What lets the controller run one path: nothing to pin, no slot, never short of room."""
+def _is_no_op(fn: ast.FunctionDef) -> bool:
+    """A body of only a docstring, `pass`, `...` and/or `return <constant, [], {}, ()>`."""
+    for st in fn.body:
+        if isinstance(st, ast.Pass) or (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant)):
+            continue
+        if isinstance(st, ast.Return) and (st.value is None or isinstance(st.value, ast.Constant) or (
+                isinstance(st.value, (ast.List, ast.Tuple, ast.Dict, ast.Set)) and not ast.unparse(st.value)[1:-1])):
+            continue
+        return False
+    return True
+
+
+def test_the_shared_tier_classes_define_no_no_op_contract_member():
+    """What the issue removed: a shared tier answering the slot calls with nothing. Every contract
+    member a shared tier class defines does something (the lifecycle hooks a class has nothing
+    for come from `Tier` itself)."""
+    members = _protocol_members(Tier) | _protocol_members(SlotTierContract)
+    tree = ast.parse((ROOT / "tiers/shared.py").read_text())
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert {"_SharedBase", "SharedTier", "SimSharedTier"} <= set(classes)
+    no_ops = [f"{c}.{f.name}" for c, cls in classes.items() if c in ("_SharedBase", "SharedTier", "SimSharedTier")
+              for f in cls.body if isinstance(f, ast.FunctionDef) and f.name in members and _is_no_op(f)]
+    assert no_ops == []
+    assert _is_no_op(ast.parse("def f(self):\n    \"\"\"doc\"\"\"\n    return []").body[0])   # the check sees one
+
+
+def test_the_shared_tier_answers_its_verbs_by_key():
+    """A load names its blocks by key and refreshes them; a store's written blocks are known (a
+    failed one is not); a load's gone or bad blocks are not known any more."""
     t = SimSharedTier("shared", 8, 64)
     keys = [block_key(1, i) for i in range(3)]
-    assert t.allocate(keys) == [] and t.free_slots(5) == [] and t.evict([1]) == []
-    t.touch([-1, -1]), t.free_blocks([-1, -1])
-    assert t.pinned_blocks() == 0 and t.find(keys[0]) is None and t.num_free_slots >= 1 << 30
-    assert t.load_fields([-1] * 3, keys, True) == (None, keys)
-    t.note_written(keys)
-    t.hit([-1] * 3, keys=keys[:1])      # a use refreshes the key: the LRU's oldest is now keys[1]
-    t.note_written([block_key(2, i) for i in range(6)])
-    assert [t.known(k) for k in keys] == [True, False, True]
+    t.complete_store([], keys, [0, 0, 0])
+    assert t.prepare_load([-1] * 3, keys[:1], True) == (None, keys[:1])   # keys[0] refreshed: keys[1] is oldest
+    t.complete_store([], [block_key(2, i) for i in range(7)], [0, 0, 0, 0, 0, 0, -1])
+    assert [t.holds(k) for k in keys] == [True, False, True] and not t.holds(block_key(2, 6))
+    t.complete_load(bad=keys[:1], gone=keys[2:])
+    assert t.lookup(keys) == 0 and not t.holds(keys[2])
 
 
 def test_a_controller_over_a_shared_tier_pins_and_copies_through_one_path():
@@ -148,7 +202,7 @@ def test_a_controller_over_a_shared_tier_pins_and_copies_through_one_path():
     plan = c.take_plan()
     assert want == [0, 1, 2] and [(cp.tier, cp.slots, cp.keys) for cp in plan.copies] == [(1, [], keys)]
     c.complete(Report(stored={op_id: [True] * 3}, copied={plan.copies[0].op_id: [0, 0, 0]}))
-    assert all(shared.known(k) for k in keys) and c.pinned_blocks() == 0
+    assert all(shared.holds(k) for k in keys) and c.pinned_blocks() == 0
     c.clear()
     assert c.acquire("r", keys) is not None and c.pinned_blocks() == 0   # leased, nothing pinned
     ops = c.load("r", 3, [7, 8, 9])

@@ -1,7 +1,7 @@
 """The slot tier: the base of every tier that keeps blocks in slots of its own (CPU, NVMe).
 
-Control plane only (the contract `contract.Tier`): which key lives in which slot, reference
-counts, the eviction cursor. Bytes move through each tier's data plane (`contract.DataPlane`).
+Control plane only (the contracts `contract.Tier` and `contract.SlotTierContract`): which key
+lives in which slot, reference counts, the eviction cursor. Bytes move through each tier's data plane (`contract.DataPlane`).
 
 Block life in a slot tier: free -> allocate() -> pending (pinned, invisible to lookup; bytes
 being written) -> commit() -> resident (visible; evictable when ref_cnt == 0) -> evict() -> free.
@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
 
-from .contract import BlockView, Medium
+from .contract import BlockView, Medium, Tier
 
 FREE, PENDING_SLOT, RESIDENT = 0, 1, 2
 
@@ -62,7 +62,7 @@ def _no_count(key: str, v: float = 1) -> None:
     pass
 
 
-class SlotTier:
+class SlotTier(Tier):
     """Fixed-size slots, a key index, reference counts and an eviction policy.
 
     Subclasses (CPU, NVMe) add a data plane and may persist commits/evictions
@@ -119,8 +119,8 @@ class SlotTier:
         return self.num_used / self._cap
 
     # ---- lookups -----------------------------------------------------------------------
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Length of the prefix of `keys` resident here. No side effects."""
+    def lookup(self, keys: Sequence[bytes], wait: bool = True) -> int:
+        """Length of the prefix of `keys` resident here (never pending). No side effects."""
         d = self._slot_of
         n = 0
         for k in keys:
@@ -137,13 +137,9 @@ class SlotTier:
     def find(self, key: bytes) -> int | None:
         return self._slot_of.get(key)
 
-    def known(self, key: bytes) -> bool:
+    def holds(self, key: bytes) -> bool:
         """Resident here (a slot tier knows its blocks exactly)."""
         return key in self._slot_of
-
-    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int:
-        """The contract's lookup: as `lookup` (a slot tier never waits)."""
-        return self.lookup(keys)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._slot_of
@@ -186,15 +182,23 @@ class SlotTier:
             return True
         return False
 
-    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO, keys: Sequence[bytes] | None = None) -> None:
+    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO) -> None:
         """Record a use (reorders the eviction cursor)."""
         self.eviction.on_hit(block_ids, info)
 
-    def load_fields(self, slots: Sequence[int], keys: Sequence[bytes], verify: bool) -> tuple[list | None, list | None]:
-        """What a load of these blocks carries: (expected tags, keys) when the tier verifies."""
-        if verify and self.verifies:
-            return self.checksums(slots), list(keys)
-        return None, None
+    def prepare_load(self, slots: Sequence[int], keys: Sequence[bytes], verify: bool,
+                     info: RequestInfo = NO_INFO) -> tuple[list | None, list | None]:
+        """A load of these blocks: the use recorded (`hit`); returns what it carries: (expected
+        tags, keys) when the tier verifies and `verify`, else (None, None)."""
+        fields = (self.checksums(slots), list(keys)) if verify and self.verifies else (None, None)
+        self.hit(slots, info)
+        return fields
+
+    def complete_load(self, bad: Sequence[int] = (), gone: Sequence[int] = ()) -> None:
+        """Slots a load found bad (failed verification) or gone: quarantined (`quarantine`)."""
+        self.quarantine(bad)
+        if gone:
+            self.quarantine(gone, "gone at load")
 
     # ---- the cursor --------------------------------------------------------------------
     def iter_free_blocks(self, after: BlockView | int | None = None) -> Iterator[BlockView]:
@@ -354,26 +358,23 @@ class SlotTier:
         """Pending slots an executor wrote (with these checksums): publish them."""
         self.commit(slots, info)
 
+    def complete_store(self, slots: Sequence[int], keys: Sequence[bytes], sums: Sequence,
+                       info: RequestInfo = NO_INFO) -> None:
+        """Copies into pending `slots` ended (`sums[i]`: slot i's checksum, -1: its write failed):
+        the written ones published (`commit_written`: an OSError publishes none and leaves every
+        slot pending for the caller to `abort`), then the failed ones aborted."""
+        good = [(s, c) for s, c in zip(slots, sums) if c != -1]
+        if good:
+            self.commit_written([s for s, _ in good], [c for _, c in good], info)
+        bad = [s for s, c in zip(slots, sums) if c == -1]
+        if bad:
+            self.abort(bad)
+
     def quarantine(self, slots: Sequence[int], why: str = "failed verification") -> int:
         """Blocks that failed verification: out of service (a miss from now on); returns how many.
         DRAM blocks are not verified: the unpinned ones are evicted."""
         gone = [s for s in dict.fromkeys(slots) if self._state[s] == RESIDENT and self._ref[s] == 0]
         return len(self.evict(gone)) if gone else 0
-
-    def note_written(self, keys: Sequence[bytes]) -> None:
-        """The shared tier's membership news; a slot tier's membership is its index."""
-
-    def note_gone(self, keys: Sequence[bytes]) -> None:
-        """As `note_written`: nothing to note."""
-
-    def note_bad(self, keys: Sequence[bytes]) -> None:
-        """As `note_written`: a slot tier quarantines by slot (`quarantine`)."""
-
-    def close(self) -> None:
-        """Release what the tier holds (files, locks, memory)."""
-
-    def drain(self) -> None:
-        """Wait for the transfers its data plane has in flight (before buffers they read are freed)."""
 
     def summary(self) -> str:
         """The tier in a start-up line: name, capacity and what else an operator needs to know."""

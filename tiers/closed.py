@@ -4,7 +4,8 @@ The NVMe and shared tiers are keyed by the fingerprint, which names the model by
 its weights; until that digest is done (seconds for multi-GB weights, off the start path) they
 must neither serve nor take a block. `ClosedTier` holds nothing, takes nothing (`ready` is
 False: the controller plans no copy into it and counts the blocks as `not_open_blocks.<tier>`)
-and answers every lookup with a miss; `TierController.open_tier` puts the real tier in its place.
+and answers every lookup with a miss (its index is empty); `TierController.open_tier` puts the
+real tier in its place.
 """
 
 from __future__ import annotations
@@ -30,12 +31,8 @@ class ClosedTier(SlotTier):
         self.shared = shared
         self.why = why
 
-    def probe(self, keys, wait: bool = True) -> int:
-        """The shared tier's lookup: nothing here."""
-        return 0
-
-    def known(self, key: bytes) -> bool:
-        return False
+    def complete_load(self, bad=(), gone=()) -> None:
+        """Nothing was loaded from it (in the shared tier's place the blocks would be keys)."""
 
     def summary(self) -> str:
         return f"{self.name} closed ({self.why})"

@@ -1,13 +1,16 @@
-"""The tier contract: what the controller asks of every tier, and the executor of every data plane.
+"""The tier contracts: what the controller asks of every tier and of the slot tiers, and what the
+executor asks of every data plane.
 
-`Tier` lists exactly the calls `kvtier.core.controller.TierController` makes; every tier
-implements all of it: the slot tiers (`base.SlotTier`: CPU, NVMe, a closed tier) and the shared
-tier (`shared.SharedTier`, `shared.SimSharedTier`). A tier declares what it is (`shared`, `ready`)
-and answers the rest through its own methods, so the controller runs one path. `shared`
-declares the shared tier (the fleet's Redis/Valkey tier), whose membership is the server's: the
-server names blocks by key, holds no slot here, evicts on its own and is asked by `probe`; its
-answers to the slot calls follow from that (nothing to pin: `touch` / `free_blocks` do nothing;
-`allocate` gives no slot; room is never short; `find` finds no slot).
+`Tier` is what every tier answers, in the paired-verb shape vLLM's offloading uses: `lookup` /
+`holds` (what it holds), `prepare_load` / `complete_load` (a load's use and outcome),
+`complete_store` (a store's outcome), plus what it declares (`shared`, `ready`, `medium`,
+`verifies`, ...) and its lifecycle. Blocks are named by the tier's address: a slot, or for the
+shared tier (`shared.SharedTier`, `shared.SimSharedTier`: the fleet's Redis/Valkey tier, whose
+server owns membership and eviction) a key. `SlotTierContract` is what only slot tiers have
+(`base.SlotTier`: CPU, NVMe, a closed tier): slots, pins, the eviction cursor, a block's life
+(`allocate` -> `commit` / `abort` -> `evict`). The controller asks it of its local tiers only;
+the shared tier answers `Tier` alone, so it answers nothing with a no-op (nothing to reserve for
+a store: the server names blocks by key and evicts on its own).
 
 `DataPlane` is the bytes side, one per tier in the process that moves them (`cpu_pool.CpuPool`,
 `nvme_data.NvmeData`, `shared_data.SharedData`): `read` / `write` blocks named by slots and keys
@@ -49,56 +52,94 @@ class BlockView(NamedTuple):
 
 @runtime_checkable
 class Tier(Protocol):
-    """A tier as the controller drives it (control plane only: it never touches bytes)."""
+    """What every tier answers (control plane only: it never touches bytes), in vLLM's paired-verb
+    shape. A block is named by the tier's address: a slot (a slot tier), a key (the shared tier;
+    its slots in a plan are placeholders)."""
 
-    # ---- what it declares (tiers also declare `medium` and `verifies`, which drivers read)
+    # ---- what it declares (read by the controller and the drivers; never probed for)
     name: str
+    kind: str             # its config kind ("cpu", "nvme", "shared", "closed": for reports)
+    medium: Medium        # what holds its bytes (the executor's handlers are keyed by it)
     shared: bool          # the shared tier: server-owned membership (see the module docstring)
     ready: bool           # open: serves and takes blocks (`closed.ClosedTier`: not yet)
-    eviction: Any         # its eviction policy (None: the server's)
+    verifies: bool        # a load carries each block's expected tag (`prepare_load`)
+    data_plane: Any       # its bytes in this process (`DataPlane`), or None
+    capacity_blocks: int  # blocks it holds (the shared tier: as modelled; 0: the server's memory)
+    eviction_name: str    # its eviction policy's name ("server": the server's)
 
-    # ---- sizes and membership
-    @property
-    def capacity_blocks(self) -> int: ...
+    # ---- lookup: no side effects
+    def lookup(self, keys: Sequence[bytes], wait: bool = True) -> int | None:
+        """Length of the prefix of `keys` held here; None: asked, answer pending (the shared
+        tier with `wait=False` only)."""
+        ...
+
+    def holds(self, key: bytes) -> bool:
+        """Held here, as known without I/O (the shared tier: as far as known here)."""
+        ...
+
+    # ---- load: prepare (a use recorded; what the reads carry), complete (what they found)
+    def prepare_load(self, slots: Sequence[int], keys: Sequence[bytes], verify: bool,
+                     info: RequestInfo = NO_INFO) -> tuple[list | None, list[bytes] | None]:
+        """The blocks at `slots` (named `keys`) are loaded: record the use; returns what the
+        reads carry: (expected tags, keys), each None when not needed."""
+        ...
+
+    def complete_load(self, bad: Sequence = (), gone: Sequence = ()) -> None:
+        """Loads found these blocks `bad` (failed verification) or `gone` (missing), named by the
+        tier's address: out of service, a miss for the lookups that follow."""
+        ...
+
+    # ---- store: complete (slot tiers prepare through `SlotTierContract.allocate`; the shared
+    # tier has nothing to reserve: the server names blocks by key)
+    def complete_store(self, slots: Sequence[int], keys: Sequence[bytes], sums: Sequence,
+                       info: RequestInfo = NO_INFO) -> None:
+        """Writes of these blocks ended: `sums[i]` is block i's tag, -1 when its write failed.
+        The written ones are held from now on, the failed ones released."""
+        ...
+
+    # ---- the rest (a tier that subclasses `Tier` with nothing to count, wait for or release
+    # inherits these three)
+    def stats(self) -> dict: ...
+    def summary(self) -> str: ...
+
+    def bind_counter(self, count: Callable[..., None]) -> None:
+        """Count the tier's own events (network, index writes) into the controller's counters."""
+
+    def drain(self) -> None:
+        """Wait for the transfers its data plane has in flight (before buffers they read are freed)."""
+
+    def close(self) -> None:
+        """Release what the tier holds (connections, files, locks, memory)."""
+
+
+@runtime_checkable
+class SlotTierContract(Tier, Protocol):
+    """What a slot tier (`base.SlotTier`: CPU, NVMe, a closed tier) answers besides `Tier`: its
+    slots, pins and eviction. The controller asks these of its local tiers only."""
+
+    eviction: Any         # its eviction policy (the tenants split it by account)
+
     @property
     def num_free_slots(self) -> int: ...
     @property
-    def eviction_name(self) -> str: ...
-    @property
     def resident(self) -> Mapping[bytes, int]: ...
-    def bind_counter(self, count: Callable[..., None]) -> None: ...
-    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int | None: ...
-    def known(self, key: bytes) -> bool: ...
     def find(self, key: bytes) -> int | None: ...
     def key_at(self, slot: int) -> bytes | None: ...
     def get_block(self, block_id: int) -> BlockView: ...
 
-    # ---- pins, uses, loads
+    # ---- pins
     def touch(self, block_ids: Sequence[int]) -> None: ...
     def free_blocks(self, block_ids: Sequence[int]) -> None: ...
     def unpin_if(self, slot: int, key: bytes) -> bool: ...
     def pinned_blocks(self) -> int: ...
-    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO,
-            keys: Sequence[bytes] | None = None) -> None: ...
-    def load_fields(self, slots: Sequence[int], keys: Sequence[bytes],
-                    verify: bool) -> tuple[list | None, list[bytes] | None]: ...
 
     # ---- a block's life: allocate -> (written) -> commit / abort -> evict
     def allocate(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[int]: ...
     def commit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None: ...
-    def commit_written(self, slots: Sequence[int], sums: Sequence, info: RequestInfo = NO_INFO) -> None: ...
     def abort(self, slots: Sequence[int]) -> None: ...
     def free_slots(self, n: int) -> list[int]: ...
     def evict(self, block_ids: Sequence[int]) -> list[bytes]: ...
-    def quarantine(self, slots: Sequence[int], why: str = "failed verification") -> int: ...
     def limit(self, n: int) -> list[bytes]: ...
-    def note_written(self, keys: Sequence[bytes]) -> None: ...
-    def note_gone(self, keys: Sequence[bytes]) -> None: ...
-    def note_bad(self, keys: Sequence[bytes]) -> None: ...
-
-    # ---- the rest
-    def stats(self) -> dict: ...
-    def close(self) -> None: ...
 
 
 @runtime_checkable

@@ -2,13 +2,14 @@
 
 Unlike a slot tier it has no local index, no slots and no pins: the server owns membership and
 eviction (`maxmemory` + `allkeys-lru`), and other instances write to it too. So:
-- membership comes from the server: `probe(keys)` is the prefix every rank has a value for,
+- membership comes from the server: `lookup(keys)` is the prefix every rank has a value for,
   asked with one pipelined EXISTS for the part not known locally; `wait=False` (the vLLM
   scheduler) answers None while the answer is on its way, so the scheduler never waits on the
   network (vLLM asks again next step);
-- a block found by a probe may be gone when it is read: a handled miss (`note_gone`);
-- `known(key)`: a bounded local memory of keys written or seen, so a block is not put twice;
-- `note_bad(keys)`: values that failed verification (deleted on the server by the reader when
+- a block found by a lookup may be gone when it is read: a handled miss (`complete_load`'s
+  `gone`: `note_gone`);
+- `holds(key)`: a bounded local memory of keys written or seen, so a block is not put twice;
+- `note_bad(keys)` (`complete_load`'s `bad`): values that failed verification (deleted on the server by the reader when
   unchanged) are remembered, in a bounded set, as misses: the next lookup stops before them,
   so a bad value is read once, not again and again. Writing the block again clears the mark.
 The bytes move through `shared_data.SharedData` (offline: this object's `data_plane`; in vLLM
@@ -19,16 +20,14 @@ each worker opens its own). `SimSharedTier` is the metadata-only model replay ru
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from types import MappingProxyType
 from typing import Callable, Sequence
 
 from kvtier.policies.base import NO_INFO, RequestInfo
 
-from .contract import BlockView, Medium
+from .contract import Medium, Tier
 from kvtier.common.counters import Metric
 from .shared_conn import Namespace, RedisSettings
 from .shared_data import SharedData
@@ -84,107 +83,47 @@ class _Known:
             self._d.pop(k, None)
 
 
-class _SharedBase:
-    """A shared tier, as the controller sees it (`contract.Tier`, `shared`): the server owns
-    membership and eviction, so the slot calls answer accordingly: no slot, nothing to pin,
-    never short of room (the server evicts), a bad value noted by key (`note_bad`)."""
+class _SharedBase(Tier):
+    """A shared tier, as the controller sees it (`contract.Tier` only, `shared`): the server owns
+    membership and eviction, so it has no slot, pin or eviction cursor (`contract.SlotTierContract`
+    is not its to answer); blocks are named by key. Its subclasses keep the membership known here
+    (`holds`, `note_written`, `note_gone`, `note_bad`, `touch_keys`), which the verbs below drive."""
 
     kind = "shared"
     medium = Medium.SHARED
     shared = True
     verifies = False
     eviction_name = "server"
-    eviction = None
     capacity_blocks = 0
     data_plane = None
     ready = True
-    resident = MappingProxyType({})   # no block held in a slot here
-    num_free_slots = sys.maxsize        # room is never short: the server evicts
-
-    def close(self) -> None:
-        """Nothing held (SharedTier closes its connections)."""
-
-    def drain(self) -> None:
-        """Nothing in flight (SharedTier waits for its transfers)."""
 
     def summary(self) -> str:
         return f"{self.name} (a shared server's, modelled as an LRU of {self.capacity_blocks} blocks)"
 
-    def bind_counter(self, count: Callable[[str, float], None]) -> None:
-        """The controller's counters (the simulated tier counts nothing of its own)."""
-
-    # ---- the slot calls, answered for a tier without slots -------------------------------
-    def find(self, key: bytes) -> int | None:
-        return None
-
-    def key_at(self, slot: int) -> bytes | None:
-        return None
-
-    def get_block(self, block_id: int) -> BlockView:
-        return BlockView(block_id, 0, None, False)
-
-    def touch(self, block_ids: Sequence[int]) -> None:
-        """The server owns its blocks: nothing to pin."""
-
-    def free_blocks(self, block_ids: Sequence[int]) -> None:
-        """Nothing pinned."""
-
-    def unpin_if(self, slot: int, key: bytes) -> bool:
-        return False
-
-    def pinned_blocks(self) -> int:
-        return 0
-
-    def hit(self, block_ids: Sequence[int], info: RequestInfo = NO_INFO, keys: Sequence[bytes] | None = None) -> None:
-        """The server does its own LRU on GET; the keys are fresh in the local memory."""
+    # ---- the contract's verbs, by key ----------------------------------------------------
+    def prepare_load(self, slots: Sequence[int], keys: Sequence[bytes], verify: bool,
+                     info: RequestInfo = NO_INFO) -> tuple[None, list[bytes]]:
+        """A load names its blocks by key (each value's header is checked against it; `slots` are
+        placeholders). The server does its own LRU on GET; the keys are fresh in the local memory."""
         if keys:
             self.touch_keys(keys)
-
-    def load_fields(self, slots: Sequence[int], keys: Sequence[bytes], verify: bool) -> tuple[None, list[bytes]]:
-        """A load names its blocks by key (each value's header is checked against it)."""
         return None, list(keys)
 
-    def allocate(self, keys: Sequence[bytes], info: RequestInfo = NO_INFO) -> list[int]:
-        """No slot: the server names the blocks by key."""
-        return []
+    def complete_load(self, bad: Sequence[bytes] = (), gone: Sequence[bytes] = ()) -> None:
+        """Keys a read found missing (`gone`: not known any more) or failed verification (`bad`:
+        a miss for the lookups that follow)."""
+        if gone:
+            self.note_gone(gone)
+        if bad:
+            self.note_bad(bad)
 
-    def commit(self, slots: Sequence[int], info: RequestInfo = NO_INFO) -> None:
-        """No slot pending (written blocks are `note_written`)."""
-
-    def commit_written(self, slots: Sequence[int], sums: Sequence, info: RequestInfo = NO_INFO) -> None:
-        """As `commit`."""
-
-    def abort(self, slots: Sequence[int]) -> None:
-        """As `commit`."""
-
-    def free_slots(self, n: int) -> list[int]:
-        """No victim to pick: the server evicts."""
-        return []
-
-    def evict(self, block_ids: Sequence[int]) -> list[bytes]:
-        return []
-
-    def quarantine(self, slots: Sequence[int], why: str = "failed verification") -> int:
-        """A bad value is noted by key (`note_bad`), not by slot."""
-        return 0
-
-    def limit(self, n: int) -> list[bytes]:
-        """The server's size is its own."""
-        return []
-
-    # ---- membership ----------------------------------------------------------------------
-    def touch_keys(self, keys: Sequence[bytes]) -> None:
-        """Keys used again (fresh in the local memory)."""
-
-    def note_written(self, keys: Sequence[bytes]) -> None:
-        """Blocks this instance wrote."""
-
-    def note_gone(self, keys: Sequence[bytes]) -> None:
-        """Blocks a read found missing or bad: not known any more."""
-
-    def note_bad(self, keys: Sequence[bytes]) -> None:
-        """Blocks that failed verification: a miss for the lookups that follow."""
-        self.note_gone(keys)
+    def complete_store(self, slots: Sequence[int], keys: Sequence[bytes], sums: Sequence,
+                       info: RequestInfo = NO_INFO) -> None:
+        """Puts ended (`slots`: none, the server names blocks by key): the written ones are known."""
+        good = [k for k, c in zip(keys, sums) if c != -1]
+        if good:
+            self.note_written(good)
 
     @property
     def num_resident(self) -> int:
@@ -226,7 +165,7 @@ class SharedTier(_SharedBase):
         self.conn.bind_counter(count)
 
     # ---- membership ----------------------------------------------------------------------
-    def known(self, key: bytes) -> bool:
+    def holds(self, key: bytes) -> bool:
         return key in self._known
 
     def note_written(self, keys: Sequence[bytes]) -> None:
@@ -256,7 +195,7 @@ class SharedTier(_SharedBase):
     def touch_keys(self, keys: Sequence[bytes]) -> None:
         self._known.touch(keys)
 
-    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int | None:
+    def lookup(self, keys: Sequence[bytes], wait: bool = True) -> int | None:
         """Length of the prefix of `keys` on the server (all ranks); None: asked, answer pending
         (only with `wait=False`). Unreachable or too slow: the locally known part only, counted.
         A block marked bad ends the prefix."""
@@ -345,7 +284,7 @@ class SimSharedTier(_SharedBase):
     def num_resident(self) -> int:
         return len(self._on)
 
-    def known(self, key: bytes) -> bool:
+    def holds(self, key: bytes) -> bool:
         return key in self._on
 
     def note_written(self, keys: Sequence[bytes]) -> None:
@@ -354,10 +293,14 @@ class SimSharedTier(_SharedBase):
     def note_gone(self, keys: Sequence[bytes]) -> None:
         self._on.discard(keys)
 
+    def note_bad(self, keys: Sequence[bytes]) -> None:
+        """The model keeps no bad marks: as `note_gone`."""
+        self.note_gone(keys)
+
     def touch_keys(self, keys: Sequence[bytes]) -> None:
         self._on.touch(keys)
 
-    def probe(self, keys: Sequence[bytes], wait: bool = True) -> int:
+    def lookup(self, keys: Sequence[bytes], wait: bool = True) -> int:
         return self._on.prefix(keys)
 
     @property
@@ -367,6 +310,3 @@ class SimSharedTier(_SharedBase):
     def stats(self) -> dict:
         return {"name": self.name, "kind": self.kind, "capacity_blocks": self.capacity_blocks,
                 "resident_blocks": len(self._on), "evicted_blocks": self.evicted, "model": "lru"}
-
-    def close(self) -> None:
-        pass

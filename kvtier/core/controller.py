@@ -124,7 +124,7 @@ class TierController:
         local = list(zip(*match_prefix(self._index, keys)))
         blocks = local[:self.failed.clean(keys, len(local))]
         if self.shared is not None and len(blocks) == len(local) < len(keys):
-            n = self.tiers[self.shared].probe(keys[len(blocks):], wait)
+            n = self.tiers[self.shared].lookup(keys[len(blocks):], wait)
             if n is None:
                 return PENDING
             blocks.extend([(self.shared, -1)] * self.failed.clean(keys[len(blocks):], n))
@@ -142,16 +142,19 @@ class TierController:
 
     def holds(self, key: bytes, tier: int = 0) -> bool:
         """Whether `tier` has the block or is receiving it (the shared tier: as far as known here)."""
-        return self.inflight.incoming(tier, key) or self.tiers[tier].known(key)
+        return self.inflight.incoming(tier, key) or self.tiers[tier].holds(key)
 
     # ---- leases --------------------------------------------------------------------------
     def _pin(self, blocks: Sequence[tuple[int, int]]) -> None:
+        """Pin leased blocks of the local tiers (the shared tier's are the server's: never pinned)."""
         for t, slots in group_by_tier(blocks).items():
-            self.tiers[t].touch(slots)
+            if t < self.nlocal:
+                self.tiers[t].touch(slots)
 
     def _unpin(self, blocks: Sequence[tuple[int, int]]) -> None:
         for t, slots in group_by_tier(blocks).items():
-            self.tiers[t].free_blocks(slots)
+            if t < self.nlocal:
+                self.tiers[t].free_blocks(slots)
 
     def acquire(self, request_id: str, keys: Sequence[bytes], start: int = 0,
                 wait: bool = True) -> Lease | None | Pending:
@@ -227,8 +230,7 @@ class TierController:
             pos_of[t].append(lease.start + j)
         for t, op in ops.items():
             tier = self.tiers[t]
-            op.checksums, op.keys = tier.load_fields(op.slots, keys_of[t], checksums)
-            tier.hit(op.slots, info, keys_of[t])
+            op.checksums, op.keys = tier.prepare_load(op.slots, keys_of[t], checksums, info)
             n = len(op.slots)
             self.count(Metric.HIT_BLOCKS.at(tier.name), n)
             self.count(Metric.HIT_TOKENS.at(tier.name), n * self.block_tokens)
@@ -258,7 +260,8 @@ class TierController:
         op.via = slots
         op.via_tier = tgt
         op.op_id = next(self._op_ids)
-        excl = None if self.promotion.inclusive else (op.tier, list(zip(op.slots, keys)))
+        # exclusive: the lower copy leaves once read up (never the server's: it is the fleet's)
+        excl = None if self.promotion.inclusive or src.shared else (op.tier, list(zip(op.slots, keys)))
         self.inflight.add_store(op.op_id, StoreInFlight(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
                                                         info=info, pos=pos))
 
@@ -325,15 +328,18 @@ class TierController:
             self.count(Metric.NOT_OPEN_BLOCKS.at(self.names[t]), len(src))
             return 0
         keys = [k for _, k in src]
-        who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
-        room = self._room(t, len(src), who)
-        if room < len(src):
-            self.count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), len(src) - room)
-            src, keys = src[:room], keys[:room]
-        if not src:
-            return 0
-        slots = self.tiers[t].allocate(keys)
-        self._claim(t, slots, who[:room] if who is not None else None)
+        if self.tiers[t].shared:   # nothing to reserve: the server names the blocks by key and evicts
+            slots: list[int] = []
+        else:
+            who = self.tenants.owners(self.tiers[src_tier], [s for s, _ in src]) if self.tenants is not None else None
+            room = self._room(t, len(src), who)
+            if room < len(src):
+                self.count(Metric.STORE_DROPPED_BLOCKS.at(self.names[t]), len(src) - room)
+                src, keys = src[:room], keys[:room]
+            if not src:
+                return 0
+            slots = self.tiers[t].allocate(keys)
+            self._claim(t, slots, who[:room] if who is not None else None)
         self.tiers[src_tier].touch([s for s, _ in src])
         op_id = next(self._op_ids)
         self.inflight.add_copy(op_id, CopyInFlight(src_tier, src, t, slots))
@@ -528,21 +534,23 @@ class TierController:
         self._remember_failed(rep)   # before a bad block's tier quarantines it (its key then gone)
         for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
             tier = self.tiers[t]
-            tier.quarantine(slots)
+            tier.complete_load(bad=slots)
             self.count(Metric.CORRUPT_BLOCKS.at(tier.name), len(slots))
         for op_id, by_rank in sorted(rep.written_by_rank().items()):
             self._complete_copy(op_id, by_rank)
-        if rep.gone and self.shared is not None:  # found by lookup, gone (or bad) at load: a miss
-            self.tiers[self.shared].note_gone(rep.gone)
-            self.count(Metric.GONE_BLOCKS.at(self.names[self.shared]), len(rep.gone))
-        if rep.bad and self.shared is not None:  # failed verification: remembered, the next lookup misses
-            self.tiers[self.shared].note_bad(rep.bad)
-            self.count(Metric.BAD_BLOCKS.at(self.names[self.shared]), len(rep.bad))
+        if (rep.gone or rep.bad) and self.shared is not None:
+            # found by lookup, gone (or bad) at load: a miss; failed verification: remembered, the
+            # next lookup misses
+            self.tiers[self.shared].complete_load(bad=rep.bad, gone=rep.gone)
+            if rep.gone:
+                self.count(Metric.GONE_BLOCKS.at(self.names[self.shared]), len(rep.gone))
+            if rep.bad:
+                self.count(Metric.BAD_BLOCKS.at(self.names[self.shared]), len(rep.bad))
         for rid, ok in rep.loaded.items():
             self.release(rid)
             if not ok:
                 self.count(Metric.LOAD_FAILED_REQUESTS.key)
-        for lower, src in exclusive:  # exclusive promotion: the lower copy leaves once read up
+        for lower, src in exclusive:  # exclusive promotion: the lower (local) copy leaves once read up
             tier = self.tiers[lower]
             gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
             if gone:
@@ -579,25 +587,24 @@ class TierController:
         if tier.shared:  # the server names the blocks: known now, nothing to commit
             self._complete_put(cp, sums)
             return
-        good = [(s, c) for s, c in zip(cp.slots, sums) if c != -1]
+        good = [s for s, c in zip(cp.slots, sums) if c != -1]
         bad = [s for s, c in zip(cp.slots, sums) if c == -1]
-        if good:
-            try:
-                tier.commit_written([s for s, _ in good], [c for _, c in good])  # durable: now its index
-            except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
-                self._once(("commit", cp.tier, e.errno), logging.ERROR,
-                           "kvtier: tier %s: commit of %d blocks failed, kept in %s: %s (counted in "
-                           "store_failed_blocks; later failures of this kind at DEBUG)", tier.name, len(good),
-                           src_tier.name, e)
-                self.errors.append(f"tier {tier.name}: {e}")
-                bad = [s for s, _ in good] + bad
-                good = []
-            else:
+        try:
+            tier.complete_store(cp.slots, [k for _, k in cp.src], sums)  # durable: now its index
+        except OSError as e:  # e.g. fdatasync failed: nothing indexed, the source copy stays
+            self._once(("commit", cp.tier, e.errno), logging.ERROR,
+                       "kvtier: tier %s: commit of %d blocks failed, kept in %s: %s (counted in "
+                       "store_failed_blocks; later failures of this kind at DEBUG)", tier.name, len(good),
+                       src_tier.name, e)
+            self.errors.append(f"tier {tier.name}: {e}")
+            bad = good + bad
+            tier.abort(bad)
+        else:
+            if good:
                 self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
                 self.count(Metric.DEMOTED_BLOCKS.at(tier.name), len(good))
                 self.failed.forget(k for (_, k), c in zip(cp.src, sums) if c != -1)
         if bad:
-            tier.abort(bad)
             self.count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
             self.count(Metric.IO_ERRORS.at(tier.name), len(bad))
             self.errors.append(f"tier {tier.name}: {len(bad)} of {len(cp.slots)} block writes failed "
@@ -608,9 +615,9 @@ class TierController:
 
     def _complete_put(self, cp: CopyInFlight, sums: list) -> None:
         tier, src_tier = self.tiers[cp.tier], self.tiers[cp.src_tier]
+        tier.complete_store(cp.slots, [k for _, k in cp.src], sums)   # no slots: by key
         good = [k for (_, k), c in zip(cp.src, sums) if c != -1]
         if good:
-            tier.note_written(good)
             self.failed.forget(good)
             self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
         if len(good) < len(cp.src):  # the server refused or was unreachable: counted, not retried
@@ -624,7 +631,7 @@ class TierController:
         return len(self.inflight)
 
     def pinned_blocks(self) -> int:
-        return sum(t.pinned_blocks() for t in self.tiers)
+        return sum(t.pinned_blocks() for t in self.tiers[:self.nlocal])
 
     def describe(self) -> dict:
         return {"eviction": [t.eviction_name for t in self.tiers],

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Sequence
 
 from kvtier.policies.base import NO_INFO, RequestInfo
-from kvtier.tiers.contract import Tier
+from kvtier.tiers.contract import SlotTierContract
 
 
 @dataclass
@@ -153,7 +153,7 @@ class StoreInFlight:
     info: RequestInfo = field(default_factory=lambda: NO_INFO)
     pos: list[int] | None = None      # chain position of each slot (the policies' insert order)
 
-    def commit(self, tier: Tier, good: list[int]) -> None:
+    def commit(self, tier: SlotTierContract, good: list[int]) -> None:
         """Commit slots (indices `good`) run by run of consecutive chain positions, each run with
         its own RequestInfo.start, so the eviction policy learns where each block sits."""
         slots, pos = self.slots, self.pos

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.tenants_config import OTHER, is_name, quota_blocks
+from kvtier.tiers.contract import SlotTierContract
 from kvtier.policies.base import NO_INFO, EvictionPolicy, RequestInfo
 from kvtier.common.counters import Metric
 from kvtier.common.once import Once
@@ -249,15 +250,16 @@ class Tenants:
     def _count(self, key: str, v: float = 1) -> None:
         self.count(key, v)
 
-    def of(self, tier: Any) -> TenantEviction | None:
-        ev = getattr(tier, "eviction", None)
+    def of(self, tier: SlotTierContract) -> TenantEviction | None:
+        """A local (slot) tier's split policy, None when not split."""
+        ev = tier.eviction
         return ev if isinstance(ev, TenantEviction) else None
 
     def _accounts(self, tenant: str | list[int] | None, n: int) -> list[int]:
         """A tenant (or None) for n blocks, or already each block's account (a list)."""
         return list(tenant) if isinstance(tenant, list) else [self.account(tenant)] * n
 
-    def claim(self, tier: Any, slots: Sequence[int], tenant: str | list[int] | None) -> None:
+    def claim(self, tier: SlotTierContract, slots: Sequence[int], tenant: str | list[int] | None) -> None:
         """Slots just allocated in `tier` will belong to `tenant` (a name or None), or to each
         block's account (a list, as `owners` gives)."""
         ev = self.of(tier)
@@ -265,7 +267,7 @@ class Tenants:
             for s, a in zip(slots, self._accounts(tenant, len(slots))):
                 ev.claimed[s] = a
 
-    def owners(self, tier: Any, slots: Sequence[int]) -> list[int]:
+    def owners(self, tier: SlotTierContract, slots: Sequence[int]) -> list[int]:
         """The account of each of `slots` of `tier` (a pending slot: the one it was claimed for;
         `other` when unknown): what its copies and promotions are charged to."""
         ev = self.of(tier)
@@ -274,7 +276,7 @@ class Tenants:
             return [dflt] * len(slots)
         return [a if (a := ev.owner[s] if ev.owner[s] >= 0 else ev.claimed[s]) >= 0 else dflt for s in slots]
 
-    def victims(self, tier: Any, need: int, tenant: str | list[int] | None, n: int) -> list[int]:
+    def victims(self, tier: SlotTierContract, need: int, tenant: str | list[int] | None, n: int) -> list[int]:
         """Up to `need` slots of `tier` to evict so that `n` blocks of `tenant` (a name or None,
         or each block's account) fit, honouring the quotas: the first blocks take the free slots."""
         ev = self.of(tier)

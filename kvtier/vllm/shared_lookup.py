@@ -36,7 +36,7 @@ class BatchedLookup:
 
     def ask(self, key: bytes) -> bool | None:
         """On the server (True), not (False), or asked and not answered yet (None)."""
-        if self.tier.known(key):
+        if self.tier.holds(key):
             return True
         t = self._misses.get(key)
         if t is not None:

@@ -85,7 +85,7 @@ class KvtierSharedTier(KvtierSecondaryTier):
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys, chunks = [], []
         for k, c in zip(job_metadata.keys, job_metadata.chunk_ids):
-            if k not in self._storing and not self.tier.known(k):
+            if k not in self._storing and not self.tier.holds(k):
                 keys.append(k)
                 chunks.append(int(c))
         self._submit(job_metadata.job_id, keys, chunks, load=False)
