@@ -38,13 +38,13 @@ def _protocol_members(proto) -> set[str]:
 
 def _tier_names(fn: ast.AST) -> set[str]:
     """Names bound to a tier in a function: from `self.tiers[...]`, a loop over `self.tiers`, or a
-    parameter annotated `Tier`."""
+    parameter annotated `Tier` or `SlotTierContract`."""
     def is_tiers(e: ast.AST) -> bool:
         return "self.tiers" in ast.unparse(e)
 
     names: set[str] = set()
     for a in fn.args.args if isinstance(fn, ast.FunctionDef) else []:
-        if a.annotation is not None and ast.unparse(a.annotation) == "Tier":
+        if a.annotation is not None and ast.unparse(a.annotation) in ("Tier", "SlotTierContract"):
             names.add(a.arg)
     for node in ast.walk(fn):
         pairs = []
