@@ -338,3 +338,19 @@ def test_core_tiers_policies_offline_never_import_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]" and len(mods) > 50
+
+
+def test_one_name_for_the_shared_tier():
+    """Issue 34: the shared tier is `shared` in code (no `remote` identifier in kvtier.core or the
+    connector, no `redis*` module: the Redis protocol lives in tiers/shared_conn.py and resp_reader.py)."""
+    bad = []
+    for m, path in MODULES.items():
+        if PACKAGE_OF[m] in ("kvtier.core", "kvtier.connector"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
+                    node.name if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else node.arg \
+                    if isinstance(node, ast.arg) else None
+                if name is not None and "remote" in name.lower():
+                    bad.append(f"{m}: {name}")
+    assert bad == []
+    assert [m for m in MODULES if m.rsplit(".", 1)[-1].startswith("redis")] == []
