@@ -288,7 +288,7 @@ class KVTierScheduler:
         if scheduled and self.lazy is not None:
             self.lazy.drain.busy()
         try:  # a failure here (e.g. the NVMe index cannot be written) costs this step's stores only
-            self.ctrl.expire()
+            self.stores_finished(self.ctrl.expire())
             if self.store_enabled:
                 if self.lazy is not None:
                     self.lazy.plan(self.max_blocks_per_step or (1 << 30))
@@ -356,7 +356,7 @@ class KVTierScheduler:
         failed = dict(self._failed_loads)
         for op in plan.loads:
             failed.setdefault(op.req_id, []).extend(op.block_ids)
-        rep = KVTierWorkerMeta.of_plan(plan, ok=False, ranks=self.ctrl.ranks)  # every rank's, each failed
+        rep = KVTierWorkerMeta.of_plan(plan, ok=False, ranks=self.ctrl.reporters)  # every rank's, each failed
         waiting, self._failed_loads, self._async_step = self._async_step, {}, []
         self.on_worker_meta(rep)
         meta = KVTierMetadata(failed_loads=failed, async_loads=waiting, shared_tier=self.ctrl.shared,
@@ -410,16 +410,20 @@ class KVTierScheduler:
     def on_worker_meta(self, wm: KVTierWorkerMeta | None) -> None:
         if wm is None:
             return
-        if self.lazy is not None:
-            for op_id, oks in wm.stored.items():
-                self.lazy.on_stored(op_id, oks)
         self._async_inflight.difference_update(wm.loaded)
-        self.holds.reported(wm.stored)
         for rid, ok in wm.loaded.items():  # a failed load: vLLM recomputes those blocks; offer them again
             r = self._reqs.get(rid)
             if not ok and r is not None:
                 self.rules.offer_again(r.done, r.load_start * self.block_tokens)
-        self.ctrl.complete(wm)
+        self.stores_finished(self.ctrl.complete(wm))
+
+    def stores_finished(self, done: dict[int, list[bool]]) -> None:
+        """Store ops every rank reported (or aborted): their lazy-offload pins and the holds on
+        their requests go now, never while a rank may still be copying."""
+        if self.lazy is not None:
+            for op_id, oks in done.items():
+                self.lazy.on_stored(op_id, oks)
+        self.holds.reported(done)
 
     # ---- end of a request --------------------------------------------------------------
     def on_finished(self, req_id: str, tables: Tables | None = None) -> tuple[bool, dict | None]:
@@ -647,7 +651,8 @@ class StoreHolds:
             self.of_op[op_id] = req_id
 
     def reported(self, op_ids: Iterable[int]) -> None:
-        """Stores a worker report names (stored or failed): no longer a reason to hold."""
+        """Stores every rank reported (stored or failed, `TierController.complete`), or aborted: no
+        longer a reason to hold."""
         for op in op_ids:
             rid = self.of_op.pop(op, None)
             ops = self.ops.get(rid) if rid is not None else None

@@ -28,6 +28,7 @@ from .groups import GroupRules
 from kvtier.core.identity import ModelIdentity
 from .engine_identity import effective_config_digest, load_source, weights_pin
 from .kv_layout import layout_name
+from .metadata import HOLD_LIMIT_S
 from .parallel import context_parallel, context_parallel_refused, shards, store_rank, world_size
 from .scheduler import KVTierScheduler, PersistentTiers, SchedulerOptions
 from .startup import flush_budget_s, shared_opener, warn_per_process_hashes
@@ -160,7 +161,9 @@ def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVSh
                     "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
     ranks = shards(vllm_config, kv_cache_config)
     persistent = PersistentTiers(cfg, identity, fingerprint_of, ranks) if shape.enabled else None
-    ctrl = build_controller(cfg, persistent.build() if persistent is not None else [], ranks=ranks)
+    # every rank reports every store (each copies into its own pool), within the workers' hold bound
+    ctrl = build_controller(cfg, persistent.build() if persistent is not None else [], ranks=ranks,
+                            reporters=world_size(vllm_config), report_timeout_s=HOLD_LIMIT_S)
     rules = None
     if shape.groups:
         # MTP with several modules re-prefills its last lookahead tokens: not final until then

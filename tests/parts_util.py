@@ -10,10 +10,13 @@ from kvtier.policies import PROMOTION
 
 
 def scheduler(tiers, block_tokens: int, *, promote: bool = True, admission=None, ranks: int = 1,
-              **options) -> KVTierScheduler:
-    """`promote`: inclusive promotion or none; `options`: `SchedulerOptions` fields."""
+              reporters: int | None = None, clock=None, **options) -> KVTierScheduler:
+    """`promote`: inclusive promotion or none; `ranks`, `reporters`, `clock`: the controller's;
+    `options`: `SchedulerOptions` fields."""
+    more = {"clock": clock} if clock is not None else {}
     ctrl = TierController(tiers, block_tokens=block_tokens, admission=admission,
-                          promotion=PROMOTION.get("inclusive")() if promote else None, ranks=ranks)
+                          promotion=PROMOTION.get("inclusive")() if promote else None, ranks=ranks,
+                          reporters=reporters, report_timeout_s=60.0, **more)
     return KVTierScheduler(ctrl, options=SchedulerOptions(**options))
 
 

@@ -26,11 +26,11 @@ def caches(seed):
     return {f"l{i}": buf[i] for i in range(2)}
 
 
-def sched(path, cap=8, ranks=1):
+def sched(path, cap=8, ranks=1, reporters=None):
     bb = 2 * H * BT * D2 * 4
     cpu = SlotTier("cpu", cap, bb, EVICTION.get("lru")(cap))
     nv = NvmeControl("nvme", str(path), 16, bb, EVICTION.get("lru")(16), {"model": "t"})
-    return scheduler([cpu, nv], BT, ranks=ranks), cpu, nv
+    return scheduler([cpu, nv], BT, ranks=ranks, reporters=reporters), cpu, nv
 
 
 def worker(seed, lag=0, rank=0):

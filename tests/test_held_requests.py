@@ -66,7 +66,8 @@ class Engine:
             w.register_kv_caches(flash_caches(blocks=NB))
             self.workers.append(Conn(w))
         tier = SlotTier("cpu", 16, self.workers[0].worker.layout.block_bytes, EVICTION.get("lru")(16))
-        self.sched = scheduler([tier], BT, hold_stores=hold)
+        self.tier = tier
+        self.sched = scheduler([tier], BT, hold_stores=hold, ranks=ranks)
         self.agg = KVOutputAggregator(ranks)
         self.sent: list[set[str]] = []        # finished_sending vLLM saw, per step
 

@@ -138,6 +138,86 @@ class _null:
         return False
 
 
+def tp_reports(gpu: bool) -> None:
+    """Tensor parallel stores reported in different steps: two ranks (two workers in one process,
+    each its own copy stream and pool) store the same op; rank 1's forward runs late (0.1 s of sleep
+    on its compute stream; on CPU its deferred copies run two steps after rank 0's), so the ranks
+    report the store in different steps. The controller (ranks=2) commits it only in the step the
+    second report arrives, byte-exact in both pools."""
+    import copy
+
+    import torch
+
+    import probes
+    from kvtier.connector.config import load_settings
+    from kvtier.connector.metadata import KVTierMetadata
+    from kvtier.connector.worker import KVTierWorker
+    from kvtier.core.controller import TierController
+    from kvtier.policies import EVICTION
+    from kvtier.tiers.base import SlotTier
+    device = "cuda" if gpu else "cpu"
+    streams = [_streams_fn(gpu)() for _ in range(2)]
+    ranks = []
+    for r in range(2):
+        kv = probes.views("LBNHC", 4, 64, 8, 16, 128, torch.bfloat16, device)
+        for t in kv.values():
+            t.normal_()
+        w = KVTierWorker(load_settings({"cpu_capacity_blocks": 16, "pin": gpu}), rank=r, ranks=2,
+                         copy_streams=streams[r])
+        w.register_kv_caches(kv)
+        ranks.append((w, kv))
+    try:
+        tier = SlotTier("cpu", 16, ranks[0][0].layout.block_bytes, EVICTION.get("lru")(16))
+        ctrl = TierController([tier], ranks=2)
+        ids = [5, 6, 7]
+        ctrl.store([bytes([b]) * 16 for b in ids], ids)
+        (op,) = ctrl.take_plan().stores
+        if gpu:
+            torch.cuda.synchronize()
+        for w, _ in ranks:
+            ctx = torch.cuda.stream(torch.cuda.Stream()) if gpu else _null()   # each rank's forward stream
+            with ctx:
+                if gpu and w.rank == 1:
+                    torch.cuda._sleep(probes.SLEEP_CYCLES)   # rank 1's forward runs late: its copy waits
+                w.bind(KVTierMetadata(stores=copy.deepcopy([op])))
+                w.save()
+        steps: list[tuple[list[int], int]] = []   # per step: the ranks reporting the store, blocks resident
+        done: dict = {}
+        for i in range(10_000):
+            if not gpu and i in (1, 3):
+                streams[0 if i == 1 else 1].drain()
+            agg = None
+            who = []
+            for w, _ in ranks:
+                w.bind(KVTierMetadata())
+                rep = w.take_report()
+                if rep is not None and op.op_id in rep.stored:
+                    who.append(w.rank)
+                if rep is not None:
+                    agg = rep if agg is None else agg.aggregate(rep)
+            done = (ctrl.complete(agg) if agg is not None else None) or {}
+            if who:
+                steps.append((who, tier.num_resident))
+            if done:
+                break
+            if gpu:
+                time.sleep(0.001)
+        if gpu:
+            torch.cuda.synchronize()
+        exact = all(torch.equal(w.pools[0].buffer.view(16, -1)[s].cpu(),
+                                torch.cat([probes.canonical(t, b) for t in kv.values()]))
+                    for w, kv in ranks for b, s in zip(ids, op.slots))
+    finally:
+        for w, _ in ranks:
+            w.close()
+    split = len(steps) == 2 and steps[0][1] == 0 and len(steps[0][0]) == 1
+    ok = split and done == {op.op_id: [True] * 3} and tier.num_resident == 3 and exact
+    report("tp_reports", "PASS" if ok else "FAIL",
+           f"the ranks reported the store in steps {[w for w, _ in steps]}; resident after each "
+           f"{[n for _, n in steps]} (committed only with the second); byte-exact on both ranks {exact}",
+           steps=[w for w, _ in steps], resident=[n for _, n in steps], exact=exact)
+
+
 # ---- GPU-only checks --------------------------------------------------------------------------
 @check("two_registrations", needs_gpu=True)
 def two_registrations() -> None:
@@ -424,6 +504,7 @@ def main() -> int:
     check("layouts")(lambda: layouts(use_gpu))(use_gpu)
     for which in ("store", "load"):
         check(f"{which}_probe")(lambda w=which: _probe(use_gpu, w))(use_gpu)
+    check("tp_reports")(lambda: tp_reports(use_gpu))(use_gpu)
     for c in (two_registrations, hook_wait, scattered_copies, layer_overlap, kvikio_check):
         c(use_gpu)
     RESULTS["seconds"] = round(time.perf_counter() - t0, 1)

@@ -94,6 +94,8 @@ class Metric(Enum):
                             "Shared tier: bad values rewritten since (left in place).")
     BAD_DELETE_FAILED_BLOCKS = ("bad_delete_failed_blocks", TIER, None, None,
                                 "Shared tier: bad values whose delete failed.")
+    STORE_UNREPORTED_BLOCKS = ("store_unreported_blocks", TIER, None, None,
+                               "Blocks of stores aborted: some rank did not report them within the limit.")
     HELD_RELEASE_TIMEOUTS = ("held_release_timeouts", NONE, COUNTER, "held_release_timeouts",
                              "Finished requests vLLM held for stores still copying, released at the time bound.")
     SKIPPED_BLOCKS = ("skipped_blocks", TIER, None, None, "Shared tier: reads not sent, the server unreachable.")

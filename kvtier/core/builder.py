@@ -121,13 +121,16 @@ def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None =
 
 
 def build_controller(cfg: StackConfig, tiers: Sequence[Any], ranks: int = 1,
-                     lease_timeout_s: float | None = None) -> TierController:
-    """The controller over `tiers` with the config's policies."""
+                     lease_timeout_s: float | None = None, reporters: int | None = None,
+                     report_timeout_s: float | None = None) -> TierController:
+    """The controller over `tiers` with the config's policies (`ranks`, `reporters`,
+    `report_timeout_s`: `TierController`'s)."""
     wb = max(1, cfg.writeback_bytes // cfg.block_bytes)
     return TierController(tiers, block_tokens=cfg.block_tokens, admission=make_admission(cfg),
                           promotion=make_promotion(cfg), demotion=cfg.policy.demotion,
                           lease_timeout_s=lease_timeout_s or cfg.serving.lease_timeout_s, ranks=ranks,
-                          writeback_blocks=wb, tenants=make_tenants(cfg))
+                          writeback_blocks=wb, tenants=make_tenants(cfg), reporters=reporters,
+                          report_timeout_s=report_timeout_s)
 
 
 def make_tenants(cfg: StackConfig) -> Any:

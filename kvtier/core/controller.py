@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 from kvtier.common.counters import Metric
 from kvtier.common.once import Once
@@ -49,13 +50,18 @@ class TierController:
                  admission: Sequence[AdmissionPolicy | None] | None = None,
                  promotion: PromotionPolicy | None = None, demotion: str = "write_through",
                  lease_timeout_s: float = 300.0, ranks: int = 1, writeback_blocks: int = 256,
-                 tenants: Any = None, failed_loads_cap: int = DEFAULT_CAP) -> None:
+                 tenants: Any = None, failed_loads_cap: int = DEFAULT_CAP, reporters: int | None = None,
+                 report_timeout_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`tiers`: top (fastest) first. `admission[i]`: whether a block is worth writing to
         tier i (None or "all": every block). `promotion`: where a lower-tier hit goes (None:
         served in place). `ranks`: workers that each write a shard of every block (a copy to
         NVMe commits once every rank reported). `writeback_blocks`: the write-back batch.
         `tenants`: per-tenant quotas and counters (`kvtier.core.tenants.Tenants`), or None.
-        `failed_loads_cap`: keys whose load failed remembered at most (`kvtier.core.ledger`)."""
+        `failed_loads_cap`: keys whose load failed remembered at most (`kvtier.core.ledger`).
+        `reporters`: workers that each copy every store into their own pool (default `ranks`; more
+        when the ranks hold the same KV and only the first writes the shard): a store commits once
+        every one of them reported it, and is aborted when one has not within `report_timeout_s`
+        (default `lease_timeout_s`) on `clock`; copies count the reports of ranks 0..`ranks`-1 only."""
         if demotion not in DEMOTION:
             raise ValueError(f"demotion must be one of {DEMOTION}, got {demotion!r}")
         self.counters = Counters()   # every count of the control plane (and of the tiers, tenants)
@@ -75,7 +81,10 @@ class TierController:
         self.promotion = promotion
         self.demotion = demotion
         self.ranks = max(1, int(ranks))
-        self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s)
+        self.reporters = max(self.ranks, int(reporters or 0))
+        self.report_timeout_s = lease_timeout_s if report_timeout_s is None else report_timeout_s
+        self.clock = clock
+        self.leases = LeaseTable(self._pin, self._unpin, lease_timeout_s, clock)
         for t in self.tiers:  # their own events (network, index writes) join our counters
             t.bind_counter(self.count)
         self.tenants = tenants
@@ -201,8 +210,28 @@ class TierController:
             self.count(Metric.LEASES_RELEASED.key)
         return n
 
-    def expire(self) -> None:
+    def expire(self) -> dict[int, list[bool]]:
+        """Release the leases past their deadline, abort the stores some rank never reported in
+        time; returns those stores (op id -> per block False), finished now."""
         self.leases.expire()
+        now = self.clock()
+        out: dict[int, list[bool]] = {}
+        for op_id in self.inflight.overdue_stores(now):
+            st = self.inflight.take_store(op_id)
+            missing = sorted(set(range(self.reporters)) - set(st.reports))
+            name = self.names[st.tier]
+            self.count(Metric.STORE_UNREPORTED_BLOCKS.at(name), len(st.slots))
+            self._once(("store_unreported", st.tier), logging.ERROR,
+                       "kvtier: a store of %d blocks to %s was not reported by ranks %s within %.0f s: aborted "
+                       "(counted in store_unreported_blocks; later ones not logged)", len(st.slots), name, missing,
+                       self.report_timeout_s)
+            out[op_id] = [False] * len(st.slots)
+            self._finish_store(st, out[op_id], [])
+        return out
+
+    def _report_by(self) -> float:
+        """The deadline of a store planned now: every rank reported it by then, or it is aborted."""
+        return self.clock() + self.report_timeout_s
 
     # ---- loads ---------------------------------------------------------------------------
     def load(self, request_id: str, num_blocks: int, dsts: Sequence[int], info: RequestInfo = NO_INFO,
@@ -263,7 +292,7 @@ class TierController:
         # exclusive: the lower copy leaves once read up (never the server's: it is the fleet's)
         excl = None if self.promotion.inclusive or src.shared else (op.tier, list(zip(op.slots, keys)))
         self.inflight.add_store(op.op_id, StoreInFlight(tgt, slots, list(keys), promotion=True, exclusive_from=excl,
-                                                        info=info, pos=pos))
+                                                        info=info, pos=pos, deadline=self._report_by()))
 
     # ---- stores --------------------------------------------------------------------------
     def store(self, keys: Sequence[bytes], srcs: Sequence[int], info: RequestInfo = NO_INFO,
@@ -294,7 +323,8 @@ class TierController:
         slots = top.allocate(ks, info)
         self._claim(0, slots, info.tenant)
         op_id = next(self._op_ids)
-        self.inflight.add_store(op_id, StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want]))
+        self.inflight.add_store(op_id, StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want],
+                                                     deadline=self._report_by()))
         self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
         self.count(Metric.STORE_PLANNED_BLOCKS.at(top.name), len(slots))
         for t in self._through:  # written through from the top tier
@@ -501,36 +531,25 @@ class TierController:
 
     # ---- the executor's report ----------------------------------------------------------------
     # what is in flight is asked and changed through `InFlight`'s methods (`self.inflight`) only
-    def complete(self, rep: Report) -> None:
+    def complete(self, rep: Report) -> dict[int, list[bool]]:
         """The executor's report: commit what was written, abort what failed, drop what did not
-        verify, release the leases of loads that finished."""
+        verify, release the leases of loads that finished. A store finishes once every rank
+        (`reporters`) reported it, in this report or earlier ones (each rank's failure fails its
+        blocks); returns the stores finished now: op id -> per block committed."""
         for t, n in rep.capacity.items():  # a data plane smaller than configured: before its results
             self._limit(t, n)
         exclusive: list[tuple[int, list[tuple[int, bytes]]]] = []
-        for op_id, oks in sorted(rep.stored.items()):  # plan order, whatever order the report has
-            st = self.inflight.take_store(op_id)
+        done: dict[int, list[bool]] = {}
+        for op_id, by_rank in sorted(rep.stored_by_rank().items()):  # plan order, whatever order the report has
+            st = self.inflight.store_of(op_id)
             if st is None:
                 continue
-            tier = self.tiers[st.tier]
-            good = [j for j, ok in enumerate(oks[:len(st.slots)]) if ok]
-            bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
-            if good:
-                st.commit(tier, good)
-                self.failed.forget(st.keys[j] for j in good)
-                self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
-                if st.promotion:
-                    self.count(Metric.PROMOTED_BLOCKS.at(tier.name), len(good))
-                    if st.exclusive_from is not None:
-                        lower, src = st.exclusive_from
-                        ok_keys = {k for s, k, ok in zip(st.slots, st.keys, oks) if ok}
-                        exclusive.append((lower, [(s, k) for s, k in src if k in ok_keys]))
-            if bad and st.promotion:  # its read failed (a miss, counted with the read): nothing to promote
-                tier.abort(bad)
-            elif bad:
-                tier.abort(bad)
-                self.count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
-                self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
-            self.inflight.landed(st.tier, st.keys)
+            oks = st.reported(by_rank, self.reporters)   # several ranks: once every rank reported
+            if oks is None:
+                continue
+            self.inflight.take_store(op_id)
+            done[op_id] = oks
+            self._finish_store(st, oks, exclusive)
         self._remember_failed(rep)   # before a bad block's tier quarantines it (its key then gone)
         for t, slots in rep.corrupt.items():  # failed verification on read: a miss from now on
             tier = self.tiers[t]
@@ -555,6 +574,31 @@ class TierController:
             gone = [s for s, k in src if tier.find(k) == s and tier.get_block(s).ref_cnt == 0]
             if gone:
                 self._evict(lower, gone)
+        return done
+
+    def _finish_store(self, st: StoreInFlight, oks: list[bool], exclusive: list) -> None:
+        """Every rank reported store `st` (`oks`: per block, stored by all): commit what was, abort
+        the rest; an exclusive promotion's lower copies to drop go to `exclusive`."""
+        tier = self.tiers[st.tier]
+        good = [j for j, ok in enumerate(oks[:len(st.slots)]) if ok]
+        bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
+        if good:
+            st.commit(tier, good)
+            self.failed.forget(st.keys[j] for j in good)
+            self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
+            if st.promotion:
+                self.count(Metric.PROMOTED_BLOCKS.at(tier.name), len(good))
+                if st.exclusive_from is not None:
+                    lower, src = st.exclusive_from
+                    ok_keys = {k for s, k, ok in zip(st.slots, st.keys, oks) if ok}
+                    exclusive.append((lower, [(s, k) for s, k in src if k in ok_keys]))
+        if bad and st.promotion:  # its read failed (a miss, counted with the read): nothing to promote
+            tier.abort(bad)
+        elif bad:
+            tier.abort(bad)
+            self.count(Metric.STORE_FAILED_BLOCKS.at(tier.name), len(bad))
+            self.errors.append(f"tier {tier.name}: {len(bad)} of {len(st.slots)} block writes failed")
+        self.inflight.landed(st.tier, st.keys)
 
     def _remember_failed(self, rep: Report) -> None:
         """Blocks whose load failed, for any reason: remembered, so no lookup offers them again
@@ -578,6 +622,10 @@ class TierController:
         cp = self.inflight.copy_of(op_id)
         if cp is None:
             return
+        if self.reporters > self.ranks:  # the ranks hold the same KV: only ranks 0..ranks-1 write the shard
+            by_rank = {r: v for r, v in by_rank.items() if r < self.ranks}
+            if not by_rank:
+                return
         by_rank = cp.reported(by_rank, self.ranks)   # several ranks: once every rank reported
         if by_rank is None:
             return

@@ -143,7 +143,8 @@ class CopyInFlight:
 
 @dataclass
 class StoreInFlight:
-    """A store (or a promotion) in flight: its slots are pending until the executor reports them."""
+    """A store (or a promotion) in flight: its slots are pending until every rank reported them
+    (each rank copies into its own pool, on its own clock: reports come in different steps)."""
 
     tier: int
     slots: list[int]
@@ -152,6 +153,24 @@ class StoreInFlight:
     exclusive_from: tuple[int, list[tuple[int, bytes]]] | None = None  # (lower tier, its copies)
     info: RequestInfo = field(default_factory=lambda: NO_INFO)
     pos: list[int] | None = None      # chain position of each slot (the policies' insert order)
+    deadline: float = float("inf")    # aborted when some rank has not reported it by then
+    reports: dict[int, list[bool]] = field(default_factory=dict)  # rank -> per-block ok, so far
+
+    def reported(self, by_rank: dict[int, list[bool]], ranks: int) -> list[bool] | None:
+        """Add ranks' reports (ranks 0..`ranks`-1; a rank reporting twice: ANDed); once every rank
+        reported, per block whether every rank stored it, else None. A failure decides the outcome
+        but not the moment: another rank may still be copying the same blocks."""
+        if ranks <= 1:  # one worker, whatever its rank
+            by_rank = {0: oks for oks in by_rank.values()}
+        for r, oks in by_rank.items():
+            if 0 <= r < ranks:
+                mine = self.reports.get(r)
+                self.reports[r] = list(oks) if mine is None else [a and b for a, b in zip(mine, oks)]
+        if len(self.reports) < ranks:
+            return None
+        n = len(self.slots)
+        cols = [list(oks[:n]) + [False] * (n - len(oks)) for oks in self.reports.values()]
+        return [all(t) for t in zip(*cols)]
 
     def commit(self, tier: SlotTierContract, good: list[int]) -> None:
         """Commit slots (indices `good`) run by run of consecutive chain positions, each run with
@@ -201,6 +220,13 @@ class InFlight:
 
     def take_store(self, op_id: int) -> StoreInFlight | None:
         return self._stores.pop(op_id, None)
+
+    def store_of(self, op_id: int) -> StoreInFlight | None:
+        return self._stores.get(op_id)
+
+    def overdue_stores(self, now: float) -> list[int]:
+        """Op ids of the stores past their deadline (some rank never reported them)."""
+        return [op for op, st in self._stores.items() if st.deadline <= now]
 
     def copy_of(self, op_id: int) -> CopyInFlight | None:
         return self._copies.get(op_id)

@@ -67,8 +67,9 @@ class Report:
     checksum (-1: failed), tier -> slots that failed verification, tier -> blocks whose load
     failed for any reason (`unread`: the controller remembers them, `kvtier.core.ledger`).
 
-    Aggregating over workers (tensor parallel ranks) ANDs the flags; copies keep each rank's
-    checksums (ranks hold different shards in different files)."""
+    Aggregating over workers (tensor parallel ranks) ANDs the flags and keeps each rank's store
+    results (`stored_ranks`: a store completes once every rank reported it, maybe in different
+    steps) and copy checksums (ranks hold different shards in different files)."""
 
     stored: dict[int, list[bool]] = field(default_factory=dict)
     loaded: dict[str, bool] = field(default_factory=dict)
@@ -80,24 +81,37 @@ class Report:
     bad: list[bytes] = field(default_factory=list)    # shared tier: those of `gone` that failed verification
     capacity: dict[int, int] = field(default_factory=dict)  # tier -> slots its data plane holds (when fewer)
     unread: dict[int, list] = field(default_factory=dict)   # tier -> blocks whose load failed: slots (keys: shared)
+    stored_ranks: dict[int, dict[int, list[bool]]] = field(default_factory=dict)  # aggregated: op -> rank -> oks
 
     @classmethod
     def of_plan(cls, plan: Plan, ok: bool, ranks: int = 0) -> "Report":
         """Every op of `plan` reported at once, done (`ok`: what moves nothing reports) or failed
         (what cannot run: loads are load errors, stores and copies are not committed). `ranks`:
-        copies as each of that many ranks' report (0: this one's)."""
+        stores and copies as each of that many ranks' report (0: this one's)."""
         rep = ReportBuilder(cls=cls)
+        each = range(ranks) if ranks else [None]
         for op in plan.loads:
             rep.loaded(op.req_id, ok)
             if op.via:
-                rep.stored(op.op_id, [ok] * len(op.slots))
+                for r in each:
+                    rep.stored(op.op_id, [ok] * len(op.slots), rank=r)
         for op in plan.stores:
-            rep.stored(op.op_id, [ok] * len(op.slots))
+            for r in each:
+                rep.stored(op.op_id, [ok] * len(op.slots), rank=r)
         tag = 0 if ok else -1
         for op in plan.copies:
-            for r in range(ranks) if ranks else [None]:
+            for r in each:
                 rep.copied(op.op_id, [tag] * len(op.src_slots), rank=r)
         return rep.take() or cls()
+
+    def stored_by_rank(self) -> dict[int, dict[int, list[bool]]]:
+        """Store op -> rank -> per-block ok, over every rank reported (`stored` is this rank's for
+        the ops `stored_ranks` lacks)."""
+        out = {op: {r: list(oks) for r, oks in by.items()} for op, by in self.stored_ranks.items()}
+        for op, oks in self.stored.items():
+            if op not in out:
+                out[op] = {self.rank: list(oks)}
+        return out
 
     def written_by_rank(self) -> dict[int, dict[int, list[int]]]:
         """Copy op -> rank -> per-slot checksums (-1: failed), over every rank reported."""
@@ -111,6 +125,11 @@ class Report:
         for op, oks in other.stored.items():
             mine = stored.get(op)
             stored[op] = list(oks) if mine is None else [a and b for a, b in zip(mine, oks)]
+        stored_ranks = self.stored_by_rank()
+        for op, by_rank in other.stored_by_rank().items():
+            mine = stored_ranks.setdefault(op, {})
+            for r, oks in by_rank.items():
+                mine[r] = list(oks) if r not in mine else [a and b for a, b in zip(mine[r], oks)]
         loaded = dict(self.loaded)
         for r, ok in other.loaded.items():
             loaded[r] = loaded.get(r, True) and ok
@@ -129,11 +148,13 @@ class Report:
         for t, v in other.unread.items():
             unread.setdefault(t, []).extend(x for x in v if x not in unread[t])
         return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
-                          copied_ranks=written, gone=gone, bad=bad, capacity=capacity, unread=unread)
+                          copied_ranks=written, gone=gone, bad=bad, capacity=capacity, unread=unread,
+                          stored_ranks=stored_ranks)
 
     def is_empty(self) -> bool:
         return not self.stored and not self.loaded and not self.copied and not self.corrupt \
-            and not self.copied_ranks and not self.gone and not self.bad and not self.capacity and not self.unread
+            and not self.copied_ranks and not self.gone and not self.bad and not self.capacity and not self.unread \
+            and not self.stored_ranks
 
 
 class ReportBuilder:
@@ -147,9 +168,13 @@ class ReportBuilder:
         self._rep = cls(rank=rank)
         self.corrupt_blocks = 0   # blocks that failed verification, over every report taken
 
-    def stored(self, op_id: int, oks: Sequence[bool]) -> None:
-        """Store (or promotion) `op_id`: per block, whether its bytes are in its slot."""
-        self._rep.stored[op_id] = list(oks)
+    def stored(self, op_id: int, oks: Sequence[bool], rank: int | None = None) -> None:
+        """Store (or promotion) `op_id`: per block, whether its bytes are in its slot; `rank`: as
+        that rank's."""
+        if rank is None:
+            self._rep.stored[op_id] = list(oks)
+        else:
+            self._rep.stored_ranks.setdefault(op_id, {})[rank] = list(oks)
 
     def not_stored(self, op_id: int, n: int, unless_reported: bool = False) -> int:
         """Store `op_id`'s `n` blocks failed (`unless_reported`: only if it has no result yet);
