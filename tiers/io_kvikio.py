@@ -127,7 +127,7 @@ def _same_file(fd: int, other: int, path: str) -> None:
 class KvikioEngine(IOEngine):
     """kvikio CuFile pread/pwrite, one task per block.
 
-    Device tensors (`device_type`, CUDA; tests pass "cpu" to drive this path on CPU tensors) go
+    Device tensors (of `device_type`, CUDA; tests set "cpu" to drive this path on CPU tensors) go
     to kvikio as they are: GDS, or kvikio's own bounce buffers in its compatibility mode (`mode`).
     Keyed blocks of format 4 keep their payload off the host: header pages on the host, the
     payload hash computed by torch on the device. Host tensors are handed to kvikio as numpy
@@ -143,9 +143,10 @@ class KvikioEngine(IOEngine):
     name = "kvikio"
     can_encrypt = False  # device memory straight to the file: no host copy to encrypt
     device_io = True
+    device_type = "cuda"
     MAX_ERROR_KINDS = 64  # distinct kinds kept in stats (all are counted in io_errors)
 
-    def __init__(self, threads: int = 4, device_type: str = "cuda") -> None:
+    def __init__(self, threads: int = 4) -> None:
         why = cuda_driver_reason()
         if why:
             raise EngineUnavailable(f"kvikio engine unusable: {why}")
@@ -155,7 +156,6 @@ class KvikioEngine(IOEngine):
             raise EngineUnavailable(f"kvikio engine unusable: import kvikio failed: {e!r}") from None
         self._kvikio = kvikio
         self.threads = threads
-        self.device_type = device_type
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvtier-kvikio")
         self.compat = _kvikio_compat(kvikio)
         self.mode = kvikio_mode(kvikio)
