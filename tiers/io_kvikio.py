@@ -90,14 +90,15 @@ GDS, COMPAT = "GDS", "compatibility"
 
 def kvikio_mode(kvikio, handle=None) -> str:
     """'GDS' (cuFile moves device memory to and from the file) or 'compatibility' (kvikio's POSIX
-    I/O and bounce buffers), as far as kvikio says: its compat_mode setting, and with an open
-    `handle` the handle's own answer (`is_compat_mode_preferred`, kvikio >= 24.12)."""
-    pref = getattr(handle, "is_compat_mode_preferred", None)
-    if callable(pref):
-        try:
-            return COMPAT if pref() else GDS
-        except Exception:  # noqa: BLE001 - an older or broken binding: the setting decides
-            pass
+    I/O and bounce buffers), as kvikio says: an open `handle`'s own answer, else kvikio's
+    (`is_compat_mode_preferred`, kvikio >= 24.12), else its compat_mode setting."""
+    for owner in (handle, getattr(kvikio, "defaults", None)):
+        pref = getattr(owner, "is_compat_mode_preferred", None)  # a kvikio binding, absent in older ones
+        if callable(pref):
+            try:
+                return COMPAT if pref() else GDS
+            except Exception:  # noqa: BLE001 - an older or broken binding: the setting decides
+                pass
     setting = _kvikio_compat(kvikio).upper()
     if setting in ("ON", "TRUE", "1"):
         return COMPAT
