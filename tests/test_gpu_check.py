@@ -38,7 +38,7 @@ def test_check_cpu_passes_and_skips_the_gpu_checks(tmp_path):
     for name in ("two_registrations", "hook_wait", "scattered_copies", "layer_overlap", "kvikio", "gds_load"):
         assert checks[name]["status"] == "SKIP"
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("check ")]
-    assert len(lines) == 9                            # one line per check
+    assert len(lines) == 10                           # one line per check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
