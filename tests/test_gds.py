@@ -352,3 +352,57 @@ def test_gds_mode_is_in_the_start_line_and_metrics(gds_kvikio, monkeypatch):
     gds_kvikio.defaults = types.SimpleNamespace(get=lambda name: {"compat_mode": "ON"}[name])
     assert "mode compatibility" in _io_choice(nv, True, [])
     assert metrics.GAUGES["nvme_gds"] is Metric.NVME_GDS
+
+
+def test_gds_worker_loads_nvme_into_device_staging_and_sets_the_gauge(gds_kvikio, tmp_path):
+    """The worker on `nvme_io: kvikio` with the device copier (`probes.DeferredStreams`: copies run
+    later, as on a GPU): blocks stored, copied down, then loaded without a DRAM slot read into the
+    worker's device staging rows only, are verified there and land byte-exact; a flipped payload
+    byte is a load error and its KV block keeps its bytes; `gauge_nvme_gds` is 1."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parts_util import worker_settings
+    from test_kv_layout import flash_caches
+    from test_load_failures import Hooks
+    from kvtier.connector.metadata import CopyOp, KVTierMetadata, LoadOp as MetaLoad, StoreOp
+    from kvtier.connector.worker import KVTierWorker
+
+    caches = flash_caches(blocks=12)
+    orig = {n: t.clone() for n, t in caches.items()}
+    st = probes.DeferredStreams()
+    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="kvikio"), copy_streams=st)
+    w.register_kv_caches(caches)
+    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
+    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, EVICTION.get("lru")(16))
+    h = Hooks(w)
+    try:
+        keys = [b"k0", b"k1", b"k2"]
+        h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2], [1, 2, 3])],
+                              copies=[CopyOp(2, [0, 1, 2], [10, 11, 12], keys)], **nv), [])
+        st.drain()
+        _, rep = h.step(KVTierMetadata(**nv), [])
+        sums = rep.copied[2]
+        assert len(sums) == 3 and min(sums) >= 0
+        assert w.totals[Metric.NVME_GDS.key] == 1
+        stride = slot_stride(w.layout.block_bytes)
+        with open(w.nvme.path, "r+b") as f:                   # block 11's payload: one byte flipped
+            f.seek(11 * stride + ALIGN + 3)
+            b = f.read(1)
+            f.seek(11 * stride + ALIGN + 3)
+            f.write(bytes([b[0] ^ 0xFF]))
+        for t in caches.values():
+            t.zero_()
+        gds_kvikio.CuFile.moved.clear()
+        errors, _ = h.step(KVTierMetadata(loads=[MetaLoad("r", 1, [10, 11, 12], [6, 7, 8], sums, keys=keys)], **nv),
+                           list(caches))
+        st.drain()
+        assert errors == {7}
+        for n, t in caches.items():
+            assert torch.equal(t[6], orig[n][1]) and torch.equal(t[8], orig[n][3]) and not t[7].any()
+        rows = w.kv.device_staging.rows()
+        lo, hi = rows.data_ptr(), rows.data_ptr() + rows.numel()
+        assert [m[:2] for m in gds_kvikio.CuFile.moved] == [("pread", "device")] * 3
+        assert all(lo <= m[2] < hi for m in gds_kvikio.CuFile.moved)
+        assert w.nvme.engine.stats()["host_payload_bytes"] == 0
+    finally:
+        w.close()
+        ctl.close()
