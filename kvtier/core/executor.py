@@ -179,7 +179,8 @@ class Executor:
     def _device_staged(self, op: LoadOp) -> bool:
         """The op reads into the outside's device staging rows (GPUDirect Storage)."""
         h = self._handler_of(op.tier, Medium.OUTSIDE)
-        return h is not None and h.stages and id(op) not in self._fetched and h.device_staged(op, self.planes.get(op.tier))
+        return (h is not None and h.stages and id(op) not in self._fetched
+                and h.device_staged(op, self.planes.get(op.tier)))
 
     def _handler_of(self, tier: int, dst: Medium) -> Any:
         """The handler that moves tier `tier`'s blocks to `dst`, None when there is no plane or handler."""
