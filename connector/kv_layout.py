@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool, copy_pool, copy_blocks, cuda_available
 
 from .device_copy import CudaStreams, DeviceCopier
@@ -245,6 +246,9 @@ class KVCopier:
             streams = CudaStreams(lay.device)
         if streams is not None:   # gathers / scatters each layer's canonical view, whatever its layout
             self.device = DeviceCopier(lay.canon, lay.offsets, streams, pin=pool.pinned)
+        # rows in the KV's device memory that GPUDirect Storage reads land in (verified there, then
+        # scattered like host rows): with the device copier only
+        self.device_staging = Staging(lay.block_bytes, device=lay.device) if self.device is not None else None
         # [slot, layer, layer_bytes] views: a run of consecutive (block, slot) pairs is one
         # strided copy per layer (no per-block Python call)
         self.runs_ok = uniform and lay.device.type == "cpu" and dense and self.device is None

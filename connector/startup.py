@@ -134,8 +134,10 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
 
 def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
     """The NVMe engine `select_engine` will pick when the worker opens the data file (`nv`: the
-    NVMe tier's config). The worker's NVMe I/O always moves host buffers, so 'auto' is POSIX."""
+    NVMe tier's config). 'auto' is POSIX (the worker's NVMe I/O moves host buffers); 'kvikio' names
+    kvikio's mode (GDS or compatibility)."""
     from kvtier.tiers.io_engines import AUTO_HOST_REASON, KVIKIO_HOST_NOTE, cuda_driver_reason
+    from kvtier.tiers.io_kvikio import kvikio_mode
 
     posix = f"posix ({nv.io_threads} threads, O_DIRECT {nv.direct}"
     if nv.io == "posix":
@@ -145,8 +147,8 @@ def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
     why = cuda_driver_reason()
     if why is None:
         try:
-            import kvikio  # noqa: F401,PLC0415
-            return f"kvikio ({nv.io_threads} threads; {KVIKIO_HOST_NOTE})"
+            import kvikio  # noqa: PLC0415
+            return f"kvikio ({nv.io_threads} threads; mode {kvikio_mode(kvikio)}; {KVIKIO_HOST_NOTE})"
         except Exception as e:
             why = f"kvikio not importable ({type(e).__name__})"
     warnings.append(f"kvtier: nvme io 'kvikio' asked but unusable ({why}): NVMe I/O will fail")

@@ -203,6 +203,8 @@ class KVTierWorker:
                        "kvtier: NVMe data file under %s cannot be opened (%s); NVMe loads are recomputed and "
                        "writes dropped until it can (tried again every %.0f s)", meta.nvme_dir, e, NVME_REOPEN_S)
             return
+        if self.nvme.gds is not None:   # io: kvikio: its mode on /metrics
+            self.count(Metric.NVME_GDS.key, int(self.nvme.gds))
         if self._nvme_failed_at is not None:
             log.warning("kvtier: NVMe data file %s open again", self.nvme.path)
             self._nvme_failed_at = None

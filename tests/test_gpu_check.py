@@ -38,10 +38,10 @@ def test_check_cpu_passes_and_skips_the_gpu_checks(tmp_path):
     for name in ("store_probe", "load_probe"):        # the probe saw the missing wait every time
         assert checks[name]["ordered"] == [True] * 3 and checks[name]["unordered"] == [False] * 3
     assert checks["layouts"]["failed"] == [] and checks["layouts"]["pairs"] == 64
-    for name in ("two_registrations", "hook_wait", "scattered_copies", "layer_overlap", "kvikio"):
+    for name in ("two_registrations", "hook_wait", "scattered_copies", "layer_overlap", "kvikio", "gds_load"):
         assert checks[name]["status"] == "SKIP"
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("check ")]
-    assert len(lines) == 10                           # one line per check
+    assert len(lines) == 11                           # one line per check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

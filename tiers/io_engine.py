@@ -50,6 +50,9 @@ class IOEngine:
 
     name = "abstract"
     can_encrypt = True   # moves blocks through host memory, where `sealing` can encrypt them
+    device_io = False    # moves device memory to and from the file itself (kvikio: GPUDirect Storage);
+                         # a data file on such an engine writes block format 4 (`nvme_block`)
+    mode: str | None = None  # kvikio's: "GDS" (cuFile) or "compatibility" (its POSIX path)
 
     @property
     def description(self) -> str:

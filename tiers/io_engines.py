@@ -25,7 +25,8 @@ log = logging.getLogger("kvtier.nvme")
 BUFFERS = ("host", "device")
 AUTO_HOST_REASON = ("io=auto: NVMe I/O moves host buffers (CPU pool, staging rows), which kvikio would "
                     "only move with buffered POSIX calls, no GDS; using POSIX")
-KVIKIO_HOST_NOTE = "host buffers: kvikio's buffered POSIX path, no GDS"
+KVIKIO_HOST_NOTE = ("device staging reads (loads without a DRAM slot) go file -> GPU; DRAM slots and "
+                    "host buffers: kvikio's buffered POSIX path")
 
 
 def select_engine(io: str = "auto", threads: int = 4, direct: bool | str = "auto",
@@ -44,7 +45,7 @@ def select_engine(io: str = "auto", threads: int = 4, direct: bool | str = "auto
     if io == "kvikio" or (io == "auto" and buffers == "device"):
         try:
             eng = KvikioEngine(threads)
-            reason = f"io={io}: CUDA driver present and kvikio imports"
+            reason = f"io={io}: CUDA driver present and kvikio imports; mode {eng.mode}"
             if buffers == "host":
                 reason += f"; {KVIKIO_HOST_NOTE}"
             log.info("nvme io engine: %s (%s)", eng.description, reason)

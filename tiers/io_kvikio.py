@@ -1,4 +1,14 @@
-"""The kvikio block I/O engine (GPUDirect Storage): the optional `kvtier[gds]` extra, imported lazily."""
+"""The kvikio block I/O engine (GPUDirect Storage): the optional `kvtier[gds]` extra, imported lazily.
+
+Device tensors (CUDA) move between the file and device memory through kvikio's CuFile: with
+cuFile usable (kvikio's mode "GDS") by DMA, with no host copy; in kvikio's compatibility mode by
+kvikio's own POSIX reads and bounce buffers. Keyed blocks are format 4 (`nvme_block`): the
+header page is read and written on the host (os.pread / os.pwrite), the payload's hash is
+`block_sum.KeyedSum`, computed by torch on the payload's own device. A format-2 (xxh3) block
+read into device memory is read and verified on the host, then copied to the device (counted
+in `host_fallback_blocks`, logged once). Host tensors go through kvikio as numpy views
+(kvikio's buffered POSIX path).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +25,7 @@ import xxhash
 from .io_engine import FutureHandle, IOHandle, IOResult
 from .io_engine import HEADER, EngineFile, EngineUnavailable, IOEngine, check_buffers, open_in
 from .io_engine import fault_point
+from .nvme_block import DEVICE_VERSION, SEALED_VERSION
 
 log = logging.getLogger("kvtier.nvme")
 
@@ -74,6 +85,32 @@ def _kvikio_compat(kvikio) -> str:
     return "unknown"
 
 
+GDS, COMPAT = "GDS", "compatibility"
+
+
+def kvikio_mode(kvikio, handle=None) -> str:
+    """'GDS' (cuFile moves device memory to and from the file) or 'compatibility' (kvikio's POSIX
+    I/O and bounce buffers), as kvikio says: an open `handle`'s own answer, else kvikio's
+    (`is_compat_mode_preferred`, kvikio >= 24.12), else its compat_mode setting."""
+    for owner in (handle, getattr(kvikio, "defaults", None)):
+        pref = getattr(owner, "is_compat_mode_preferred", None)  # a kvikio binding, absent in older ones
+        if callable(pref):
+            try:
+                return COMPAT if pref() else GDS
+            except Exception:  # noqa: BLE001 - an older or broken binding: the setting decides
+                pass
+    setting = _kvikio_compat(kvikio).upper()
+    if setting in ("ON", "TRUE", "1"):
+        return COMPAT
+    if setting in ("OFF", "FALSE", "0"):
+        return GDS
+    try:  # AUTO: kvikio uses cuFile when libcufile loads (and its driver opens)
+        ctypes.CDLL("libcufile.so.0")
+        return GDS
+    except OSError:
+        return COMPAT
+
+
 def _reopen_path(fd: int, path: str) -> str:
     """A path that opens exactly the file `fd` refers to (its /proc magic link), else `path`."""
     p = f"/proc/self/fd/{fd}"
@@ -91,18 +128,23 @@ def _same_file(fd: int, other: int, path: str) -> None:
 class KvikioEngine(IOEngine):
     """kvikio CuFile pread/pwrite, one task per block.
 
-    CUDA tensors go straight to the file (GDS, or kvikio's own bounce buffers). Host tensors are
-    handed to kvikio as numpy views (kvikio takes host memory through the buffer protocol, which
-    torch CPU tensors lack); kvikio moves them with buffered POSIX calls. The file kvikio opens
-    is the one `open` checked (O_NOFOLLOW in the directory, owner): kvikio reopens it through
+    Device tensors (of `device_type`, CUDA; tests set "cpu" to drive this path on CPU tensors) go
+    to kvikio as they are: GDS, or kvikio's own bounce buffers in its compatibility mode (`mode`).
+    Keyed blocks of format 4 keep their payload off the host: header pages on the host, the
+    payload hash computed by torch on the device. Host tensors are handed to kvikio as numpy
+    views (kvikio takes host memory through the buffer protocol, which torch CPU tensors lack).
+    Payload bytes of device transfers that did go through host memory (a format-2 block, an
+    unkeyed xxh3 checksum) are counted in `host_payload_bytes`. The file kvikio opens is the one
+    `open` checked (O_NOFOLLOW in the directory, owner): kvikio reopens it through
     /proc/self/fd/N and its descriptor must name the same device and inode. Every failed
     transfer is counted (`io_errors`, by kind in `stats()`) and each kind is logged once.
     Needs `kvikio` and a CUDA driver; constructing it without either raises EngineUnavailable.
-    Checksums are computed on host bytes (GPU buffers are copied for hashing only).
     """
 
     name = "kvikio"
     can_encrypt = False  # device memory straight to the file: no host copy to encrypt
+    device_io = True
+    device_type = "cuda"
     MAX_ERROR_KINDS = 64  # distinct kinds kept in stats (all are counted in io_errors)
 
     def __init__(self, threads: int = 4) -> None:
@@ -117,13 +159,16 @@ class KvikioEngine(IOEngine):
         self.threads = threads
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="kvtier-kvikio")
         self.compat = _kvikio_compat(kvikio)
+        self.mode = kvikio_mode(kvikio)
         self._lock = threading.Lock()
         self.io_errors = 0
         self.error_kinds: dict[str, int] = {}
+        self.host_payload_bytes = 0     # device transfers' payload bytes that went through host memory
+        self.host_fallback_blocks = 0   # format-2 blocks read into device memory through the host
 
     @property
     def description(self) -> str:
-        return f"kvikio {getattr(self._kvikio, '__version__', '?')} (compat_mode={self.compat})"
+        return f"kvikio {getattr(self._kvikio, '__version__', '?')} ({self.mode}; compat_mode={self.compat})"
 
     def open(self, path: str, dir_fd: int | None = None, read_only: bool = False) -> EngineFile:
         fd = open_in(path, os.O_RDONLY if read_only else os.O_RDWR | os.O_CREAT, dir_fd)  # checks, fdatasync
@@ -140,6 +185,7 @@ class KvikioEngine(IOEngine):
                 handle.close()
             os.close(fd)
             raise
+        self.mode = kvikio_mode(self._kvikio, handle)  # the handle knows whether cuFile took the file
         return EngineFile(path, fd, True, handle)
 
     def _error(self, op: str, e: BaseException, f: EngineFile, offset: int) -> IOResult:
@@ -158,17 +204,26 @@ class KvikioEngine(IOEngine):
                       msg, _errno.errorcode.get(en, en) if en else "unknown")
         return IOResult(ok=[False], errors=[msg])
 
-    def _views(self, offsets, buffers, length, codec, keys) -> list[tuple[torch.Tensor, object]]:
-        """(the block as a uint8 tensor, what kvikio is given) per buffer: numpy views of host
-        tensors, CUDA tensors as they are."""
+    def _views(self, offsets, buffers, length, codec, keys) -> list[tuple[torch.Tensor, object, bool]]:
+        """(the block as a uint8 tensor, what kvikio is given, whether it is device memory) per
+        buffer: numpy views of host tensors, device tensors as they are."""
         for i, b in enumerate(buffers):
             if not b.is_contiguous():
                 raise ValueError(f"buffer {i} is not contiguous (kvikio moves one memory range per block)")
         out = []
         for t in check_buffers(offsets, buffers, length, codec, keys):
             t = t[:length]
-            out.append((t, t.numpy() if t.device.type == "cpu" else t))
+            dev = t.device.type == self.device_type
+            out.append((t, t if dev else t.numpy(), dev))
         return out
+
+    def _host_bytes(self, t: torch.Tensor, kv, dev: bool) -> memoryview:
+        """The payload as host bytes: a host buffer's own memory; a device buffer copied (counted)."""
+        if not dev:
+            return memoryview(kv)
+        with self._lock:
+            self.host_payload_bytes += t.numel()
+        return memoryview(t.cpu().numpy())
 
     def write(self, f, offsets, buffers, length, checksums=None, finish=None, codec=None, keys=None) -> IOHandle:
         bufs = self._views(offsets, buffers, length, codec, keys)
@@ -176,18 +231,20 @@ class KvikioEngine(IOEngine):
 
         def run(i: int) -> IOResult:
             try:
-                t, kv = bufs[i]
-                if checksums is not None or codec is not None:
-                    mv = memoryview(kv if t.device.type == "cpu" else t.cpu().numpy())
-                    if codec is not None:
-                        hdr = memoryview(bytearray(HEADER))
-                        c = codec.seal(hdr, keys[i], mv)
-                        if os.pwrite(f.fd, hdr, offsets[i]) != HEADER:
-                            raise OSError(_errno.EIO, "short header write")
+                t, kv, dev = bufs[i]
+                c = None
+                if codec is not None:
+                    hdr = memoryview(bytearray(HEADER))
+                    if codec.version == DEVICE_VERSION:   # hashed where the payload lies
+                        c = codec.seal_hashed(hdr, keys[i], length, codec.payload_sum(t))
                     else:
-                        c = _xxh3(mv)
-                    if checksums is not None:
-                        checksums[i] = c
+                        c = codec.seal(hdr, keys[i], self._host_bytes(t, kv, dev))
+                    if os.pwrite(f.fd, hdr, offsets[i]) != HEADER:
+                        raise OSError(_errno.EIO, "short header write")
+                elif checksums is not None:
+                    c = _xxh3(self._host_bytes(t, kv, dev))
+                if checksums is not None:
+                    checksums[i] = c
                 n = f.handle.pwrite(kv, length, offsets[i] + hdr_n).get()
                 if n != length:
                     raise OSError(_errno.EIO, f"short write {n} of {length}")
@@ -197,30 +254,63 @@ class KvikioEngine(IOEngine):
 
         return FutureHandle([self._pool.submit(run, i) for i in range(len(bufs))], finish)
 
+    def _host_fallback(self, f: EngineFile, offset: int, t: torch.Tensor, codec, ver: int, ph: int) -> str | None:
+        """A format-2 block for device memory: read and verified on the host, then copied to the
+        device (only verified bytes reach it); why not, when it fails verification."""
+        n = t.numel()
+        buf = bytearray(n)
+        got = os.preadv(f.fd, [buf], offset)
+        if got != n:
+            raise OSError(_errno.EIO, f"short read {got} of {n}")
+        with self._lock:
+            self.host_fallback_blocks += 1
+            self.host_payload_bytes += n
+            first = self.host_fallback_blocks == 1
+        if first:
+            log.warning("nvme io: %s holds format-%d (xxh3) blocks: read into device memory through the host "
+                        "and verified there (counted in host_fallback_blocks; blocks written from now on are "
+                        "format %d, verified on the device)", f.path, ver, DEVICE_VERSION)
+        why = codec.check_payload(ver, ph, buf)
+        if why is None:
+            t.copy_(torch.frombuffer(buf, dtype=torch.uint8))
+        return why
+
     def read(self, f, offsets, buffers, length, expect=None, mismatched=None, finish=None, codec=None,
              keys=None) -> IOHandle:
         bufs = self._views(offsets, buffers, length, codec, keys)
         hdr_n = HEADER if codec is not None else 0
 
+        def bad(i: int, why: str) -> IOResult:
+            if mismatched is not None:
+                mismatched[i] = True
+            return IOResult(ok=[False], nbytes=length, errors=[
+                f"block at offset {offsets[i]} in {f.path} fails verification: {why}"])
+
         def run(i: int) -> IOResult:
             try:
-                t, kv = bufs[i]
+                t, kv, dev = bufs[i]
                 fault_point("read")
+                if codec is not None and expect is not None:   # the header page first, on the host
+                    got = codec.check_header(os.pread(f.fd, HEADER, offsets[i]), keys[i], expect[i], length)
+                    if isinstance(got, str):
+                        return bad(i, got)
+                    ver, ph = got
+                    if ver == SEALED_VERSION:
+                        return bad(i, "an encrypted block (this engine does not decrypt)")
+                    if dev and ver != DEVICE_VERSION:
+                        why = self._host_fallback(f, offsets[i] + HEADER, t, codec, ver, ph)
+                        return bad(i, why) if why else IOResult(ok=[True], nbytes=length)
                 n = f.handle.pread(kv, length, offsets[i] + hdr_n).get()
                 if n != length:
                     raise OSError(_errno.EIO, f"short read {n} of {length}")
                 if expect is not None:
-                    mv = memoryview(kv if t.device.type == "cpu" else t.cpu().numpy())
-                    if codec is not None:
-                        why = codec.check(os.pread(f.fd, HEADER, offsets[i]), keys[i], expect[i], mv)
+                    if codec is not None:   # format 4: hashed on the payload's device
+                        why = codec.check_payload(ver, ph, t if ver == DEVICE_VERSION else memoryview(kv))
                     else:
-                        got = _xxh3(mv)
+                        got = _xxh3(self._host_bytes(t, kv, dev))
                         why = f"stored {expect[i]:016x}, read {got:016x}" if got != expect[i] else None
                     if why is not None:
-                        if mismatched is not None:
-                            mismatched[i] = True
-                        return IOResult(ok=[False], nbytes=length, errors=[
-                            f"block at offset {offsets[i]} in {f.path} fails verification: {why}"])
+                        return bad(i, why)
                 return IOResult(ok=[True], nbytes=length)
             except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError for I/O errors
                 return self._error("read", e, f, offsets[i])
@@ -239,5 +329,7 @@ class KvikioEngine(IOEngine):
     def stats(self) -> dict:
         with self._lock:
             kinds = dict(self.error_kinds)
+            host_bytes, fallback = self.host_payload_bytes, self.host_fallback_blocks
         return {"engine": self.description, "io_threads": self.threads, "compat_mode": self.compat,
-                "io_errors": self.io_errors, "io_error_kinds": kinds}
+                "mode": self.mode, "gds": self.mode == GDS, "io_errors": self.io_errors, "io_error_kinds": kinds,
+                "host_payload_bytes": host_bytes, "host_fallback_blocks": fallback}

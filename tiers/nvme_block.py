@@ -13,6 +13,12 @@ The secret lives in ``secret`` (0600) next to the data: 32 random bytes then the
 fingerprint hash of the directory. Hashing the payload with seeded xxh3_64 runs at memory
 speed; only the ~100-byte header goes through BLAKE2b (see docs/architecture.md for figures).
 
+A tier whose engine moves device memory (`io: kvikio`) writes format 4: the payload's hash is
+`block_sum.KeyedSum` (seeded from the secret), which torch computes on the GPU, so a block read
+straight into device memory is verified there and a block written from device memory is hashed
+there; everything else as format 2. Every plaintext tier reads formats 2 and 4 (`check` computes
+either hash on host bytes).
+
 An encrypted tier (`sealing.Sealer`) writes format 3: the payload is AES-256-GCM ciphertext
 (same length), the header carries the sealing record after the key, and its payload-hash field
 holds the GCM tag's first 8 bytes (so the header tag covers the ciphertext, with no second pass
@@ -30,8 +36,10 @@ import os
 import stat
 import struct
 
+import torch
 import xxhash
 
+from .block_sum import KeyedSum
 from .sealing import NOT_OURS, RECORD_BYTES, Sealer
 
 HEADER_BYTES = 4096
@@ -47,6 +55,8 @@ _HDR = struct.Struct("<8sHHIQQQQ")   # magic, version, key_len, rank, length, fp
 _TAGGED = _HDR.size - 8              # the tag covers every field before it, then the key
 BLOCK_VERSION = 2
 SEALED_VERSION = 3                   # the payload is encrypted (`sealing`)
+DEVICE_VERSION = 4                   # the payload hash is `block_sum.KeyedSum` (torch, on any device)
+PLAIN_VERSIONS = (BLOCK_VERSION, DEVICE_VERSION)
 MAX_KEY_BYTES = HEADER_BYTES - _HDR.size
 
 
@@ -239,20 +249,36 @@ def load_secret(dir_fd: int, dir_path: str, fp_hash: int | None, create: bool) -
 class BlockCodec:
     """Seals and checks block headers for one directory (its secret and fingerprint hash) and
     one rank's shard. `keys[i]` / `expect[i]`: the key and tag of block i of a batch. With a
-    `sealer` the payloads are encrypted: `seal` needs `out`, reads call `unseal`."""
+    `sealer` the payloads are encrypted: `seal` needs `out`, reads call `unseal`. `device_sum`:
+    write format 4 (the payload hash computable on a GPU, `payload_sum`)."""
 
-    def __init__(self, secret: bytes, fp_hash: int, rank: int = 0, sealer: Sealer | None = None) -> None:
+    def __init__(self, secret: bytes, fp_hash: int, rank: int = 0, sealer: Sealer | None = None,
+                 device_sum: bool = False) -> None:
+        if sealer is not None and device_sum:
+            raise ValueError("an encrypted block format has no device checksum")
         self.secret = secret
         self.fp_hash = fp_hash
         self.rank = rank
         self.sealer = sealer
-        self.version = SEALED_VERSION if sealer is not None else BLOCK_VERSION
+        self.version = SEALED_VERSION if sealer is not None else DEVICE_VERSION if device_sum else BLOCK_VERSION
         self._aad = struct.pack("<QI", fp_hash, rank)
         self.seed = int.from_bytes(hashlib.blake2b(b"payload", key=secret, digest_size=8).digest(), "little")
+        self.keyed_sum = KeyedSum(int.from_bytes(hashlib.blake2b(b"payload-sum", key=secret, digest_size=8)
+                                                 .digest(), "little"))
         self._mac = hashlib.blake2b(key=secret, digest_size=8)  # keyed state, copied per tag
 
     def payload_hash(self, payload) -> int:
+        """Format 2's payload hash: seeded xxh3_64 of host bytes."""
         return xxhash.xxh3_64_intdigest(payload, self.seed)
+
+    def payload_sum(self, payload) -> int:
+        """Format 4's payload hash (`block_sum.KeyedSum`): a tensor on its own device (no host
+        copy), host bytes (a buffer) on the CPU."""
+        if not isinstance(payload, torch.Tensor):
+            mv = memoryview(payload).cast("B")
+            payload = torch.frombuffer(mv if not mv.readonly else bytearray(mv), dtype=torch.uint8) \
+                if len(mv) else torch.empty(0, dtype=torch.uint8)
+        return self.keyed_sum(payload)
 
     def _tag(self, fixed: bytes, key: bytes) -> int:
         m = self._mac.copy()
@@ -264,14 +290,23 @@ class BlockCodec:
         """Fill `hdr` (HEADER_BYTES) for `payload` under `key`; returns the tag. Encrypted: the
         ciphertext goes to `out[:len(payload)]` (`out` holds TAG_BYTES more, scratch; it may be
         the payload's own memory), and that is what is stored."""
-        if len(key) > MAX_KEY_BYTES - 8 - RECORD_BYTES:
+        if len(key) > MAX_KEY_BYTES - 8 - RECORD_BYTES:  # before the sealer consumes a nonce
             raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES - 8 - RECORD_BYTES}")
         if self.sealer is not None:  # the payload's hash: its GCM tag's first 8 bytes (no second pass)
             record = self.sealer.seal_into(payload, out, key + self._aad)
             ph = struct.unpack_from("<Q", record, RECORD_BYTES - 16)[0]
+        elif self.version == DEVICE_VERSION:
+            record, ph = b"", self.payload_sum(payload)
         else:
             record, ph = b"", self.payload_hash(payload)
-        fixed = _HDR.pack(MAGIC, self.version, len(key), self.rank, len(payload), self.fp_hash, ph, 0)[:_TAGGED]
+        return self.seal_hashed(hdr, key, len(payload), ph, record)
+
+    def seal_hashed(self, hdr: memoryview, key: bytes, length: int, ph: int, record: bytes = b"") -> int:
+        """Fill `hdr` for a payload of `length` bytes whose hash (of this codec's format) is `ph`,
+        computed by the caller (format 4: on the payload's device); returns the tag."""
+        if len(key) > MAX_KEY_BYTES - 8 - RECORD_BYTES:
+            raise ValueError(f"key of {len(key)} bytes exceeds {MAX_KEY_BYTES - 8 - RECORD_BYTES}")
+        fixed = _HDR.pack(MAGIC, self.version, len(key), self.rank, length, self.fp_hash, ph, 0)[:_TAGGED]
         tag = self._tag(fixed, key)
         n = _HDR.size
         hdr[:_TAGGED] = fixed
@@ -287,11 +322,11 @@ class BlockCodec:
         encrypted (`buf`: the stored payload then TAG_BYTES of scratch, writable; the plaintext
         goes to `out`, default in place); else why not (starting with `sealing.FAILED`)."""
         ver = struct.unpack_from("<H", hdr, 8)[0]
-        if ver != self.version:
-            return (f"{NOT_OURS}: an encrypted block, this tier has no encryption key" if self.sealer is None else
-                    f"{NOT_OURS}: a plaintext block, this tier is encrypted")
         if self.sealer is None:
-            return None
+            return None if ver in PLAIN_VERSIONS else \
+                f"{NOT_OURS}: an encrypted block, this tier has no encryption key"
+        if ver != SEALED_VERSION:
+            return f"{NOT_OURS}: a plaintext block, this tier is encrypted"
         at = _HDR.size + len(key) + 8
         return self.sealer.open_into(bytes(hdr[at:at + RECORD_BYTES]), buf, key + self._aad, out)
 
@@ -301,8 +336,8 @@ class BlockCodec:
         magic, ver, klen, rank, length, fph, _ph, tag = _HDR.unpack(b)
         if magic != MAGIC:
             return "no block header (bad magic)"
-        if ver not in (BLOCK_VERSION, SEALED_VERSION):
-            return f"block format {ver}, expected {BLOCK_VERSION} or {SEALED_VERSION}"
+        if ver not in (BLOCK_VERSION, SEALED_VERSION, DEVICE_VERSION):
+            return f"block format {ver}, expected {BLOCK_VERSION}, {SEALED_VERSION} or {DEVICE_VERSION}"
         if klen > MAX_KEY_BYTES:
             return f"key length {klen} out of range"
         key = bytes(hdr[_HDR.size:_HDR.size + klen])
@@ -325,24 +360,36 @@ class BlockCodec:
             return got
         return self.check(hdr, key, got[2], payload)
 
-    def check(self, hdr, key: bytes, expect: int, payload) -> str | None:
-        """None when the header is genuine, names `key`, carries tag `expect` and the payload
-        matches its hash; else why not."""
+    def check_header(self, hdr, key: bytes, expect: int, length: int) -> str | tuple[int, int]:
+        """(format, payload hash) when the header is genuine, names `key`, carries tag `expect`
+        and a payload of `length` bytes (the payload itself unchecked); else why not."""
         got = self.parse(hdr)
         if isinstance(got, str):
             return got
-        k, length, tag = got
+        k, n, tag = got
         if k != key:
             return f"block belongs to key {k.hex()}, expected {key.hex()} (misdirected)"
         if tag != expect:
             return f"tag {tag:016x}, index expects {expect:016x} (stale or swapped entry)"
-        if length != len(payload):
-            return f"block length {length}, expected {len(payload)}"
-        ph = struct.unpack_from("<Q", bytes(hdr[_TAGGED - 8:_TAGGED]))[0]
-        if struct.unpack_from("<H", hdr, 8)[0] == SEALED_VERSION:  # its GCM tag: checked by `unseal`
+        if n != length:
+            return f"block length {n}, expected {length}"
+        return struct.unpack_from("<H", hdr, 8)[0], struct.unpack_from("<Q", bytes(hdr[_TAGGED - 8:_TAGGED]))[0]
+
+    def check_payload(self, version: int, ph: int, payload) -> str | None:
+        """None when `payload` (host bytes, or with format 4 a tensor on any device) matches the
+        hash `ph` of its header's format `version`; else why not."""
+        got = self.payload_sum(payload) if version == DEVICE_VERSION else self.payload_hash(payload)
+        return None if got == ph else f"payload does not match its format-{version} hash (corrupt data)"
+
+    def check(self, hdr, key: bytes, expect: int, payload) -> str | None:
+        """None when the header is genuine, names `key`, carries tag `expect` and the payload
+        matches its hash; else why not."""
+        got = self.check_header(hdr, key, expect, len(payload))
+        if isinstance(got, str):
+            return got
+        ver, ph = got
+        if ver == SEALED_VERSION:  # its GCM tag: checked by `unseal`
             at = _HDR.size + len(key) + 8 + RECORD_BYTES - 16
             return None if bytes(hdr[at:at + 8]) == struct.pack("<Q", ph) else \
                 "sealing record does not match its header (swapped or corrupt)"
-        if self.payload_hash(payload) != ph:
-            return "payload does not match its hash (corrupt data)"
-        return None
+        return self.check_payload(ver, ph, payload)

@@ -51,6 +51,9 @@ class NvmeData:
     Every slot is a keyed header page then the payload (`nvme_block`); reads and writes take
     the blocks' keys. `read_only` opens the file as it is: nothing created, sized or written.
     The file is only ever grown, never truncated: a smaller capacity leaves the slots beyond it.
+    `device_reads`: its engine reads into device memory itself (kvikio: GPUDirect Storage, or
+    kvikio's compatibility mode), so loads without a promotion slot read into device staging
+    rows and are verified there; its blocks are then format 4 (`nvme_block.DEVICE_VERSION`).
     """
 
     medium = Medium.FILE
@@ -68,6 +71,7 @@ class NvmeData:
         self.path = os.path.join(directory, data_file(rank))
         self.file = None
         self.engine = None
+        self.device_reads = False
         self.dir_fd = -1
         self.bytes_read = self.bytes_written = 0
         try:
@@ -76,13 +80,14 @@ class NvmeData:
                 raise ForeignDirectory(_errno.EEXIST, f"nvme tier {name!r}: {directory} is not a kvtier "
                                        f"directory (no marker): refused, nothing in it changed", directory)
             secret, fp_hash = load_secret(self.dir_fd, directory, None, create=False)
-            self.codec = BlockCodec(secret, fp_hash, rank, sealer)
             if not read_only:
                 check_space(name, directory, capacity_blocks, block_bytes, rank)
             self.engine, self.engine_reason = select_engine(io, io_threads, direct, max_io_bytes)
             if sealer is not None and not self.engine.can_encrypt:
                 raise OSError(_errno.EINVAL, f"nvme tier {name!r}: encryption needs io: posix "
                               f"({self.engine.description} moves blocks without a host copy)", directory)
+            self.device_reads = self.engine.device_io
+            self.codec = BlockCodec(secret, fp_hash, rank, sealer, device_sum=self.device_reads)
             if sealer is not None:  # its blocks always go through the engine's buffers: made now
                 self.engine.reserve(self.stride, capacity_blocks)
             try:
@@ -155,6 +160,12 @@ class NvmeData:
     @property
     def description(self) -> str:
         return self.engine.description
+
+    @property
+    def gds(self) -> bool | None:
+        """Whether kvikio moves device memory by GPUDirect Storage (False: its compatibility mode;
+        None: the engine moves no device memory)."""
+        return None if self.engine is None or self.engine.mode is None else self.engine.mode == "GDS"
 
     def stats(self) -> dict:
         return {"engine": self.engine.description, "engine_reason": self.engine_reason,

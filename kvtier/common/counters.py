@@ -106,6 +106,8 @@ class Metric(Enum):
     CAPACITY_BLOCKS = ("gauge_capacity_blocks", TIER, GAUGE, "capacity_blocks", "Capacity of a tier in blocks.")
     LEASED_BLOCKS = ("gauge_leased_blocks", NONE, GAUGE, "leased_blocks",
                      "Tier blocks pinned by leases of requests in flight.")
+    NVME_GDS = ("gauge_nvme_gds", NONE, GAUGE, "nvme_gds",
+                "NVMe io kvikio: 1 when kvikio runs GPUDirect Storage (cuFile), 0 in its compatibility mode.")
     # tenants (YAML `tenants:`, kvtier/core/tenants.py)
     TENANT_HIT_BLOCKS = ("tenant_hit_blocks", TENANT, COUNTER, "tenant_hit_blocks",
                          "Blocks a tenant was served from a tier.")

@@ -207,6 +207,9 @@ class TierConfig(_Model):
             raise ValueError(f"tier {self.name!r}: give capacity or capacity_blocks, not both")
         if self.encryption is not None and self.kind not in ("nvme", "shared"):
             raise ValueError(f"tier {self.name!r}: encryption is for the persistent tiers (nvme, shared)")
+        if self.encryption is not None and self.io == "kvikio":
+            raise ValueError(f"tier {self.name!r}: encryption needs io: posix or auto (io: kvikio moves blocks "
+                             f"between the file and device memory, with no host copy to encrypt)")
         if isinstance(self.capacity, str) and self.kind not in ("cpu", "nvme"):
             raise ValueError(f"tier {self.name!r}: a share ({self.capacity}) is for cpu and nvme tiers; "
                              f"give a {self.kind} tier a size")

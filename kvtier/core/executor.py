@@ -125,7 +125,9 @@ class Executor:
         copy_now = not (layered and self.outside.layered)
         jobs: list[tuple[int, Any]] = []   # (index of its op in _load_done, the copy)
         staged = sum(len(op.slots) for op in ops if self._needs_staging(op))
-        run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now, self.LOAD_CHUNK_BYTES)
+        dstaged = sum(len(op.slots) for op in ops if self._device_staged(op))
+        run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now, self.LOAD_CHUNK_BYTES,
+                      self.outside.device_staging.views(dstaged) if dstaged else [])
         for op in ops:
             name = self.name(op.tier)
             oks = [False] * len(op.slots)
@@ -144,6 +146,8 @@ class Executor:
                     self.report.not_stored(op.op_id, len(op.slots))
             if self._needs_staging(op):
                 run.row0 += len(op.slots)
+            elif self._device_staged(op):
+                run.drow0 += len(op.slots)
             self._load_done.append((op, name, oks))
         self._copy_s += run.copy_s   # copies run chunk by chunk as reads landed
         if jobs and not copy_now:
@@ -170,7 +174,13 @@ class Executor:
     def _needs_staging(self, op: LoadOp) -> bool:
         h = self._handler_of(op.tier, Medium.OUTSIDE)
         return (h is not None and h.stages and not op.via and id(op) not in self._fetched
-                and not self.outside.direct_reads)
+                and not self.outside.direct_reads and not h.device_staged(op, self.planes.get(op.tier)))
+
+    def _device_staged(self, op: LoadOp) -> bool:
+        """The op reads into the outside's device staging rows (GPUDirect Storage)."""
+        h = self._handler_of(op.tier, Medium.OUTSIDE)
+        return (h is not None and h.stages and id(op) not in self._fetched
+                and h.device_staged(op, self.planes.get(op.tier)))
 
     def _handler_of(self, tier: int, dst: Medium) -> Any:
         """The handler that moves tier `tier`'s blocks to `dst`, None when there is no plane or handler."""
@@ -486,7 +496,7 @@ class Executor:
         query; the host waits only for copies still running). With `ops` (loads), only when one
         of them writes host rows (a lower tier's read into staging or promotion slots): a copy
         from DRAM slots writes none."""
-        if ops is not None and not any(op.via or self._needs_staging(op) for op in ops):
+        if ops is not None and not any(op.via or self._needs_staging(op) or self._device_staged(op) for op in ops):
             return
         ev, self._rows_event = self._rows_event, None
         if ev is None or self.outside.done(ev):

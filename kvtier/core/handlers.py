@@ -5,7 +5,7 @@ the caller's blocks (`OUTSIDE`). The executor (`kvtier.core.executor`) builds on
 class from its parts (`Handlers`) and hands each op to the handler of its pair:
 
     HOST    -> OUTSIDE  HostLoad     load from DRAM (a promotion from a lower DRAM tier: a memcpy)
-    FILE    -> OUTSIDE  FileLoad     NVMe read into promotion slots or staging rows, verified
+    FILE    -> OUTSIDE  FileLoad     NVMe read into promotion slots, staging rows or device staging, verified
     SHARED  -> OUTSIDE  SharedLoad   shared-tier GET, verified (read ahead when asynchronous)
     OUTSIDE -> HOST     HostStore    store: the caller's blocks into DRAM slots, one batch
     HOST    -> HOST     HostCopy     DRAM -> DRAM copy down, a memcpy done at once
@@ -47,10 +47,12 @@ class LoadRun:
     whether copies run now, chunk by chunk (`chunk_bytes` read each) as reads land (`copy_now`),
     and the seconds those copies took (`copy_s`)."""
 
-    def __init__(self, jobs: list, stage: list, copy_now: bool, chunk_bytes: int) -> None:
+    def __init__(self, jobs: list, stage: list, copy_now: bool, chunk_bytes: int, dstage: list | None = None) -> None:
         self.jobs = jobs
         self.stage = stage
         self.row0 = 0
+        self.dstage = dstage or []   # rows of the outside's device staging (`Outside.device_staging`)
+        self.drow0 = 0
         self.copy_now = copy_now
         self.chunk_bytes = chunk_bytes
         self.copy_s = 0.0
@@ -84,8 +86,9 @@ class HostLoad:
 
 class ReadLoad:
     """A lower tier's load: read into the promotion slots `op.via`, rows of its own (read ahead),
-    the outside's own buffers, or staging rows; each block verified; then its copy into the
-    outside goes to `run.jobs`, or runs chunk by chunk as each chunk's reads land."""
+    the outside's own buffers, device staging rows (`device_staged`) or staging rows; each block
+    verified; then its copy into the outside goes to `run.jobs`, or runs chunk by chunk as each
+    chunk's reads land. Only verified blocks are copied into the outside."""
 
     stages = True
     reads_ahead = False
@@ -100,6 +103,10 @@ class ReadLoad:
 
     def note(self, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
         """A chunk's failures, from `op.slots[lo]` on."""
+
+    def device_staged(self, op: LoadOp, plane: DataPlane) -> bool:
+        """Whether the op reads into the outside's device staging rows."""
+        return False
 
     def load(self, op: LoadOp, plane: DataPlane, run: LoadRun, at: int, pre: tuple | None = None) -> list[bool]:
         """`pre`: the reads `read_ahead` started for the op (host, rows, buffers, handle), if any."""
@@ -117,6 +124,9 @@ class ReadLoad:
             elif outside.direct_reads:
                 direct = outside.direct(op.block_ids)
                 host, rows, bufs = None, list(range(n)), direct
+            elif self.device_staged(op, plane):
+                r0 = run.drow0
+                host, rows, bufs = outside.device_staging.rows(), list(range(r0, r0 + n)), run.dstage[r0:r0 + n]
             else:
                 r0 = run.row0
                 host, rows, bufs = self.staging.rows(), list(range(r0, r0 + n)), run.stage[r0:r0 + n]
@@ -175,6 +185,13 @@ class FileLoad(ReadLoad):
     def note(self, op: LoadOp, lo: int, r: IOResult, corrupt: list[int]) -> None:
         """Failed verification: reported, the controller quarantines the slots."""
         corrupt.extend(op.slots[lo + i] for i, b in enumerate(r.bad) if b)
+
+    def device_staged(self, op: LoadOp, plane: DataPlane) -> bool:
+        """A load with no promotion slot, from a data file whose engine reads device memory
+        (GPUDirect Storage), into an outside with device staging rows: file -> device, verified
+        there, then scattered."""
+        return (not op.via and plane.device_reads and self.outside.device_staging is not None
+                and not self.outside.direct_reads)
 
 
 class SharedLoad(ReadLoad):

@@ -13,10 +13,14 @@ from kvtier.tiers.cpu_pool import copy_blocks
 class Outside(Protocol):
     """Where blocks live outside the tiers. `layered`: loads are enqueued on a device and each
     layer's consumer waits on its own event (`load_layered`), else copies run on the caller.
-    `direct_reads`: a lower tier may read blocks straight into `direct(block_ids)`."""
+    `direct_reads`: a lower tier may read blocks straight into `direct(block_ids)`.
+    `device_staging`: rows in the outside's device memory that a tier reading device memory
+    (`NvmeData.device_reads`: GPUDirect Storage) reads into, verifies there, then copies from
+    into the blocks (`job` with those rows); None: the outside has none."""
 
     layered: bool
     direct_reads: bool
+    device_staging: Any
 
     def job(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int],
             bufs: Sequence[torch.Tensor]) -> Any:
@@ -43,6 +47,7 @@ class Buffers:
 
     layered = False
     direct_reads = True
+    device_staging = None
 
     def __init__(self, blocks: Sequence[torch.Tensor] | dict, block_bytes: int) -> None:
         self.blocks = blocks

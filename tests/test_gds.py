@@ -1,0 +1,408 @@
+"""GPUDirect Storage with `io: kvikio`, its logic on CPU: block format 4 (the keyed payload sum torch
+computes on any device), header pages on the host, payloads read into device staging rows and
+verified there before any scatter into the KV, format-2 (xxh3) blocks read through the host.
+
+A fake kvikio (`gds_kvikio`) moves a "device" tensor's own memory (CPU tensors stand for device
+memory: `KvikioEngine.device_type` is set to "cpu") and records every payload transfer, so a test
+sees exactly which memory each payload touched. The GPU side runs in benchmarks/gpu/check.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.common.counters import Metric
+from kvtier.core.config import ConfigError, parse_config
+from kvtier.core.executor import Executor
+from kvtier.core.plan import LoadOp
+from kvtier.core.staging import Staging
+from kvtier.connector.kv_layout import KVCopier, KVLayout
+from kvtier.policies import EVICTION
+from kvtier.tiers import io_kvikio
+from kvtier.tiers.block_sum import KeyedSum
+from kvtier.tiers.cpu_pool import CpuPool
+from kvtier.tiers.io_engines import ALIGN, KvikioEngine, PosixEngine
+from kvtier.tiers.nvme_block import BLOCK_VERSION, DEVICE_VERSION, BlockCodec, slot_stride
+from kvtier.tiers.nvme_control import NvmeControl
+from kvtier.tiers.nvme_data import NvmeData
+from kvtier.tiers.sealing import Sealer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+import probes  # noqa: E402
+
+
+def _make_gds_kvikio():
+    """A stand-in for `kvikio` in GDS mode: CuFile moves a torch tensor's own memory (as cuFile DMA
+    moves device memory) and host memory through the buffer protocol; `moved` records
+    (op, 'device' | 'host', address, bytes) per payload transfer."""
+
+    class Future:
+        def __init__(self, n):
+            self.n = n
+
+        def get(self):
+            return self.n
+
+    class CuFile:
+        moved: list[tuple[str, str, int, int]] = []
+
+        def __init__(self, path, flags="r"):
+            self._fd = os.open(path, {"r": os.O_RDONLY, "r+": os.O_RDWR}[flags] | os.O_CLOEXEC)
+
+        def fileno(self):
+            return self._fd
+
+        def is_compat_mode_preferred(self):
+            return False
+
+        def close(self):
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+        def _mv(self, op, buf, size):
+            if isinstance(buf, torch.Tensor):
+                CuFile.moved.append((op, "device", buf.data_ptr(), size))
+                return memoryview(buf.numpy()).cast("B")[:size]
+            mv = memoryview(buf).cast("B")
+            CuFile.moved.append((op, "host", 0, size))
+            return mv[:size]
+
+        def pread(self, buf, size, file_offset=0, task_size=None):
+            return Future(os.preadv(self._fd, [self._mv("pread", buf, size)], file_offset))
+
+        def pwrite(self, buf, size, file_offset=0, task_size=None):
+            return Future(os.pwrite(self._fd, self._mv("pwrite", buf, size), file_offset))
+
+    mod = types.ModuleType("kvikio")
+    mod.__version__ = "0.0-gds-fake"
+    mod.CuFile = CuFile
+    mod.defaults = types.SimpleNamespace(get=lambda name: {"compat_mode": "OFF"}[name])
+    return mod
+
+
+@pytest.fixture
+def gds_kvikio(monkeypatch):
+    mod = _make_gds_kvikio()
+    monkeypatch.setitem(sys.modules, "kvikio", mod)
+    monkeypatch.setattr(io_kvikio, "cuda_driver_reason", lambda: None)   # as on a machine with a driver
+    monkeypatch.setattr(KvikioEngine, "device_type", "cpu")              # CPU tensors stand for device memory
+    return mod
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield str(tmp_path), fd
+    os.close(fd)
+
+
+def _rand(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_gds_checksum_is_the_same_on_host_bytes_and_device_tensors():
+    """One function on any device: host bytes, a tensor, an unaligned slice, odd sizes agree; the
+    key, one flipped bit, two top bits, two swapped words all change it."""
+    codec = BlockCodec(b"s" * 32, 7, device_sum=True)
+    other = BlockCodec(b"t" * 32, 7, device_sum=True)
+    base = _rand(70001, 1)
+    devs = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for n in (1, 7, 8, 9, 4095, 4097, 12289, 65536):
+        for off in (0, 3):
+            t = base[off:off + n]
+            want = codec.payload_sum(bytes(t.numpy()))
+            for d in devs:
+                assert codec.payload_sum(t.to(d)) == want, (n, off, d)
+                assert codec.payload_sum(t.clone().to(d)) == want, (n, off, d)
+            assert other.payload_sum(t) != want
+    t = base[:4096].clone()
+    s0 = codec.payload_sum(t)
+    for mutate in (lambda u: u.__setitem__(100, u[100] ^ 1),
+                   lambda u: (u.__setitem__(7, u[7] ^ 0x80), u.__setitem__(15, u[15] ^ 0x80)),
+                   lambda u: u[0:16].copy_(torch.cat([t[8:16], t[0:8]]))):
+        u = t.clone()
+        mutate(u)
+        assert not torch.equal(u, t) and codec.payload_sum(u) != s0
+    assert KeyedSum(5)(torch.zeros(0, dtype=torch.uint8)) == KeyedSum(5)(torch.zeros(0, dtype=torch.uint8))
+
+
+def _engine_file(eng, data_dir, n, stride):
+    path, dfd = data_dir
+    f = eng.open(os.path.join(path, "data.0"), dir_fd=dfd)
+    os.posix_fallocate(f.fd, 0, n * stride)
+    return f
+
+
+def test_gds_engine_keeps_payloads_off_the_host(gds_kvikio, data_dir):
+    """Format 4 from and into device tensors: every payload moves between the file and the tensor
+    itself, the header page alone on the host; no payload byte goes through host memory. A POSIX
+    engine (host buffers) reads the same blocks."""
+    bb, n = 12289, 4
+    stride = slot_stride(bb)
+    codec = BlockCodec(b"s" * 32, 7, device_sum=True)
+    keys = [b"key%d" % i for i in range(n)]
+    offs = [i * stride for i in range(n)]
+    src = [_rand(bb, 10 + i) for i in range(n)]
+    dst = [torch.zeros(bb, dtype=torch.uint8) for _ in range(n)]
+    eng = KvikioEngine(2)
+    assert eng.mode == "GDS" and "GDS" in eng.description
+    try:
+        f = _engine_file(eng, data_dir, n, stride)
+        tags = [0] * n
+        assert eng.write(f, offs, src, bb, checksums=tags, codec=codec, keys=keys).wait().all_ok
+        hdr = os.pread(f.fd, 16, offs[0])
+        assert struct.unpack_from("<H", hdr, 8)[0] == DEVICE_VERSION
+        bad = [False] * n
+        assert eng.read(f, offs, dst, bb, expect=tags, mismatched=bad, codec=codec, keys=keys).wait().all_ok
+        assert all(torch.equal(a, b) for a, b in zip(src, dst)) and not any(bad)
+        moved = gds_kvikio.CuFile.moved
+        assert [m[:2] for m in moved] == [("pwrite", "device")] * n + [("pread", "device")] * n
+        assert sorted(m[2] for m in moved[n:]) == sorted(t.data_ptr() for t in dst)
+        st = eng.stats()
+        assert st["host_payload_bytes"] == 0 and st["host_fallback_blocks"] == 0 and st["gds"] is True
+        eng.close_file(f)
+    finally:
+        eng.close()
+    posix = PosixEngine(2)
+    try:
+        pf = posix.open(os.path.join(data_dir[0], "data.0"), dir_fd=data_dir[1])
+        host = [torch.zeros(bb, dtype=torch.uint8) for _ in range(n)]
+        assert posix.read(pf, offs, host, bb, expect=tags, codec=BlockCodec(b"s" * 32, 7), keys=keys).wait().all_ok
+        assert all(torch.equal(a, b) for a, b in zip(src, host))
+        posix.close_file(pf)
+    finally:
+        posix.close()
+
+
+def test_gds_header_mismatch_is_a_miss_and_the_payload_is_never_read(gds_kvikio, data_dir):
+    """A wrong key, a stale tag, another fingerprint or another secret: the header page (read on
+    the host) fails, the block is bad, and its payload never reaches the device buffer."""
+    bb, n = 8192, 4
+    stride = slot_stride(bb)
+    codec = BlockCodec(b"s" * 32, 7, device_sum=True)
+    keys = [b"key%d" % i for i in range(n)]
+    offs = [i * stride for i in range(n)]
+    eng = KvikioEngine(2)
+    try:
+        f = _engine_file(eng, data_dir, n, stride)
+        tags = [0] * n
+        assert eng.write(f, offs, [_rand(bb, i) for i in range(n)], bb, checksums=tags, codec=codec,
+                         keys=keys).wait().all_ok
+        cases = [(codec, [b"other", *keys[1:]], tags, "misdirected"),
+                 (codec, keys, [tags[0] ^ 1, *tags[1:]], "stale or swapped"),
+                 (BlockCodec(b"s" * 32, 8, device_sum=True), keys, tags, "block of fingerprint"),
+                 (BlockCodec(b"x" * 32, 7, device_sum=True), keys, tags, "tag does not verify")]
+        for c, ks, ts, why in cases:
+            gds_kvikio.CuFile.moved.clear()
+            dst = [torch.zeros(bb, dtype=torch.uint8) for _ in range(n)]
+            bad = [False] * n
+            r = eng.read(f, offs, dst, bb, expect=ts, mismatched=bad, codec=c, keys=ks).wait()
+            failed = [i for i in range(n) if not r.ok[i]]
+            assert failed == [i for i in range(n) if bad[i]] and failed, why
+            assert why in r.errors[0]
+            read_into = {m[2] for m in gds_kvikio.CuFile.moved}
+            assert all(dst[i].data_ptr() not in read_into and not dst[i].any() for i in failed)
+        eng.close_file(f)
+    finally:
+        eng.close()
+
+
+def test_gds_xxh3_block_is_read_through_the_host_verified_and_counted(gds_kvikio, data_dir, caplog):
+    """A format-2 block (written by io: posix) read into device memory: read and verified on the
+    host, then copied to the device (counted, logged once); a corrupt one never reaches it."""
+    bb, n = 8192, 3
+    stride = slot_stride(bb)
+    keys = [b"key%d" % i for i in range(n)]
+    offs = [i * stride for i in range(n)]
+    src = [_rand(bb, 20 + i) for i in range(n)]
+    posix = PosixEngine(2)
+    try:
+        pf = posix.open(os.path.join(data_dir[0], "data.0"), dir_fd=data_dir[1])
+        os.posix_fallocate(pf.fd, 0, n * stride)
+        tags = [0] * n
+        assert posix.write(pf, offs, src, bb, checksums=tags, codec=BlockCodec(b"s" * 32, 7), keys=keys).wait().all_ok
+        posix.close_file(pf)
+    finally:
+        posix.close()
+    fd = os.open(os.path.join(data_dir[0], "data.0"), os.O_RDWR)     # buffered: the engine's fd is O_DIRECT
+    try:
+        assert struct.unpack_from("<H", os.pread(fd, 16, 0), 8)[0] == BLOCK_VERSION
+        os.pwrite(fd, b"\x5a" if src[2][77] != 0x5A else b"\x00", offs[2] + ALIGN + 77)  # block 2 corrupt
+    finally:
+        os.close(fd)
+    eng = KvikioEngine(2)
+    try:
+        f = eng.open(os.path.join(data_dir[0], "data.0"), dir_fd=data_dir[1])
+        dst = [torch.zeros(bb, dtype=torch.uint8) for _ in range(n)]
+        bad = [False] * n
+        with caplog.at_level(logging.WARNING, logger="kvtier.nvme"):
+            r = eng.read(f, offs, dst, bb, expect=tags, mismatched=bad, codec=BlockCodec(b"s" * 32, 7, device_sum=True),
+                         keys=keys).wait()
+        assert r.ok == [True, True, False] and bad == [False, False, True]
+        assert torch.equal(dst[0], src[0]) and torch.equal(dst[1], src[1]) and not dst[2].any()
+        assert gds_kvikio.CuFile.moved == []                         # none of it through kvikio
+        st = eng.stats()
+        assert st["host_fallback_blocks"] == 3 and st["host_payload_bytes"] == 3 * bb
+        assert len([x for x in caplog.records if "format-2" in x.getMessage()]) == 1
+        eng.close_file(f)
+    finally:
+        eng.close()
+
+
+NB, H, BT, D = 8, 2, 16, 32
+
+
+def _stack(tmp_path, kv_seed):
+    """An NVMe data file on io: kvikio (the fake), a KV on CPU tensors driven by the device copier
+    (`probes.DeferredStreams`: copies run later, as on a GPU), the executor between them."""
+    g = torch.Generator().manual_seed(kv_seed)
+    buf = torch.randn(2, NB, H, BT, D, generator=g)
+    caches = {f"l{i}": buf[i] for i in range(2)}
+    lay = KVLayout(caches, NB)
+    bb = lay.block_bytes
+    ctl = NvmeControl("nvme", str(tmp_path / "nvme"), 8, bb, EVICTION.get("lru")(8), {"model": "t"})
+    data = NvmeData(ctl.dir, 8, bb, "kvikio", 2)
+    pool = CpuPool(4, bb)
+    kv = KVCopier(lay, pool, streams=probes.DeferredStreams())
+    staging = Staging(bb, pin=False)
+    ex = Executor(kv, [pool, data], bb, tier_names=["cpu", "nvme"], staging=staging)
+    return caches, lay, ctl, data, pool, kv, staging, ex
+
+
+def _block(caches, b):
+    return torch.cat([probes.canonical(t, b) for t in caches.values()])
+
+
+def test_gds_flipped_byte_is_a_miss_and_never_scattered(gds_kvikio, tmp_path):
+    """file -> device staging rows -> verified there -> scattered into the KV: a block with one
+    flipped payload byte is counted corrupt, a load error, and its KV block keeps its bytes; the
+    others land byte-exact; no payload touched a host buffer (neither kvikio's nor staging)."""
+    caches, lay, ctl, data, pool, kv, staging, ex = _stack(tmp_path, 0)
+    try:
+        assert data.device_reads and data.gds is True and kv.device_staging is not None
+        ids, slots = [1, 2, 3, 4], [0, 1, 2, 3]
+        keys = [b"k%d" % i for i in slots]
+        want = [_block(caches, b).clone() for b in ids]
+        w = data.write(slots, want, keys).wait()
+        assert w.all_ok
+        os.pwrite(data.file.fd, b"\xff" if want[2][5] != 0xFF else b"\x00", 2 * data.stride + ALIGN + 5)
+        for b in range(NB):
+            for t in caches.values():
+                t[b].fill_(7.0)
+        before = _block(caches, 6).clone()
+        gds_kvikio.CuFile.moved.clear()
+        dst = [5, 6, 0, 7]
+        ex.load([LoadOp("r", 1, slots, dst, checksums=w.tags, keys=keys)])
+        assert ex.take_load_errors() == {0}
+        assert ex.counters.totals[Metric.CORRUPT_BLOCKS.at("nvme")] == 1
+        assert torch.equal(_block(caches, 5), want[0]) and torch.equal(_block(caches, 6), want[1])
+        assert torch.equal(_block(caches, 7), want[3])
+        assert torch.equal(_block(caches, 0), before)                # the corrupt block: never scattered
+        rows = kv.device_staging.rows()
+        lo, hi = rows.data_ptr(), rows.data_ptr() + rows.numel()
+        assert [m[:2] for m in gds_kvikio.CuFile.moved] == [("pread", "device")] * 4
+        assert all(lo <= m[2] < hi for m in gds_kvikio.CuFile.moved)  # into the device staging rows
+        assert data.engine.stats()["host_payload_bytes"] == 0
+    finally:
+        ex.close()
+        data.close()
+        ctl.close()
+        pool.close()
+
+
+def test_gds_encryption_with_kvikio_is_refused_in_one_line(gds_kvikio, tmp_path):
+    cfg = {"block_bytes": 4096, "tiers": [
+        {"name": "cpu", "kind": "cpu", "capacity_blocks": 8},
+        {"name": "nvme", "kind": "nvme", "path": str(tmp_path / "n"), "capacity_blocks": 8, "io": "kvikio",
+         "encryption": {"key_env": "KVTIER_TEST_KEY"}}]}
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg, "stack.yaml", check_env=False)
+    msg = str(e.value)
+    cause = [ln for ln in msg.splitlines() if "encryption" in ln]   # config errors: a header, a line per cause
+    assert len(cause) == 1 and "tier 'nvme': encryption needs io: posix" in cause[0]
+    ctl = NvmeControl("nvme", str(tmp_path / "nv"), 4, 4096, EVICTION.get("lru")(4), {"model": "t"})
+    try:
+        with pytest.raises(OSError) as e2:
+            NvmeData(ctl.dir, 4, 4096, "kvikio", 2, sealer=Sealer(b"k" * 32))
+        assert e2.value.errno == errno.EINVAL and "encryption needs io: posix" in str(e2.value)
+        assert len(str(e2.value).splitlines()) == 1
+    finally:
+        ctl.close()
+
+
+def test_gds_mode_is_in_the_start_line_and_metrics(gds_kvikio, monkeypatch):
+    """kvikio's mode (GDS or compatibility) is named in the start line, and the worker's gauge is
+    an exported Prometheus series."""
+    from kvtier.connector import metrics
+    from kvtier.connector.startup import _io_choice
+    from kvtier.tiers import io_engines
+    monkeypatch.setattr(io_engines, "cuda_driver_reason", lambda: None)
+    nv = types.SimpleNamespace(io="kvikio", io_threads=4, direct="auto")
+    assert "mode GDS" in _io_choice(nv, True, [])
+    gds_kvikio.defaults = types.SimpleNamespace(get=lambda name: {"compat_mode": "ON"}[name])
+    assert "mode compatibility" in _io_choice(nv, True, [])
+    assert metrics.GAUGES["nvme_gds"] is Metric.NVME_GDS
+
+
+def test_gds_worker_loads_nvme_into_device_staging_and_sets_the_gauge(gds_kvikio, tmp_path):
+    """The worker on `nvme_io: kvikio` with the device copier (`probes.DeferredStreams`: copies run
+    later, as on a GPU): blocks stored, copied down, then loaded without a DRAM slot read into the
+    worker's device staging rows only, are verified there and land byte-exact; a flipped payload
+    byte is a load error and its KV block keeps its bytes; `gauge_nvme_gds` is 1."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from parts_util import worker_settings
+    from test_kv_layout import flash_caches
+    from test_load_failures import Hooks
+    from kvtier.connector.metadata import CopyOp, KVTierMetadata, LoadOp as MetaLoad, StoreOp
+    from kvtier.connector.worker import KVTierWorker
+
+    caches = flash_caches(blocks=12)
+    orig = {n: t.clone() for n, t in caches.items()}
+    st = probes.DeferredStreams()
+    w = KVTierWorker(worker_settings(8, pin=False, nvme_write_lag_steps=0, nvme_io="kvikio"), copy_streams=st)
+    w.register_kv_caches(caches)
+    nv = dict(nvme_tier=1, nvme_dir=str(tmp_path / "nvme"), nvme_capacity=16)
+    ctl = NvmeControl("nvme", nv["nvme_dir"], 16, w.layout.block_bytes, EVICTION.get("lru")(16))
+    h = Hooks(w)
+    try:
+        keys = [b"k0", b"k1", b"k2"]
+        h.step(KVTierMetadata(stores=[StoreOp(1, 0, [0, 1, 2], [1, 2, 3])],
+                              copies=[CopyOp(2, [0, 1, 2], [10, 11, 12], keys)], **nv), [])
+        st.drain()
+        _, rep = h.step(KVTierMetadata(**nv), [])
+        sums = rep.copied[2]
+        assert len(sums) == 3 and min(sums) >= 0
+        assert w.totals[Metric.NVME_GDS.key] == 1
+        stride = slot_stride(w.layout.block_bytes)
+        with open(w.nvme.path, "r+b") as f:                   # block 11's payload: one byte flipped
+            f.seek(11 * stride + ALIGN + 3)
+            b = f.read(1)
+            f.seek(11 * stride + ALIGN + 3)
+            f.write(bytes([b[0] ^ 0xFF]))
+        for t in caches.values():
+            t.zero_()
+        gds_kvikio.CuFile.moved.clear()
+        errors, _ = h.step(KVTierMetadata(loads=[MetaLoad("r", 1, [10, 11, 12], [6, 7, 8], sums, keys=keys)], **nv),
+                           list(caches))
+        st.drain()
+        assert errors == {7}
+        for n, t in caches.items():
+            assert torch.equal(t[6], orig[n][1]) and torch.equal(t[8], orig[n][3]) and not t[7].any()
+        rows = w.kv.device_staging.rows()
+        lo, hi = rows.data_ptr(), rows.data_ptr() + rows.numel()
+        assert [m[:2] for m in gds_kvikio.CuFile.moved] == [("pread", "device")] * 3
+        assert all(lo <= m[2] < hi for m in gds_kvikio.CuFile.moved)
+        assert w.nvme.engine.stats()["host_payload_bytes"] == 0
+    finally:
+        w.close()
+        ctl.close()
