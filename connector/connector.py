@@ -210,6 +210,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             self.worker.bind(None)
 
+    @hook(recover="preemptions_failed")
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward and loads: stores still reading blocks vLLM hands out again
+        (a preempted request's, any allocated this step) complete first (`KVTierWorker.handle_preemptions`)."""
+        if self.worker is not None:
+            self.worker.handle_preemptions(kv_connector_metadata)
+
     @hook(recover="load_failed")
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self.worker is not None:

@@ -5,9 +5,12 @@ vLLM runs the forward on its current (compute) stream and calls `wait_for_save` 
 returns, without synchronizing; a load's blocks are read by attention layer by layer. So:
 
 - a store (KV -> host) runs on a side stream that first waits on the compute stream (the forward
-  wrote those blocks); the compute stream's later work waits for the store's event (vLLM may hand
-  the blocks to another request in the next step), the host does not: the host bytes are used
-  only once the event is seen complete (`Streams.query`, polled in later steps);
+  wrote those blocks); nothing waits for the store's event (neither the compute stream nor the
+  host): the blocks it reads are protected by not being reused until it completed (a running
+  request keeps its blocks, a finished one is held, lazy offload pins them, and a block vLLM hands
+  out again while a store still reads it is settled by the worker's `handle_preemptions`:
+  connector/worker.py), and the host bytes are used only once the event is seen complete
+  (`Streams.query`, polled in later steps);
 - a load (host -> KV) runs on the side stream after the compute stream's queued work (kernels of
   an earlier step may still read the blocks being overwritten), records one event per layer, and
   `wait_layer` makes the compute stream wait on that layer's event (no host-side wait).
@@ -263,19 +266,14 @@ class DeviceCopier:
 
     def store_parts(self, parts: Sequence[Part]) -> Any:
         """KV blocks -> host rows, after the forward, all parts together; returns the event to poll
-        (`query`) before the host bytes are used. The compute stream's later work waits for it
-        (not the host)."""
+        (`query`) before the host bytes are used. Nothing waits for it: the caller keeps the blocks
+        from being reused until it completed (the module's docstring)."""
         s = self.streams
         s.fence()
         with self._settled(), s.side():
             for idx, runs in self._chunks(parts):
                 s.run(self._gather, idx, runs)
-            ev = s.record()
-        try:
-            s.compute_wait(ev)
-        except Exception:  # noqa: BLE001 - the host waits instead: the blocks are read before any reuse
-            s.sync(ev)
-        return ev
+            return s.record()
 
     def load_parts(self, parts: Sequence[Part]) -> list[Any]:
         """Host rows -> KV blocks, all parts together, after the work queued on the compute stream;

@@ -50,6 +50,7 @@ class KVTierMetadata(KVConnectorMetadata):
     model_identity: str | None = None    # the model's identity once known (the worker opens the shared tier)
     failed_loads: dict[str, list[int]] = field(default_factory=dict)  # accepted, not planned: load errors
     sending: dict[str, list[int]] = field(default_factory=dict)  # finished, held for these stores (vLLM's delay-free protocol)
+    settle: list[int] = field(default_factory=list)  # GPU blocks vLLM may rewrite from this step on (`handle_preemptions`)
 
     def is_empty(self) -> bool:
         return not self.loads and not self.stores and not self.copies and not self.failed_loads

@@ -107,6 +107,7 @@ class KVTierScheduler:
         self._async_inflight: set[str] = set()  # ... until the workers report it done
         self.model_identity = model_identity
         self.holds = StoreHolds(options.hold_stores)  # finished requests vLLM keeps for their stores
+        self.reused = ReusedBlocks(options.hold_stores)  # blocks vLLM may rewrite under a store still copying
         self.lora = LoraGate(self.count)                # LoRA requests pass through (`LoraGate`)
 
     @property
@@ -205,6 +206,7 @@ class KVTierScheduler:
         """vLLM allocated the request's blocks (`tables`: each group's block ids) and accepted
         `num_external_tokens` from us: the planned blocks load into the ones vLLM allocated for
         them (any missing: the accepted tokens are reported as load errors, recomputed)."""
+        self.reused.add(tables)   # any request's, a LoRA one's too: a store may still read them
         if self.lora.passes_through(request):
             return
         r = self._track(request)
@@ -257,20 +259,25 @@ class KVTierScheduler:
     def on_step(self, so: Any) -> KVTierMetadata:
         """vLLM's `SchedulerOutput`: each scheduled request's block ids (vLLM's exact tables when
         it offers them, 0.32+) and the Mamba states it hands over this step; then `build_meta`."""
+        self.preempted(getattr(so, "preempted_req_ids", None) or ())
         if self.recorder is not None:   # the prefill speed the trace states (plan's cost model)
             self.recorder.scheduled(so)
         nst = so.num_scheduled_tokens
         scheduled: list[tuple[str, int, Any]] = []
         for nr in so.scheduled_new_reqs:
+            self.reused.add(nr.block_ids)
             self.update_block_ids(nr.req_id, nr.block_ids or (), True)
             scheduled.append((nr.req_id, nr.num_computed_tokens + nst.get(nr.req_id, 0), None))
         cr = so.scheduled_cached_reqs
         resumed = getattr(cr, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cr.req_ids):
             nb = cr.new_block_ids[i]
+            self.reused.add(nb)
             if nb is not None or rid in resumed:
                 self.update_block_ids(rid, nb or (), rid in resumed)
             scheduled.append((rid, cr.num_computed_tokens[i] + nst.get(rid, 0), None))
+        for c in getattr(so, "kv_cache_block_copies", None) or ():   # written before the forward
+            self.reused.add([[c.dst_block_id]])
         bstate = getattr(so, "kv_connector_block_state", None)
         boundaries = {}
         if bstate is not None:
@@ -309,6 +316,7 @@ class KVTierScheduler:
         self._failed_loads = {}
         self._name_nvme(meta)
         meta.sending = self.holds.take_announce()
+        meta.settle = self.reused.take()
         return meta
 
     def _name_nvme(self, meta: KVTierMetadata) -> None:
@@ -363,6 +371,7 @@ class KVTierScheduler:
                               tier_names=self.ctrl.names)
         self._name_nvme(meta)
         meta.sending = self.holds.take_announce()
+        meta.settle = self.reused.take()
         return meta
 
     def update_block_ids(self, req_id: str, tables: Tables, replace: bool) -> None:
@@ -451,6 +460,15 @@ class KVTierScheduler:
     def release(self, req_id: str) -> None:
         """The request's lease goes (a failed hook's safe answer)."""
         self.ctrl.release(req_id)
+
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        """vLLM preempted these requests and freed their blocks (no hook of their own): the workers
+        settle the stores still reading them (`ReusedBlocks`) before the step's forward."""
+        for rid in req_ids:
+            r = self._reqs.get(rid)
+            if r is not None:
+                self.reused.add(r.tables)
+            self.on_preempted(rid)
 
     def on_preempted(self, req_id: str) -> None:
         self.ctrl.release(req_id)
@@ -684,3 +702,29 @@ class StoreHolds:
         """A request held (within twice the workers' bound): vLLM keeps stepping to release it."""
         now = time.monotonic()
         return any(now - t < 2 * HOLD_LIMIT_S for t in self.held.values())
+
+
+# ---- blocks vLLM may rewrite while a store still reads them ------------------------------------------
+class ReusedBlocks:
+    """Scheduler side: the GPU blocks vLLM may rewrite from this step on while a store queued in an
+    earlier step may still be copying them: a preempted request's blocks (vLLM freed them with no
+    hook) and every block vLLM allocated this step (how a block freed under a store comes back: a
+    preempted or aborted request's, a sliding window's, a held request released at the bound,
+    one lazy offload unpinned), vLLM's offloading scheduler's rule. Named in the step's metadata
+    (`settle`): each worker waits for its stores reading them in `handle_preemptions`, before the
+    forward or another connector writes them. Only when stores complete in a later step (a GPU):
+    the CPU backend's complete in the hook. The null block (0) is never written."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.blocks: set[int] = set()
+
+    def add(self, tables: Tables | None) -> None:
+        if self.enabled and tables:
+            for t in tables:
+                self.blocks.update(b for b in t or () if b)
+
+    def take(self) -> list[int]:
+        out = sorted(self.blocks)
+        self.blocks = set()
+        return out

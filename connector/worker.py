@@ -157,6 +157,8 @@ class KVTierWorker:
         if meta is not None and meta.sending:   # consumed: a second bind of the metadata holds nothing twice
             sending, meta.sending = meta.sending, {}
             self.sending.add(sending)
+        if meta is not None and meta.settle:    # a step vLLM ran without `handle_preemptions` (no forward)
+            self.handle_preemptions(meta)
         if meta is None or self.ex is None:
             return
         ex = self.ex
@@ -173,6 +175,18 @@ class KVTierWorker:
         if meta.nvme_tier is not None:
             self._open_nvme(meta)
             ex.bind(planes={meta.nvme_tier: self.nvme})
+
+    def handle_preemptions(self, meta: Any) -> None:
+        """Before vLLM reuses a block: every store still copying from a block the metadata names
+        (`settle`: a preempted request's blocks, the blocks vLLM allocated this step) is waited for
+        on the host, then reported (`PendingStores.settle`). vLLM calls it before the step's forward
+        and before any connector's loads (its offloading worker flushes there too); `bind` calls it
+        for a step that skipped it. Consumed: a second call waits for nothing."""
+        if not isinstance(meta, KVTierMetadata) or not meta.settle:
+            return
+        blocks, meta.settle = set(meta.settle), []
+        if self.ex is not None:
+            self.pending.settle(blocks)
 
     def _open_nvme(self, meta: KVTierMetadata) -> None:
         """Open the NVMe data file the metadata names. Never raises: a file that cannot be opened
@@ -371,6 +385,12 @@ class KVTierWorker:
     def layer_wait_failed(self, layer_name: str) -> None:
         self.settle_loads()   # never an early return: the host waits, or the loads fail
 
+    def preemptions_failed(self, meta: Any) -> None:
+        """Stores that may read reused blocks cannot be confirmed: every one still copying is
+        dropped, never committed."""
+        if self.ex is not None:
+            self.pending.drain(0.0, "handle_preemptions failed")
+
     def save_failed(self) -> None:
         self.fail_step_stores()
 
@@ -491,7 +511,7 @@ class SendingRequests:
         if late:
             self.count(Metric.HELD_RELEASE_TIMEOUTS.key, late)
             self.once(("held_timeout",), logging.ERROR, "kvtier: %d finished requests released after %.0f s with "
-                      "their stores still copying (the compute stream still waits for those copies)",
+                      "their stores still copying (a block vLLM hands out again is waited for before its reuse)",
                       late, self.limit_s)
         return out
 
@@ -505,7 +525,8 @@ class SendingRequests:
 # ---- stores whose device copies are still running ----------------------------------------------------
 # A worker's stores whose device copies are still running, reported in a later step.
 #
-# `wait_for_save` queues a step's GPU -> CPU copies on the side stream and returns (no host wait).
+# `wait_for_save` queues a step's GPU -> CPU copies on the side stream and returns (no host wait;
+# the compute stream does not wait either: the blocks they read are not reused meanwhile, `settle`).
 # Each step's hooks poll the oldest stores' events (`Streams.query`); once one completed, its
 # stores are reported stored (the scheduler commits them from that step's report) and the copies
 # down held behind it (NVMe writes with their checksums, shared-tier puts: they read the CPU slots)
@@ -570,7 +591,33 @@ class PendingStores:
             ex.copy(p.copies, p.failed)
         return len(self.q)
 
-    def drain(self, timeout_s: float) -> int:
+    def settle(self, blocks: set[int]) -> int:
+        """The host waits for the pending stores that read any of `blocks` (vLLM may rewrite them
+        from now on), and for those before them (the side stream runs in order), then reports
+        them; returns how many. A wait that fails drops them: not stored, their copies down
+        dropped, counted (`stores_dropped`)."""
+        last = -1
+        for i, p in enumerate(self.q):
+            if any(not blocks.isdisjoint(op.block_ids) for op, _ in p.planned):
+                last = i
+        if last < 0:
+            return 0
+        ex = self.ex
+        ex.count(Metric.STORE_SETTLE_WAITS.key)
+        try:
+            ex.outside.sync(self.q[last].event)
+        except Exception as e:  # noqa: BLE001 - cannot confirm the copies: nothing of them is committed
+            late, self.q = self.q[:last + 1], self.q[last + 1:]
+            ex.count(Metric.STORES_DROPPED.key, sum(len(op.slots) for p in late for op, _ in p.planned))
+            ex.once(("store_settle",) + cause(e), logging.ERROR, "kvtier: waiting for the stores of blocks vLLM "
+                    "reuses failed (%s): not stored, their copies down dropped", e)
+            for p in late:
+                ex.copy(p.copies, p.failed | ex.store_lost(p.planned, e))
+            return last + 1
+        self.poll()
+        return last + 1
+
+    def drain(self, timeout_s: float, why: str = "closing") -> int:
         """Wait up to `timeout_s` for every pending store (polling); those still running are
         dropped (not stored, their copies down not started) and counted; returns how many."""
         deadline = time.monotonic() + timeout_s
@@ -581,9 +628,9 @@ class PendingStores:
         ex, late, self.q = self.ex, self.q, []
         n = sum(len(op.slots) for p in late for op, _ in p.planned)
         ex.count(Metric.STORES_DROPPED.key, n)
-        log.error("kvtier: %d stores (%d blocks) still copying after %.1f s (closing): dropped, not stored",
-                  len(late), n, timeout_s)
+        log.error("kvtier: %d stores (%d blocks) still copying after %.1f s (%s): dropped, not stored",
+                  len(late), n, timeout_s, why)
         for p in late:
-            ex.store_lost(p.planned, RuntimeError("still copying at shutdown"))
+            ex.store_lost(p.planned, RuntimeError(f"still copying ({why})"))
             ex.fail_stores([], p.copies)
         return len(late)

@@ -1,8 +1,8 @@
 """benchmarks/gpu/check.sh, the lent GPU machine's one command (issue 29, item 7): `--cpu` runs
 its harness here (worker-side imports with vLLM blocked, every layout pair byte-exact through the
-device copier, the store and load ordering probes on DeferredStreams, sensitive to a missing
-wait, two ranks reporting one store in different steps) and the GPU-only checks say they were
-skipped; without CUDA the plain command fails."""
+device copier, the store, load and preemption ordering probes on DeferredStreams, sensitive to a
+missing wait, two ranks reporting one store in different steps) and the GPU-only checks say they
+were skipped; without CUDA the plain command fails."""
 
 from __future__ import annotations
 
@@ -31,17 +31,19 @@ def test_check_cpu_passes_and_skips_the_gpu_checks(tmp_path):
     res = json.loads(out.read_text())
     checks = res["checks"]
     assert res["mode"] == "cpu" and res["failed"] == []
-    for name in ("imports_without_vllm", "layouts", "store_probe", "load_probe", "tp_reports"):
+    for name in ("imports_without_vllm", "layouts", "store_probe", "load_probe", "tp_reports", "preempt_probe"):
         assert checks[name]["status"] == "PASS", (name, checks[name])
     # the two ranks' reports of one store in different steps: committed only with the second
     assert checks["tp_reports"]["steps"] == [[0], [1]] and checks["tp_reports"]["resident"] == [0, 3]
     for name in ("store_probe", "load_probe"):        # the probe saw the missing wait every time
         assert checks[name]["ordered"] == [True] * 3 and checks[name]["unordered"] == [False] * 3
+    pre = checks["preempt_probe"]                     # settled by handle_preemptions, and seen when not
+    assert pre["settled"] == [True] * 3 and pre["unsettled"] == [False] * 3 and pre["settle_waits"] == 3
     assert checks["layouts"]["failed"] == [] and checks["layouts"]["pairs"] == 64
     for name in ("two_registrations", "hook_wait", "scattered_copies", "layer_overlap", "kvikio", "gds_load"):
         assert checks[name]["status"] == "SKIP"
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("check ")]
-    assert len(lines) == 11                           # one line per check
+    assert len(lines) == 12                           # one line per check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -1,7 +1,8 @@
 """kvtier's worker data path on a lent GPU machine (no vLLM, no network): one line per check,
 figures to one JSON file. Run through `benchmarks/gpu/check.sh` (which installs the carried
 wheels and makes the tree importable); `--cpu` runs the same harness without CUDA (the ordering
-probes on `probes.DeferredStreams`, the GPU-only checks reported as skipped).
+probes, the preemption one included, on `probes.DeferredStreams`, the GPU-only checks reported as
+skipped).
 
 Exit status: 0 when every check that ran passed; 1 when one failed; 2 without CUDA (not --cpu).
 """
@@ -128,6 +129,35 @@ def _probe(gpu: bool, which: str) -> None:
     else:
         report(name, "PASS", f"{what} 3/3; with {off} off {unordered.count(False)}/3 stale (the probe sees it)",
                ordered=ok, unordered=unordered)
+
+
+def preempt(gpu: bool) -> None:
+    """`probes.preempt_probe` 3 times settled, 3 times not (where it must see the rewrite); on
+    CPU through `DeferredStreams`."""
+    import torch
+
+    import probes
+    device = "cuda" if gpu else "cpu"
+    compute = torch.cuda.Stream() if gpu else None
+    with torch.cuda.stream(compute) if gpu else _null():
+        rig = probes.Rig(device, _streams_fn(gpu)())
+        try:
+            ok = [probes.preempt_probe(rig) for _ in range(3)]
+            unsettled = [probes.preempt_probe(rig, settled=False) for _ in range(3)]
+            waits = rig.w.totals.get("store_settle_waits", 0)
+        finally:
+            rig.close()
+    what = "a preempted request's block rewritten on another stream is stored with the forward's bytes"
+    what += "" if gpu else " (CPU: probes.DeferredStreams)"
+    if not all(ok) or waits != 3:
+        report("preempt_probe", "FAIL", f"{what}: {ok.count(True)}/3, {waits} settle waits",
+               settled=ok, unsettled=unsettled, settle_waits=waits)
+    elif all(unsettled):
+        report("preempt_probe", "FAIL", f"{what} 3/3, but also without handle_preemptions: the probe cannot "
+               "see a missing settle", settled=ok, unsettled=unsettled, settle_waits=waits)
+    else:
+        report("preempt_probe", "PASS", f"{what} 3/3; without handle_preemptions {unsettled.count(False)}/3 "
+               "stored the rewrite (the probe sees it)", settled=ok, unsettled=unsettled, settle_waits=waits)
 
 
 class _null:
@@ -616,6 +646,7 @@ def main() -> int:
     for which in ("store", "load"):
         check(f"{which}_probe")(lambda w=which: _probe(use_gpu, w))(use_gpu)
     check("tp_reports")(lambda: tp_reports(use_gpu))(use_gpu)
+    check("preempt_probe")(lambda: preempt(use_gpu))(use_gpu)
     for c in (two_registrations, hook_wait, scattered_copies, layer_overlap, kvikio_check, gds_load):
         c(use_gpu)
     RESULTS["seconds"] = round(time.perf_counter() - t0, 1)

@@ -11,7 +11,12 @@ syncs, preferring one stream whenever both can run. A missing wait then shows as
   `torch.cuda._sleep`), and the block is stored at once: the stored bytes are the pattern.
 - `load_probe`: a block is loaded while the side stream is delayed, then each layer is read on
   the compute stream after `wait_layer`, before any host sync: the reads equal the source.
-Each takes `ordered=False` to switch the wait off; then the probe must fail (it is not vacuous).
+- `preempt_probe`: a block is stored right after the forward wrote it, its request is preempted,
+  and another connector rewrites the block on its own stream while the store is still queued
+  (a delayed side stream): `handle_preemptions` waits for the store first, so it holds the
+  forward's bytes, never the rewrite's.
+Each takes `ordered=False` to switch the wait (`settled=False`: `handle_preemptions`) off; then
+the probe must fail (it is not vacuous).
 
 `DeferredStreams(count=True)` also counts what a GPU would be asked to do: each queued item's
 launches (the aten ops it runs that are neither views nor allocations: a kernel or a memcpy each
@@ -120,6 +125,10 @@ class DeferredStreams:
 
     def drain(self) -> None:
         self._until(lambda: all(self.done[k] >= len(q) for k, q in self.q.items()))
+
+    def finish(self, name: str) -> None:
+        """Run until stream `name`'s queue is done (the other runs only what that needs)."""
+        self._until(lambda: self.done[name] >= len(self.q[name]))
 
     def _until(self, cond: Callable[[], bool]) -> None:
         while not cond():
@@ -252,6 +261,44 @@ def store_probe(rig: Rig, ordered: bool = True, block: int = 5, slot: int = 3) -
     rig.host_sync()
     want = torch.cat([canonical(t, block) for t in rig.kv.values()])
     return stored is not None and torch.equal(stored.cpu(), want)
+
+
+def preempt_probe(rig: Rig, settled: bool = True, block: int = 7, slot: int = 4) -> bool:
+    """True when a block stored right after the forward wrote it, then rewritten on another
+    stream once its request was preempted (the store still queued behind a delayed side stream),
+    is stored with the forward's bytes: the step's metadata names the block (`settle`) and
+    `handle_preemptions` waits for the store before the rewrite starts."""
+    for t in rig.kv.values():
+        t[block].zero_()
+    rig.host_sync()
+    rig.ops += 1
+    val = float(rig.ops % 7 + 1)
+    want = []
+    for li, t in enumerate(rig.kv.values()):      # the forward writes the block (the compute stream)
+        if rig.device == "cuda":
+            t[block].fill_(val + li)
+        else:
+            rig.streams.compute(t[block].fill_, val + li)
+        want.append(canonical(t[block:block + 1].clone().fill_(val + li).cpu(), 0))
+    rig.delay_side()
+    rig.w.bind(KVTierMetadata(stores=[StoreOp(rig.ops, 0, [slot], [block])]))
+    rig.w.save()
+    rig.w.bind(None)
+    if settled:                                    # the next step: its request was preempted
+        rig.w.handle_preemptions(KVTierMetadata(settle=[block]))
+    if rig.device == "cuda":                       # another connector, on its own stream, after the forward
+        other = torch.cuda.Stream()
+        other.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(other):
+            for t in rig.kv.values():
+                t[block].fill_(-3.0)
+    else:
+        rig.streams.finish("compute")
+        for t in rig.kv.values():
+            t[block].fill_(-3.0)
+    stored = rig.rows[slot].clone() if reported(rig.w, rig.ops, rig.progress) else None
+    rig.host_sync()
+    return stored is not None and torch.equal(stored.cpu(), torch.cat(want))
 
 
 def load_probe(rig: Rig, ordered: bool = True, block: int = 9, slot: int = 6) -> bool:

@@ -144,6 +144,8 @@ class Metric(Enum):
                               "NVMe writes not reported back at shutdown.")
     STORE_COPY_FAILED = ("store_copy_failed", NONE, None, None, "Blocks whose copy out of vLLM's KV cache failed.")
     STORES_DROPPED = ("stores_dropped", NONE, None, None, "Pending stores dropped (request gone or tier closed).")
+    STORE_SETTLE_WAITS = ("store_settle_waits", NONE, None, None,
+                          "Host waits for a store still reading GPU blocks vLLM hands out again (preemption, reuse).")
     LOAD_COPY_FAILED = ("load_copy_failed", NONE, None, None, "Copies into vLLM's KV cache that failed.")
     BLOCKS_STORE_DROPPED = ("blocks_store_dropped", NONE, None, None, "Blocks whose store the worker dropped.")
     # lazy offload
