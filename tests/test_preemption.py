@@ -25,7 +25,6 @@ from kvtier.tiers.base import SlotTier
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
-import probes  # noqa: E402
 from parts_util import scheduler, worker_settings  # noqa: E402
 from test_connector_scheduler import BT, Req  # noqa: E402
 from test_deferred_stores import CountingStreams, canonical_rows  # noqa: E402
