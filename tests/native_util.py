@@ -62,18 +62,21 @@ class Deployment:
     """One vLLM instance's scheduler-side offloading (see the module docstring)."""
 
     def __init__(self, model: str, secondary_tiers: list[dict], cpu_chunks: int = 4, block_bytes: int = BLOCK_BYTES,
-                 engine_id: str | None = None, **extra) -> None:
+                 engine_id: str | None = None, tp: int = 1, canonical: bool = False, **extra) -> None:
+        """`tp`: tensor-parallel workers, each holding `block_bytes / tp` of every block (a chunk is
+        the same bytes in all); `canonical`: vLLM's canonical_layout, certified parallel-agnostic."""
         self.cfg = OffloadingConfig(
             groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
-            worker_kv_bytes_per_block=block_bytes, enable_kv_cache_events=False,
+            worker_kv_bytes_per_block=block_bytes // tp, enable_kv_cache_events=False,
+            canonical_layout=canonical, kv_cache_layout="LBNHC" if canonical else None,
             extra_config={"cpu_bytes_to_use": cpu_chunks * block_bytes * BLOCKS_PER_CHUNK,
                           "secondary_tiers": [dict(t) for t in secondary_tiers], **extra},
             engine_id=engine_id or "kvtier-test-" + uuid.uuid4().hex[:12],
             model=OffloadingModelConfig(name=model, dtype="float16"),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BLOCKS_PER_CHUNK),
-            parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            parallel=OffloadingParallelConfig(rank=0, world_size=tp, tp_size=tp, pp_size=1, pcp_size=1, dcp_size=1,
                                               data_parallel_index=0, data_parallel_size=1,
-                                              data_parallel_rank_local=None, is_parallelism_agnostic=False))
+                                              data_parallel_rank_local=None, is_parallelism_agnostic=canonical))
         self.spec = TieringOffloadingSpec(self.cfg)
         self.manager = self.spec.get_manager()
         self.chunk_bytes = self.spec.kv_bytes_per_chunk

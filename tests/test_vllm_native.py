@@ -274,3 +274,29 @@ def test_reset_cache_drains_the_tier_and_keeps_its_chunks(tmp_path, redis_server
     assert not dep.manager.has_pending_work()
     assert dep.tiers[0].tier.num_resident == 4
     assert dep.load(keys) == datas                           # the primary is empty: from NVMe
+
+
+@pytest.mark.parametrize("writer_tp,reader_tp", [(2, 1), (1, 2)])
+def test_canonical_layout_chunks_are_parallel_agnostic_topology(tmp_path, redis_server, dep_factory, writer_tp,
+                                                               reader_tp):
+    """Under vLLM's canonical_layout (certified parallel-agnostic), a chunk written by a deployment of
+    one TP size is served to another of the same model, through NVMe and through the server, as
+    vLLM's fs tier does; without it, or under another layout, the chunks stay bound to the topology."""
+    model = model_dir(tmp_path, 12)
+    tiers = [nvme(tmp_path / "nv"), shared(redis_server.url, namespace="topology")]
+    a = dep_factory(model, tiers, tp=writer_tp, canonical=True)
+    keys, datas = chunks(4, a.chunk_bytes, b"topology")
+    a.store(keys, datas)
+    fp = a.tiers[0].fingerprint
+    assert fp["parallel"] == "agnostic" and "format=v1-nhd" in fp["layout"]
+    a.close()
+    b = dep_factory(model, tiers, tp=reader_tp, canonical=True)
+    assert b.chunk_bytes == a.chunk_bytes and b.tiers[0].fingerprint == fp
+    assert b.load(keys) == datas                                   # from NVMe (a fresh primary)
+    b.close()
+    c = dep_factory(model, [shared(redis_server.url, namespace="topology")], tp=reader_tp, canonical=True)
+    assert c.load(keys) == datas                                   # from the server alone
+    c.close()
+    bound = dep_factory(model, [shared(redis_server.url, namespace="topology")], tp=reader_tp)
+    assert bound.tiers[0].fingerprint["parallel"] == f"world={reader_tp}/tp={reader_tp}/pp=1/pcp=1/dcp=1"
+    assert bound.load(keys) == []                                  # not canonical: bound to its topology

@@ -66,7 +66,12 @@ def chunk_fingerprint(spec: Any, block_bytes: int, namespace: str | None = None,
     """What the bytes of one of vLLM's offload chunks depend on: the model (by the digest of its
     weights, `core.identity`), the KV dtype and layout, the chunk geometry (groups, their
     tokens and layers, blocks per chunk, bytes) and the parallelism whose workers' bytes the
-    chunk concatenates; `namespace` separates deployments further by choice."""
+    chunk concatenates; `namespace` separates deployments further by choice.
+
+    Under vLLM's `canonical_layout`, where vLLM certifies the chunk's bytes as the same whatever
+    the parallel layout (`parallel_agnostic`, as vLLM's fs tier decides it), the chunk is named
+    without tp/pp/dcp/pcp and by vLLM's canonical byte format instead: a cache written at TP=2
+    serves TP=1 and TP=4 of the same model."""
     from kvtier.core.digest_cache import default_data_dir
     from kvtier.core.identity import model_identity as identify
     c = spec.config
@@ -85,6 +90,19 @@ def chunk_fingerprint(spec: Any, block_bytes: int, namespace: str | None = None,
                       f"/hash={c.cache.tokens_per_hash}",
           "parallel": f"world={p.world_size}/tp={p.tp_size}/pp={p.pp_size}/pcp={p.pcp_size}/dcp={p.dcp_size}",
           "source": "vllm-native"}
+    if parallel_agnostic(c):
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
+        fp["layout"] += f"/format={canonical_format_id(c.kv_cache_layout)}"
+        fp["geometry"] = f"groups={groups}/chunk={c.cache.blocks_per_chunk}/hash={c.cache.tokens_per_hash}"
+        fp["parallel"] = "agnostic"
     if namespace:
         fp["namespace"] = str(namespace)
     return fp
+
+
+def parallel_agnostic(c: Any) -> bool:
+    """vLLM certified the chunk's bytes as independent of the parallel layout: its canonical layout
+    is on and every layer maps portably (or the replicated MLA layout), the rule vLLM's fs tier
+    applies (`FileMapper.from_spec(parallel_agnostic=True)`)."""
+    return bool(c.canonical_layout) and c.kv_cache_layout is not None and bool(
+        c.parallel.is_parallelism_agnostic or c.replicated_layout)
