@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.connector.canonical import (CANONICAL_FORMAT, CPU_PACKED_FORMAT, Kind, Region, Topology,
-                                        canonical_map, layout_map, slice_count, slice_spans)
+                                        canonical_map, layer_kinds, layout_map, slice_count,
+                                        slice_pieces, slice_spans)
 from kvtier.connector.kv_layout import KVLayout
 
 NB = 4
@@ -98,15 +99,27 @@ def test_topology_parts_of_a_tp_group_tile_the_canonical_block(model, data):
 ORDERS = {"HND": (0, 1, 2, 3), "NHD": (0, 2, 1, 3)}   # physical axis order of [B, H, N, C]
 
 
-def kv_views(heads: list[int], bs: int, content: int, dtype, order: str) -> dict:
-    """Per-layer logical `[B, H, N, C]` views over a physical buffer in `order` (vLLM's NHD / HND)."""
+def kv_views(heads: list[int], bs: int, content: int, dtype, order: str, ratio: int = 1) -> dict:
+    """Per-layer logical `[B * ratio, H, N / ratio, C]` views over a physical buffer in `order`
+    (vLLM's NHD / HND; `ratio` kernel blocks per block)."""
     out = {}
     for i, h in enumerate(heads):
-        logical = (NB, h, bs, content)
+        logical = (NB * ratio, h, bs // ratio, content)
         phys = torch.zeros([logical[d] for d in ORDERS[order]], dtype=dtype)
         inv = [ORDERS[order].index(d) for d in range(4)]
         out[f"l{i}"] = phys.permute(*inv)
     return out
+
+
+def kinds(kv: dict, kind: Kind) -> dict:
+    return {name: kind for name in kv}
+
+
+def fill(t: torch.Tensor, shard: torch.Tensor) -> None:
+    """Layer view `t` ([B * ratio, h, N / ratio, C]) <- `shard` ([B, h, N, C]): kernel blocks' tokens in order."""
+    ratio = t.shape[0] // NB
+    b, h, n, c = t.shape
+    t.view(NB, ratio, h, n, c).permute(0, 2, 1, 3, 4).copy_(shard.reshape(NB, h, ratio, n, c))
 
 
 def row(lay: KVLayout, b: int) -> torch.Tensor:
@@ -121,18 +134,19 @@ def gqa(draw):
                 head=draw(st.sampled_from([2, 4])), dtype=draw(st.sampled_from([torch.float16, torch.float32])),
                 tp_w=draw(st.sampled_from([1, 2, 4, 8])), tp_r=draw(st.sampled_from([1, 2, 4, 8])),
                 order_w=draw(st.sampled_from(sorted(ORDERS))), order_r=draw(st.sampled_from(sorted(ORDERS))),
+                ratio_w=draw(st.sampled_from([1, 2])), ratio_r=draw(st.sampled_from([1, 2])),
                 seed=draw(st.integers(0, 2**16)))
 
 
-def rank_layouts(c, tp, order, ref):
+def rank_layouts(c, tp, order, ratio, ref):
     """Each TP rank's real `KVLayout`, its KV filled with its shard of `ref` ([L, B, H, N, C])."""
     out = []
     content = c["head"] if c["mla"] else 2 * c["head"]
     for rank in range(tp):
         hs = shard_heads(Region(Kind.LATENT if c["mla"] else Kind.HEADS, c["H"], 1), tp, rank)
-        kv = kv_views([len(hs)] * c["L"], c["bs"], content, c["dtype"], order)
+        kv = kv_views([len(hs)] * c["L"], c["bs"], content, c["dtype"], order, ratio)
         for li, t in enumerate(kv.values()):
-            t.copy_(ref[li][:, hs.start:hs.stop])
+            fill(t, ref[li][:, hs.start:hs.stop])
         out.append(KVLayout(kv, NB))
     return out
 
@@ -146,12 +160,13 @@ def test_parallel_agnostic_block_written_at_one_tp_reads_back_at_another(c):
     content = c["head"] if c["mla"] else 2 * c["head"]
     g = torch.Generator().manual_seed(c["seed"])
     ref = torch.randn(c["L"], NB, c["H"], c["bs"], content, generator=g).to(c["dtype"])
-    full = rank_layouts(c, 1, "HND", ref)[0]
+    full = rank_layouts(c, 1, "HND", 1, ref)[0]
+    kind = Kind.LATENT if c["mla"] else Kind.HEADS
     block = torch.zeros(full.block_bytes, dtype=torch.uint8)
     b = c["seed"] % NB
     writers = 0
-    for rank, lay in enumerate(rank_layouts(c, c["tp_w"], c["order_w"], ref)):
-        m = layout_map(lay, c["H"], Topology(tp=c["tp_w"], tp_rank=rank), c["mla"])
+    for rank, lay in enumerate(rank_layouts(c, c["tp_w"], c["order_w"], c["ratio_w"], ref)):
+        m = layout_map(lay, c["H"], Topology(tp=c["tp_w"], tp_rank=rank), kinds(lay.layer_of, kind))
         assert m.certified, m.why
         assert m.block_bytes == full.block_bytes
         writers += m.writes
@@ -159,13 +174,18 @@ def test_parallel_agnostic_block_written_at_one_tp_reads_back_at_another(c):
         for s in m.written():
             block[s.canonical:s.canonical + s.size] = r[s.local:s.local + s.size]
     assert writers == (1 if c["mla"] else min(c["tp_w"], c["H"]))
+    model = [Region(Kind.LATENT, 1, full.layer_bytes[0])] * c["L"] if c["mla"] else \
+        [Region(Kind.HEADS, c["H"], full.layer_bytes[0] // c["H"])] * c["L"]
+    values = {s: torch.cat([block[o:o + n] for o, n in slice_spans(model, s)]) for s in range(slice_count(model))}
     assert torch.equal(block, row(full, b))                            # the canonical block = the TP=1 row
-    for rank, lay in enumerate(rank_layouts(c, c["tp_r"], c["order_r"], ref)):
-        m = layout_map(lay, c["H"], Topology(tp=c["tp_r"], tp_rank=rank), c["mla"])
+    for rank, lay in enumerate(rank_layouts(c, c["tp_r"], c["order_r"], c["ratio_r"], ref)):
+        m = layout_map(lay, c["H"], Topology(tp=c["tp_r"], tp_rank=rank), kinds(lay.layer_of, kind))
         got = torch.empty(lay.block_bytes, dtype=torch.uint8)
         for s in m.spans:
             got[s.local:s.local + s.size] = block[s.canonical:s.canonical + s.size]
         assert torch.equal(got, row(lay, b))                           # its shard, byte-exact
+        for s, pieces in slice_pieces(m, model).items():              # per-slice values, from its row
+            assert torch.equal(torch.cat([got[o:o + n] for o, n in pieces]), values[s])
         if c["mla"]:
             assert [(s.canonical, s.size) for s in m.spans] == [
                 (i * s.size, s.size) for i, s in enumerate(m.spans)]   # the whole latent
@@ -192,9 +212,9 @@ GQA = [Region(Kind.HEADS, 8, 64)] * 2
     (GQA, [(4, 256)] * 2, Topology(tp=2, dcp=2), {}, "context parallel (dcp 2, pcp 1)"),
     (GQA, [(4, 256)] * 2, Topology(tp=2, pcp=2), {}, "context parallel (dcp 1, pcp 2)"),
     (GQA, [(4, 256)] * 2, Topology(tp=2), {"fmt": "vllm-kv-blocks/someday-v9"}, "unknown KV format"),
-    (GQA, [(4, 256)] * 2, Topology(tp=2), {"per_token_head_scales": True}, "per-token-head KV scales"),
+    (GQA, [(4, 256)] * 2, Topology(tp=2), {"quant": "FP8_PER_TOKEN_HEAD"}, "KV quantization FP8_PER_TOKEN_HEAD"),
     ([Region(Kind.HEADS, 8, 64), Region(Kind.OPAQUE, 1, 100)], [(4, 256), (1, 100)], Topology(tp=2), {},
-     "not attention KV"),
+     "region 1 is not attention KV"),
     (GQA, [(4, 256)], Topology(tp=2), {}, "lacks model regions"),
     (GQA, [(4, 256), (4, 200)], Topology(tp=2), {}, "region 1: 4 heads in 200 bytes"),
     (GQA, [(2, 128)] * 2, Topology(tp=2), {}, "region 0: 2 heads in 128 bytes, not 4 x 64"),
@@ -222,8 +242,8 @@ def test_pipeline_topology_stage_parts_tile_the_model():
             assert m.certified, m.why
             written += [(s.canonical, s.size) for s in m.written()]
     assert intervals_tile(written, sum(r.nbytes for r in model))
-    lay = KVLayout(kv_views([2, 2], 4, 8, torch.float16, "HND"), NB)
-    m = layout_map(lay, 4, Topology(tp=2, pp=2), mla=False)
+    kv = kv_views([2, 2], 4, 8, torch.float16, "HND")
+    m = layout_map(KVLayout(kv, NB), 4, Topology(tp=2, pp=2), kinds(kv, Kind.HEADS))
     assert not m.certified and "pipeline stages (pp 2)" in m.why
 
 
@@ -235,12 +255,21 @@ def test_cpu_packed_format_topology_certifies_and_names_itself():
     assert "parallel-agnostic" in m.describe() and "writer" in m.describe()
 
 
-def test_hybrid_topology_a_state_region_is_opaque_through_the_layout():
-    """A region whose view is not `[blocks, heads, tokens, content]` (a Mamba state) is opaque."""
-    kv = kv_views([2], 4, 8, torch.float16, "HND")
-    kv["state"] = torch.zeros(NB, 48, dtype=torch.float16)
-    m = layout_map(KVLayout(kv, NB), 4, Topology(tp=2), mla=False)
-    assert not m.certified and "not attention KV" in m.why
+def test_hybrid_topology_each_region_certifies_or_the_block_is_opaque():
+    """Attention groups overlaid on one region (same kind) certify; a state region, a region
+    where a state is overlaid on attention pages, or a layer of no known kind make it opaque."""
+    kv = kv_views([2, 2], 4, 8, torch.float16, "HND")
+    kv["l0_window"] = kv["l0"]                                # a sliding-window group on l0's pages
+    both = kinds(kv, Kind.HEADS)
+    assert layout_map(KVLayout(kv, NB), 4, Topology(tp=2, tp_rank=1), both).certified
+    state = dict(both, l0_window=Kind.OPAQUE)               # a Mamba state overlaid on l0's pages
+    m = layout_map(KVLayout(kv, NB), 4, Topology(tp=2), state)
+    assert not m.certified and "region 0 is not attention KV" in m.why
+    m = layout_map(KVLayout(kv, NB), 4, Topology(tp=2), {"l0": Kind.HEADS, "l0_window": Kind.HEADS})
+    assert not m.certified and "region 1 is not attention KV" in m.why
+    kv["state"] = torch.zeros(NB, 48, dtype=torch.float16)  # a view that is not [blocks, heads, tokens, content]
+    m = layout_map(KVLayout(kv, NB), 4, Topology(tp=2), dict(both, state=Kind.HEADS))
+    assert not m.certified and "region 2 is not attention KV" in m.why
 
 
 # ---- vLLM 0.32's own canonical_mapping, on CPU with plain specs --------------------------------
@@ -278,7 +307,7 @@ def test_parallel_agnostic_regions_match_vllms_canonical_mapping_hnd(H, tp):
     args = dict(tp_size=tp, dcp_size=1, pcp_size=1, interleave=1, total_kv_heads=H)
     for rank in range(tp):
         theirs = _vllm_map(spec, kv, args, rank)
-        mine = layout_map(KVLayout({"l0": kv}, NB), H, Topology(tp=tp, tp_rank=rank), mla=False)
+        mine = layout_map(KVLayout({"l0": kv}, NB), H, Topology(tp=tp, tp_rank=rank), {"l0": Kind.HEADS})
         assert theirs is not None and theirs.parallelism_agnostic and mine.certified
         assert mine.block_bytes == theirs.canonical_page_size_bytes
         assert _byte_map(mine.spans, mine.local_bytes, False) == _byte_map(theirs.runs, mine.local_bytes, True)
@@ -294,7 +323,7 @@ def test_parallel_agnostic_mla_matches_vllms_canonical_mapping(tp):
     args = dict(tp_size=tp, dcp_size=1, pcp_size=1, interleave=1, total_kv_heads=1)
     for rank in range(tp):
         theirs = _vllm_map(spec, kv, args, rank)
-        mine = layout_map(KVLayout({"l0": kv}, NB), 1, Topology(tp=tp, tp_rank=rank), mla=True)
+        mine = layout_map(KVLayout({"l0": kv}, NB), 1, Topology(tp=tp, tp_rank=rank), {"l0": Kind.LATENT})
         assert mine.block_bytes == theirs.canonical_page_size_bytes == mine.local_bytes
         assert _byte_map(mine.spans, mine.local_bytes, False) == _byte_map(theirs.runs, mine.local_bytes, True)
         assert theirs.num_writers == tp and mine.writes == (theirs.writer_index == 0)
@@ -308,8 +337,26 @@ def test_uncertified_topology_where_vllm_fails_closed_too(H, tp):
     kv = kv_views([hl], 4, 16, torch.float16, "HND")["l0"]
     args = dict(tp_size=tp, dcp_size=1, pcp_size=1, interleave=1, total_kv_heads=H)
     assert _vllm_map(spec, kv, args, 0) is None
-    assert not layout_map(KVLayout({"l0": kv}, NB), H, Topology(tp=tp), mla=False).certified
+    assert not layout_map(KVLayout({"l0": kv}, NB), H, Topology(tp=tp), {"l0": Kind.HEADS}).certified
 
 
-def test_topology_canonical_format_constants():
+def test_topology_layer_kinds_from_vllms_kv_cache_config():
+    """vLLM's specs decide each layer's kind and the quantization that fails closed."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVQuantMode,
+                                            MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=64)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["a0", "a1"], full), KVCacheGroupSpec(["w0"], window),
+        KVCacheGroupSpec(["m0"], mla), KVCacheGroupSpec(["s0"], mamba)])
+    assert layer_kinds(cfg) == ({"a0": Kind.HEADS, "a1": Kind.HEADS, "w0": Kind.HEADS, "m0": Kind.LATENT,
+                                 "s0": Kind.OPAQUE}, None)
+    fp8 = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                            kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
+    pth = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
+                            kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)
+    assert layer_kinds(KVCacheConfig(8, [], [KVCacheGroupSpec(["a0"], fp8)]))[1] is None
+    assert layer_kinds(KVCacheConfig(8, [], [KVCacheGroupSpec(["a0"], pth)]))[1] == "FP8_PER_TOKEN_HEAD"
     assert CANONICAL_FORMAT != CPU_PACKED_FORMAT
