@@ -219,12 +219,16 @@ CERTIFIED_QUANT = ("NONE", "FP8_PER_TENSOR")   # vLLM's KVQuantMode names whose 
 
 def layer_kinds(kv_cache_config: Any) -> tuple[dict[str, Kind], str | None]:
     """(each layer's kind, the first KV quantization not certified or None) from vLLM's
-    `KVCacheConfig`: MLA's latent, other attention heads, anything else (a Mamba state, a layer
-    whose KV per token is not one row, `tokens_per_state` != 1) opaque. Quantization other than
-    none or fp8 with per-tensor scales (per-token-head scales, packed fp4 with block scales...)
-    keeps scales whose place in a block kvtier does not certify."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+    `KVCacheConfig`, by exact spec type: full, sliding-window and chunked-local attention are head
+    pages, MLA a latent; anything else is opaque (a Mamba state, a subclass with more in its page:
+    sinks, hidden-state caches, sliding-window MLA...; `tokens_per_state` != 1). Quantization
+    other than none or fp8 with per-tensor scales (per-token-head scales, packed fp4 with block
+    scales...) keeps scales whose place in a block kvtier does not certify."""
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec, UniformTypeKVCacheSpecs)
 
+    by_type = {FullAttentionSpec: Kind.HEADS, SlidingWindowSpec: Kind.HEADS, ChunkedLocalAttentionSpec: Kind.HEADS,
+               MLAAttentionSpec: Kind.LATENT}
     kinds: dict[str, Kind] = {}
     quant = None
     for g in kv_cache_config.kv_cache_groups:
@@ -232,11 +236,11 @@ def layer_kinds(kv_cache_config: Any) -> tuple[dict[str, Kind], str | None]:
         per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
         for name in g.layer_names:
             s = per_layer.get(name, spec)
-            kind = Kind.OPAQUE
-            if isinstance(s, AttentionSpec) and s.tokens_per_state == 1:
-                kind = Kind.LATENT if isinstance(s, MLAAttentionSpec) else Kind.HEADS
-                if s.kv_quant_mode.name not in CERTIFIED_QUANT:
-                    quant = quant or s.kv_quant_mode.name
+            kind = by_type.get(type(s), Kind.OPAQUE)
+            if kind is not Kind.OPAQUE and s.tokens_per_state != 1:
+                kind = Kind.OPAQUE
+            if kind is not Kind.OPAQUE and s.kv_quant_mode.name not in CERTIFIED_QUANT:
+                quant = quant or s.kv_quant_mode.name
             kinds[name] = kind
     return kinds, quant
 

@@ -353,17 +353,25 @@ def test_uncertified_topology_where_vllm_fails_closed_too(H, tp):
 @needs_vllm
 def test_topology_layer_kinds_from_vllms_kv_cache_config():
     """vLLM's specs decide each layer's kind and the quantization that fails closed."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVQuantMode,
-                                            MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec, KVQuantMode, MambaSpec, MLAAttentionSpec,
+                                            SinkFullAttentionSpec, SlidingWindowMLASpec, SlidingWindowSpec)
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sliding_window=64)
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16)
+    chunked = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16,
+                                        attention_chunk_size=64)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16)
     mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    swa_mla = SlidingWindowMLASpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16,
+                                   sliding_window=64)
+    sink = SinkFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16, sink_len=4)
     cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["a0", "a1"], full), KVCacheGroupSpec(["w0"], window),
-        KVCacheGroupSpec(["m0"], mla), KVCacheGroupSpec(["s0"], mamba)])
-    assert layer_kinds(cfg) == ({"a0": Kind.HEADS, "a1": Kind.HEADS, "w0": Kind.HEADS, "m0": Kind.LATENT,
-                                 "s0": Kind.OPAQUE}, None)
+        KVCacheGroupSpec(["a0", "a1"], full), KVCacheGroupSpec(["w0"], window), KVCacheGroupSpec(["c0"], chunked),
+        KVCacheGroupSpec(["m0"], mla), KVCacheGroupSpec(["s0"], mamba), KVCacheGroupSpec(["x0"], swa_mla),
+        KVCacheGroupSpec(["k0"], sink)])
+    assert layer_kinds(cfg) == ({"a0": Kind.HEADS, "a1": Kind.HEADS, "w0": Kind.HEADS, "c0": Kind.HEADS,
+                                 "m0": Kind.LATENT, "s0": Kind.OPAQUE, "x0": Kind.OPAQUE, "k0": Kind.OPAQUE}, None)
     fp8 = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
                             kv_quant_mode=KVQuantMode.FP8_PER_TENSOR)
     pth = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
