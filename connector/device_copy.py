@@ -177,6 +177,72 @@ def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+class HostRing:
+    """A registered (pinned) host ring of bytes that loads stage their rows in, layer-major (a
+    layer's bytes of a chunk's rows contiguous), so one host->device copy moves one layer's bytes.
+    A piece is taken (`take`) and, once the copies reading it are queued, marked with an event
+    recorded after them (`mark`: the pieces taken since the last mark); a part of the ring is
+    written again only once its event completed, as `IndexRing` does (the host waits only when a
+    load wraps onto a copy still queued; an unmarked piece gets an event first). A piece never
+    crosses the end of a registration."""
+
+    def __init__(self, streams: Streams, nbytes: int, pin: bool | str) -> None:
+        self.streams = streams
+        self.buf = host_buffer(nbytes, pin, what="load staging")
+        self.size = nbytes
+        self.pos = 0
+        self.pending: int | None = None   # the first position taken since the last mark
+        self.inflight: deque[tuple[int, Any]] = deque()   # (first position, event after its copies)
+
+    def take(self, n: int) -> torch.Tensor:
+        """`n` bytes of the ring that no queued copy still reads (the host may wait for one)."""
+        if n > self.size:
+            raise RuntimeError(f"a {n}-byte piece of a load; the staging ring holds {self.size}")
+        base = self.buf.tensor.data_ptr()
+        lo = self.pos
+        while True:
+            if lo % self.size + n > self.size:
+                lo += self.size - lo % self.size
+            ends = registration_ends(base + lo % self.size, n)
+            if not ends:
+                break
+            if ends[0] == base + lo % self.size:
+                raise RuntimeError(f"a {n}-byte piece of a load is larger than a registration of the staging ring")
+            lo += ends[0] - (base + lo % self.size)
+        hi = lo + n
+        s, q = self.streams, self.inflight
+        if self.pending is not None and self.pending < hi - self.size:   # wraps onto this load's own
+            self.mark(s.record())
+        while q:
+            first, ev = q[0]
+            if first < hi - self.size:
+                if not s.query(ev):
+                    s.sync(ev)
+            elif not s.query(ev):
+                break
+            q.popleft()
+        if self.pending is None:
+            self.pending = lo
+        self.pos = hi
+        return self.buf.tensor[lo % self.size:lo % self.size + n]
+
+    def mark(self, event: Any) -> None:
+        """The pieces taken since the last mark are read by copies before `event`."""
+        if self.pending is not None:
+            self.inflight.append((self.pending, event))
+            self.pending = None
+
+    def settle(self) -> None:
+        """The host waits until no queued copy reads the ring."""
+        if self.inflight:
+            self.streams.sync(self.inflight[-1][1])
+        self.inflight.clear()
+
+    def close(self) -> None:
+        self.inflight.clear()
+        self.buf.close()
+
+
 Part = tuple[torch.Tensor, Sequence[int], Sequence[int]]   # (host rows, block ids, their rows)
 Run = tuple[torch.Tensor, int, int, int]   # (host, first staging row, first host row, length)
 
@@ -198,6 +264,8 @@ class DeviceCopier:
         self.device = self.flat[0].device
         self._staging: torch.Tensor | None = None
         self.index = IndexRing(streams, self.device, pin)
+        self.pin = pin
+        self.ring: HostRing | None = None   # loads' layer-major host staging (made at the first load)
         self.chunk = max(1, min(staging_bytes // self.block_bytes, self.index.size))
         self.trace: list[tuple[int, int]] | None = None   # host ranges copied, rows and indices (tests)
 
@@ -279,21 +347,57 @@ class DeviceCopier:
 
     def load_parts(self, parts: Sequence[Part]) -> list[Any]:
         """Host rows -> KV blocks, all parts together, after the work queued on the compute stream;
-        returns one event per layer, recorded after that layer's last scatter (`compute_wait` it
-        before that layer's attention)."""
+        returns one event per layer (`compute_wait` it before that layer's attention). Layer-major:
+        each layer's bytes of every chunk are staged on the host in a ring piece of their own (one
+        host copy per layer and host buffer), then one host->device copy and one scatter per layer
+        and chunk; layer i's event follows layers 0..i's bytes only, not the whole load's."""
         s = self.streams
         s.fence()
         events: list[Any] = []
         with self._settled(), s.side():
-            chunks = self._chunks(parts)
-            for c, (idx, runs) in enumerate(chunks):
-                s.run(self._stage_rows, idx.numel(), runs)
-                last = c == len(chunks) - 1
-                for li in range(len(self.flat)):
-                    s.run(self._scatter, li, idx)
-                    if last:
-                        events.append(s.record())
+            chunks = self._load_chunks(parts)
+            self._ring_for(sum(idx.numel() for idx, _ in chunks) * self.block_bytes)
+            for li in range(len(self.flat)):
+                lo, hi = self.offsets[li], self.offsets[li + 1]
+                for idx, groups in chunks:
+                    piece = self._host_piece(idx.numel() * (hi - lo))
+                    for host, i, rows in groups:
+                        torch.index_select(host[:, lo:hi], 0, rows, out=piece.view(-1, hi - lo)[i:i + rows.numel()])
+                    s.run(self._load_layer, li, idx, piece)
+                events.append(s.record())
+                self.ring.mark(events[-1])
         return events
+
+    def _load_chunks(self, parts: Sequence[Part]) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, torch.Tensor]]]]:
+        """(device indices, (host, first staging row, its rows (a CPU index)) per host buffer) per
+        chunk of `parts`, as `_chunks` orders them."""
+        out = []
+        for idx, runs in self._chunks(parts):
+            groups: list[tuple[torch.Tensor, int, list[int]]] = []
+            for host, i, r0, n in runs:
+                if groups and groups[-1][0] is host and groups[-1][1] + len(groups[-1][2]) == i:
+                    groups[-1][2].extend(range(r0, r0 + n))
+                else:
+                    groups.append((host, i, list(range(r0, r0 + n))))
+            out.append((idx, [(h, i, torch.tensor(r, dtype=torch.int64)) for h, i, r in groups]))
+        return out
+
+    def _ring_for(self, nbytes: int) -> None:
+        """A staging ring that holds a load of `nbytes` (up to two chunks of the staging size:
+        larger loads wrap); a smaller one is replaced once its copies completed."""
+        want = min(2 * self.chunk * self.block_bytes, max(1 << 20, 1 << (nbytes - 1).bit_length()))
+        if self.ring is not None and self.ring.size >= want:
+            return
+        if self.ring is not None:
+            self.ring.settle()
+            self.ring.close()
+        self.ring = HostRing(self.streams, want, self.pin)
+
+    def _host_piece(self, n: int) -> torch.Tensor:
+        piece = self.ring.take(n)
+        if self.trace is not None:
+            self.trace.append((piece.data_ptr(), n))
+        return piece
 
     @contextlib.contextmanager
     def _settled(self) -> Iterator[None]:
@@ -317,15 +421,14 @@ class DeviceCopier:
         for host, i, r0, n in runs:
             host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
 
-    def _stage_rows(self, n: int, runs: list[Run]) -> None:
-        st = self._stage(n)
-        for host, i, r0, k in runs:
-            st[i:i + k].copy_(host[r0:r0 + k], non_blocking=True)
-
-    def _scatter(self, li: int, idx: torch.Tensor) -> None:
+    def _load_layer(self, li: int, idx: torch.Tensor, piece: torch.Tensor) -> None:
         f = self.flat[li]
-        f.index_copy_(0, idx, self._stage(idx.numel())[:, self.offsets[li]:self.offsets[li + 1]].view(-1, *f.shape[1:]))
+        st = self._stage(idx.numel()).view(-1)[:piece.numel()]
+        st.copy_(piece, non_blocking=True)
+        f.index_copy_(0, idx, st.view(-1, *f.shape[1:]))
 
     def close(self) -> None:
         self._staging = None
         self.index.close()
+        if self.ring is not None:
+            self.ring.close()
