@@ -218,3 +218,33 @@ def test_launches_benchmark_prints_one_json_line():
     assert res["load_launches_per_layer_1000_blocks_scattered_rows"] <= 4
     assert res["layer0_wait_fraction"] <= 1 / 16 + 0.05
     assert res["events_16_requests"] == res["events_1_request"]
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_each_layers_event_follows_its_own_bytes_only(layout):
+    """13 one-block loads, rows apart, from two host buffers in 4 chunks of the staging size: the
+    bytes queued before layer i's event are the indices and layers 0..i's bytes (each layer's
+    host->device copy and scatter), exactly; before, every layer's bytes of the first chunks (and
+    of the last chunk's rows) came before layer 0's event. Byte-exact."""
+    kv = probes.views(layout, LAYERS, 40, 2, 16, 8, torch.bfloat16, "cpu")
+    for t in kv.values():
+        t.normal_()
+    lay = KVLayout(kv)
+    bb, lb = lay.block_bytes, lay.layer_bytes[0]
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 256, (30, bb), generator=g, dtype=torch.uint8)
+    c = torch.randint(0, 256, (8, bb), generator=g, dtype=torch.uint8)
+    parts = [(a, [i], [2 * i]) for i in range(9)] + [(c, [20 + i], [2 * i]) for i in range(4)]
+    st = probes.DeferredStreams(count=True)
+    dc = DeviceCopier(lay.canon, lay.offsets, st, staging_bytes=4 * bb, pin=False)
+    events = dc.load_parts(parts)
+    assert len(events) == LAYERS
+    st.drain()
+    b = st.item_bytes["side"]
+    n = len(parts)
+    assert [sum(b[:ev]) for ev in events] == [8 * n + 2 * (li + 1) * n * lb for li in range(LAYERS)]
+    for host, ids, rows in parts:
+        want = host[rows[0]]
+        got = torch.cat([probes.canonical(t, ids[0]) for t in kv.values()])
+        assert torch.equal(got, want)
+    dc.close()
