@@ -234,7 +234,8 @@ def hook_wait() -> None:
 
 @check("scattered_copies", needs_gpu=True)
 def scattered_copies() -> None:
-    """Scattered stores / loads of N blocks (NHD bf16, canonical order) vs one pinned memcpy."""
+    """Scattered stores / loads of N blocks (NHD bf16, canonical order) vs one pinned memcpy, as one
+    request and, at 80 layers, as N one-block requests (one step's batch); byte-exact both ways."""
     import torch
 
     import probes
@@ -242,8 +243,10 @@ def scattered_copies() -> None:
     from kvtier.connector.kv_layout import KVLayout
     from kvtier.tiers.cpu_pool import host_buffer
     out = []
-    for layers, heads, content, bt, n in ((32, 8, 256, 16, 256), (64, 1, 576, 64, 128)):   # GQA; MLA-like
-        kv = probes.views("LBNHC", layers, 2048, heads, bt, content, torch.bfloat16, "cuda")
+    for layers, heads, content, bt, n, reqs, nblocks in ((32, 8, 256, 16, 256, 1, 2048),   # GQA
+                                                         (64, 1, 576, 64, 128, 1, 2048),   # MLA-like
+                                                         (80, 8, 256, 16, 128, 128, 1024)):   # 80 layers, many requests
+        kv = probes.views("LBNHC", layers, nblocks, heads, bt, content, torch.bfloat16, "cuda")
         for t in kv.values():
             t.normal_()
         lay = KVLayout(kv)
@@ -252,30 +255,37 @@ def scattered_copies() -> None:
         rows = buf.tensor.view(-1, bb)
         dc = DeviceCopier(lay.canon, lay.offsets, CudaStreams(lay.device))
         g = torch.Generator().manual_seed(0)
-        ids = torch.randperm(2048, generator=g)[:n].tolist()
+        ids = torch.randperm(nblocks, generator=g)[:n].tolist()
         slots = torch.randperm(2 * n, generator=g)[:n].tolist()
-        dc.streams.sync(dc.store(rows, ids, slots))
-        exact = all(torch.equal(rows[s], torch.cat([probes.canonical(t, b) for t in kv.values()]))
-                    for b, s in zip(ids[:16], slots[:16]))           # the store, checked before any load
+        parts = [(rows, ids[i::reqs], slots[i::reqs]) for i in range(reqs)]
+        dc.streams.sync(dc.store_parts(parts))
+        want = {b: torch.cat([probes.canonical(t, b) for t in kv.values()]) for b in ids[:16]}
+        exact = all(torch.equal(rows[s], want[b]) for b, s in zip(ids[:16], slots[:16]))   # before any load
         dev = torch.empty(n * bb, dtype=torch.uint8, device="cuda")
         host = rows[:n].reshape(-1)
         sync = torch.cuda.synchronize
         d2h = _median_s(lambda: host.copy_(dev, non_blocking=True), 7, sync)
         h2d = _median_s(lambda: dev.copy_(host, non_blocking=True), 7, sync)
-        st = _median_s(lambda: dc.streams.sync(dc.store(rows, ids, slots)), 7, sync)
-        ld = _median_s(lambda: dc.streams.sync(dc.load(rows, ids, slots)[-1]), 7, sync)
+        st = _median_s(lambda: dc.streams.sync(dc.store_parts(parts)), 7, sync)
+        ld = _median_s(lambda: dc.streams.sync(dc.load_parts(parts)[-1]), 7, sync)
+        for t in kv.values():
+            t[ids[:16]] = 0
+        dc.streams.sync(dc.load_parts(parts)[-1])
+        load_exact = all(torch.equal(torch.cat([probes.canonical(t, b) for t in kv.values()]), want[b]) for b in ids[:16])
         nb = n * bb
-        out.append({"block_bytes": bb, "blocks": n, "store_exact": exact, "d2h_gbps": nb / d2h / 1e9,
-                    "h2d_gbps": nb / h2d / 1e9, "store_gbps": nb / st / 1e9, "load_gbps": nb / ld / 1e9,
-                    "store_ratio": d2h / st, "load_ratio": h2d / ld})
+        out.append({"layers": layers, "requests": reqs, "block_bytes": bb, "blocks": n, "store_exact": exact,
+                    "load_exact": load_exact, "d2h_gbps": nb / d2h / 1e9, "h2d_gbps": nb / h2d / 1e9,
+                    "store_gbps": nb / st / 1e9, "load_gbps": nb / ld / 1e9, "store_ratio": d2h / st,
+                    "load_ratio": h2d / ld})
+        dc.close()
         buf.close()
         del kv, lay, dc, dev
         torch.cuda.empty_cache()
-    ok = all(o["store_exact"] for o in out)
+    ok = all(o["store_exact"] and o["load_exact"] for o in out)
     report("scattered_copies", "PASS" if ok else "FAIL", "; ".join(
-        f"{o['blocks']} x {o['block_bytes'] >> 10} KiB: store {o['store_gbps']:.1f} GB/s "
-        f"({o['store_ratio']:.2f}x one memcpy), load {o['load_gbps']:.1f} GB/s ({o['load_ratio']:.2f}x)"
-        for o in out), runs=out)
+        f"{o['layers']} layers, {o['blocks']} x {o['block_bytes'] >> 10} KiB in {o['requests']} request(s): "
+        f"store {o['store_gbps']:.1f} GB/s ({o['store_ratio']:.2f}x one memcpy), load {o['load_gbps']:.1f} GB/s "
+        f"({o['load_ratio']:.2f}x), byte-exact {o['store_exact']}/{o['load_exact']}" for o in out), runs=out)
 
 
 LAYER0_SLACK = 0.05   # layer 0 may wait for its own share of a load's bytes (1/layers) and this much more
