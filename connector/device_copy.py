@@ -9,18 +9,22 @@ returns, without synchronizing; a load's blocks are read by attention layer by l
   the blocks to another request in the next step), the host does not: the host bytes are used
   only once the event is seen complete (`Streams.query`, polled in later steps);
 - a load (host -> KV) runs on the side stream after the compute stream's queued work (kernels of
-  an earlier step may still read the blocks being overwritten), records one event per layer, and
-  `wait_layer` makes the compute stream wait on that layer's event (no host-side wait).
+  an earlier step may still read the blocks being overwritten), layer after layer, records one
+  event per layer, and `wait_layer` makes the compute stream wait on that layer's event (no
+  host-side wait): layer i's event follows layers 0..i's bytes only.
 
 The copies are batched per step and direction: every request's blocks (`store_parts` /
 `load_parts`: all host buffers together, their rows in order) are gathered / scattered by one
-index tensor (copied to the device once) through a device staging buffer laid out as the host
-rows are (all layers of a block, layer after layer), so one host<->device copy moves each run of
-consecutive rows and a constant number of kernels per layer moves the blocks, however many
-requests; no per-block, per-layer views are kept. Consecutive chunks of the staging size reuse
+index tensor (copied to the device once) through a device staging buffer, so a constant number
+of kernels per layer moves the blocks, however many requests; no per-block, per-layer views are
+kept. A store stages as the host rows are laid out (all layers of a block, layer after layer):
+one device->host copy per run of consecutive rows. A load stages layer-major: the host first
+copies each layer's bytes of the rows into a registered ring (`HostRing`: one host copy per layer
+and host buffer), then one host->device copy and one scatter per layer and chunk. Consecutive chunks of the staging size reuse
 the staging buffer in stream order (no host wait). Every host buffer a copy touches is registered
-(pinned): the rows (the CPU pool, staging) and the block indices (`IndexRing`); a run of rows that
-crosses the end of one registration is split there, so no copy spans two. The stream and event
+(pinned): the rows (the CPU pool, staging), the loads' layer-major staging (`HostRing`) and the
+block indices (`IndexRing`); a run of rows that crosses the end of one registration is split there,
+and a ring piece starts past it, so no copy spans two. The stream and event
 calls go through a `Streams` object, so the ordering is testable on CPU tensors with a fake that
 runs copies later.
 """
