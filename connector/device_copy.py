@@ -249,6 +249,7 @@ class HostRing:
 
 Part = tuple[torch.Tensor, Sequence[int], Sequence[int]]   # (host rows, block ids, their rows)
 Run = tuple[torch.Tensor, int, int, int]   # (host, first staging row, first host row, length)
+Group = tuple[torch.Tensor, int, torch.Tensor]   # (rows buffer, first staging row, its rows' index)
 
 
 class DeviceCopier:
@@ -354,27 +355,29 @@ class DeviceCopier:
         returns one event per layer (`compute_wait` it before that layer's attention). Layer-major:
         each layer's bytes of every chunk are staged on the host in a ring piece of their own (one
         host copy per layer and host buffer), then one host->device copy and one scatter per layer
-        and chunk; layer i's event follows layers 0..i's bytes only, not the whole load's."""
+        and chunk; layer i's event follows layers 0..i's bytes only, not the whole load's. Rows
+        already in device memory (GPUDirect Storage's staging) are gathered there, per layer."""
         s = self.streams
         s.fence()
         events: list[Any] = []
         with self._settled(), s.side():
             chunks = self._load_chunks(parts)
-            self._ring_for(sum(idx.numel() for idx, _ in chunks) * self.block_bytes)
+            self._ring_for(sum(idx.numel() for idx, _, _ in chunks) * self.block_bytes)
             for li in range(len(self.flat)):
                 lo, hi = self.offsets[li], self.offsets[li + 1]
-                for idx, groups in chunks:
-                    piece = self._host_piece(idx.numel() * (hi - lo))
+                for idx, groups, on_device in chunks:
+                    piece = self._host_piece(idx.numel() * (hi - lo)) if groups else None
                     for host, i, rows in groups:
                         torch.index_select(host[:, lo:hi], 0, rows, out=piece.view(-1, hi - lo)[i:i + rows.numel()])
-                    s.run(self._load_layer, li, idx, piece)
+                    s.run(self._load_layer, li, idx, piece, on_device)
                 events.append(s.record())
                 self.ring.mark(events[-1])
         return events
 
-    def _load_chunks(self, parts: Sequence[Part]) -> list[tuple[torch.Tensor, list[tuple[torch.Tensor, int, torch.Tensor]]]]:
-        """(device indices, (host, first staging row, its rows (a CPU index)) per host buffer) per
-        chunk of `parts`, as `_chunks` orders them."""
+    def _load_chunks(self, parts: Sequence[Part]) -> list[tuple[torch.Tensor, list[Group], list[Group]]]:
+        """(device indices, groups of host rows, groups of device rows) per chunk of `parts`, as
+        `_chunks` orders them; a group: (rows buffer, first staging row, its rows: an index on the
+        buffer's side, a device one copied through the index ring)."""
         out = []
         for idx, runs in self._chunks(parts):
             groups: list[tuple[torch.Tensor, int, list[int]]] = []
@@ -383,8 +386,14 @@ class DeviceCopier:
                     groups[-1][2].extend(range(r0, r0 + n))
                 else:
                     groups.append((host, i, list(range(r0, r0 + n))))
-            out.append((idx, [(h, i, torch.tensor(r, dtype=torch.int64)) for h, i, r in groups]))
+            on_host = [(h, i, torch.tensor(r, dtype=torch.int64)) for h, i, r in groups if self.on_host(h)]
+            on_device = [(h, i, self.index.to_device(r)) for h, i, r in groups if not self.on_host(h)]
+            out.append((idx, on_host, on_device))
         return out
+
+    def on_host(self, rows: torch.Tensor) -> bool:
+        """Whether a rows buffer is host memory (staged through the ring) or the device's own."""
+        return rows.device.type == "cpu"
 
     def _ring_for(self, nbytes: int) -> None:
         """A staging ring that holds a load of `nbytes` (up to two chunks of the staging size:
@@ -425,10 +434,14 @@ class DeviceCopier:
         for host, i, r0, n in runs:
             host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
 
-    def _load_layer(self, li: int, idx: torch.Tensor, piece: torch.Tensor) -> None:
+    def _load_layer(self, li: int, idx: torch.Tensor, piece: torch.Tensor | None, on_device: list[Group]) -> None:
         f = self.flat[li]
-        st = self._stage(idx.numel()).view(-1)[:piece.numel()]
-        st.copy_(piece, non_blocking=True)
+        lo, hi = self.offsets[li], self.offsets[li + 1]
+        st = self._stage(idx.numel()).view(-1)[:idx.numel() * (hi - lo)]
+        if piece is not None:
+            st.copy_(piece, non_blocking=True)
+        for rows, i, at in on_device:
+            torch.index_select(rows[:, lo:hi], 0, at, out=st.view(-1, hi - lo)[i:i + at.numel()])
         f.index_copy_(0, idx, st.view(-1, *f.shape[1:]))
 
     def close(self) -> None:

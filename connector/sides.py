@@ -175,6 +175,7 @@ def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVSh
     opts = SchedulerOptions(store=sv.store and shape.enabled, offload=cfg.policy.offload,
                             max_blocks_per_step=sv.max_blocks_per_step,
                             async_shared_loads=sv.async_shared_loads and not shape.hybrid,
+                            async_lower_loads=stores_finish_later(vllm_config),
                             hold_stores=stores_finish_later(vllm_config))
     return persistent, recorder, KVTierScheduler(ctrl, rules, opts, recorder, model_key(identity.value, vllm_config))
 

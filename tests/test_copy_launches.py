@@ -248,3 +248,40 @@ def test_each_layers_event_follows_its_own_bytes_only(layout):
         got = torch.cat([probes.canonical(t, ids[0]) for t in kv.values()])
         assert torch.equal(got, want)
     dc.close()
+
+
+class DeviceRows(DeviceCopier):
+    """Takes one rows buffer as the device's own memory (GPUDirect Storage's staging rows)."""
+
+    def __init__(self, *a, device_rows: torch.Tensor, **k) -> None:
+        super().__init__(*a, **k)
+        self.device_rows = device_rows
+
+    def on_host(self, rows):
+        return rows is not self.device_rows
+
+
+def test_rows_in_device_memory_are_gathered_there_byte_exact():
+    """A load whose rows lie partly in a host buffer and partly in device memory (NVMe read into
+    device staging rows), in chunks of 4 (one mixing both): the device rows are gathered on the
+    device (no host copy, no ring piece for a chunk of device rows only), byte-exact, one event per
+    layer."""
+    kv = probes.views("LBHNC", 4, 32, 2, 16, 8, torch.bfloat16, "cpu")
+    lay = KVLayout(kv)
+    bb = lay.block_bytes
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 256, (10, bb), generator=g, dtype=torch.uint8)
+    d = torch.randint(0, 256, (8, bb), generator=g, dtype=torch.uint8)
+    st = probes.DeferredStreams()
+    dc = DeviceRows(lay.canon, lay.offsets, st, staging_bytes=4 * bb, pin=False, device_rows=d)
+    trace = dc.traced()
+    parts = [(a, [5, 1], [7, 2]), (d, [9, 3, 4], [0, 5, 2]), (a, [11], [3]), (d, [0, 20, 21], [6, 1, 7])]
+    assert len(dc.load_parts(parts)) == 4
+    st.drain()
+    for host, ids, rows in parts:
+        for blk, r in zip(ids, rows):
+            assert torch.equal(torch.cat([probes.canonical(t, blk) for t in kv.values()]), host[r]), (blk, r)
+    ring = dc.ring.buf.tensor
+    pieces = [n for p, n in trace if ring.data_ptr() <= p < ring.data_ptr() + ring.numel()]
+    assert len(pieces) == 4     # chunks of 4: host rows 2, 3, 7 and device row 0; device rows only (twice)
+    dc.close()
