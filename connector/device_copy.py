@@ -181,6 +181,18 @@ def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+def _gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """out[k] = src[rows[k]] ([rows, bytes] uint8, rows contiguous), as the widest elements both
+    sides align to (a byte-wise gather runs about a hundred times slower than an 8-byte one)."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        w = dt.itemsize
+        if (src.shape[1] % w == 0 and src.stride(0) % w == 0 and src.data_ptr() % w == 0
+                and out.data_ptr() % w == 0):
+            src, out = src.view(dt), out.view(dt)
+            break
+    torch.index_select(src, 0, rows, out=out)
+
+
 class HostRing:
     """A registered (pinned) host ring of bytes that loads stage their rows in, layer-major (a
     layer's bytes of a chunk's rows contiguous), so one host->device copy moves one layer's bytes.
@@ -368,7 +380,7 @@ class DeviceCopier:
                 for idx, groups, on_device in chunks:
                     piece = self._host_piece(idx.numel() * (hi - lo)) if groups else None
                     for host, i, rows in groups:
-                        torch.index_select(host[:, lo:hi], 0, rows, out=piece.view(-1, hi - lo)[i:i + rows.numel()])
+                        _gather_rows(host[:, lo:hi], rows, piece.view(-1, hi - lo)[i:i + rows.numel()])
                     s.run(self._load_layer, li, idx, piece, on_device)
                 events.append(s.record())
                 self.ring.mark(events[-1])
@@ -441,7 +453,7 @@ class DeviceCopier:
         if piece is not None:
             st.copy_(piece, non_blocking=True)
         for rows, i, at in on_device:
-            torch.index_select(rows[:, lo:hi], 0, at, out=st.view(-1, hi - lo)[i:i + at.numel()])
+            _gather_rows(rows[:, lo:hi], at, st.view(-1, hi - lo)[i:i + at.numel()])
         f.index_copy_(0, idx, st.view(-1, *f.shape[1:]))
 
     def close(self) -> None:
