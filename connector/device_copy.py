@@ -12,18 +12,22 @@ returns, without synchronizing; a load's blocks are read by attention layer by l
   connector/worker.py), and the host bytes are used only once the event is seen complete
   (`Streams.query`, polled in later steps);
 - a load (host -> KV) runs on the side stream after the compute stream's queued work (kernels of
-  an earlier step may still read the blocks being overwritten), records one event per layer, and
-  `wait_layer` makes the compute stream wait on that layer's event (no host-side wait).
+  an earlier step may still read the blocks being overwritten), layer after layer, records one
+  event per layer, and `wait_layer` makes the compute stream wait on that layer's event (no
+  host-side wait): layer i's event follows layers 0..i's bytes only.
 
 The copies are batched per step and direction: every request's blocks (`store_parts` /
 `load_parts`: all host buffers together, their rows in order) are gathered / scattered by one
-index tensor (copied to the device once) through a device staging buffer laid out as the host
-rows are (all layers of a block, layer after layer), so one host<->device copy moves each run of
-consecutive rows and a constant number of kernels per layer moves the blocks, however many
-requests; no per-block, per-layer views are kept. Consecutive chunks of the staging size reuse
+index tensor (copied to the device once) through a device staging buffer, so a constant number
+of kernels per layer moves the blocks, however many requests; no per-block, per-layer views are
+kept. A store stages as the host rows are laid out (all layers of a block, layer after layer):
+one device->host copy per run of consecutive rows. A load stages layer-major: the host first
+copies each layer's bytes of the rows into a registered ring (`HostRing`: one host copy per layer
+and host buffer), then one host->device copy and one scatter per layer and chunk. Consecutive chunks of the staging size reuse
 the staging buffer in stream order (no host wait). Every host buffer a copy touches is registered
-(pinned): the rows (the CPU pool, staging) and the block indices (`IndexRing`); a run of rows that
-crosses the end of one registration is split there, so no copy spans two. The stream and event
+(pinned): the rows (the CPU pool, staging), the loads' layer-major staging (`HostRing`) and the
+block indices (`IndexRing`); a run of rows that crosses the end of one registration is split there,
+and a ring piece starts past it, so no copy spans two. The stream and event
 calls go through a `Streams` object, so the ordering is testable on CPU tensors with a fake that
 runs copies later.
 """
@@ -180,8 +184,87 @@ def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+def _gather_rows(src: torch.Tensor, rows: torch.Tensor, out: torch.Tensor) -> None:
+    """out[k] = src[rows[k]] ([rows, bytes] uint8, rows contiguous), as the widest elements both
+    sides align to (a byte-wise gather runs about a hundred times slower than an 8-byte one)."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        w = dt.itemsize
+        if (src.shape[1] % w == 0 and src.stride(0) % w == 0 and src.data_ptr() % w == 0
+                and out.data_ptr() % w == 0):
+            src, out = src.view(dt), out.view(dt)
+            break
+    torch.index_select(src, 0, rows, out=out)
+
+
+class HostRing:
+    """A registered (pinned) host ring of bytes that loads stage their rows in, layer-major (a
+    layer's bytes of a chunk's rows contiguous), so one host->device copy moves one layer's bytes.
+    A piece is taken (`take`) and, once the copies reading it are queued, marked with an event
+    recorded after them (`mark`: the pieces taken since the last mark); a part of the ring is
+    written again only once its event completed, as `IndexRing` does (the host waits only when a
+    load wraps onto a copy still queued; an unmarked piece gets an event first). A piece never
+    crosses the end of a registration."""
+
+    def __init__(self, streams: Streams, nbytes: int, pin: bool | str) -> None:
+        self.streams = streams
+        self.buf = host_buffer(nbytes, pin, what="load staging")
+        self.size = nbytes
+        self.pos = 0
+        self.pending: int | None = None   # the first position taken since the last mark
+        self.inflight: deque[tuple[int, Any]] = deque()   # (first position, event after its copies)
+
+    def take(self, n: int) -> torch.Tensor:
+        """`n` bytes of the ring that no queued copy still reads (the host may wait for one)."""
+        if n > self.size:
+            raise RuntimeError(f"a {n}-byte piece of a load; the staging ring holds {self.size}")
+        base = self.buf.tensor.data_ptr()
+        lo = self.pos
+        while True:
+            if lo % self.size + n > self.size:
+                lo += self.size - lo % self.size
+            ends = registration_ends(base + lo % self.size, n)
+            if not ends:
+                break
+            if ends[0] == base + lo % self.size:
+                raise RuntimeError(f"a {n}-byte piece of a load is larger than a registration of the staging ring")
+            lo += ends[0] - (base + lo % self.size)
+        hi = lo + n
+        s, q = self.streams, self.inflight
+        if self.pending is not None and self.pending < hi - self.size:   # wraps onto this load's own
+            self.mark(s.record())
+        while q:
+            first, ev = q[0]
+            if first < hi - self.size:
+                if not s.query(ev):
+                    s.sync(ev)
+            elif not s.query(ev):
+                break
+            q.popleft()
+        if self.pending is None:
+            self.pending = lo
+        self.pos = hi
+        return self.buf.tensor[lo % self.size:lo % self.size + n]
+
+    def mark(self, event: Any) -> None:
+        """The pieces taken since the last mark are read by copies before `event`."""
+        if self.pending is not None:
+            self.inflight.append((self.pending, event))
+            self.pending = None
+
+    def settle(self) -> None:
+        """The host waits until no queued copy reads the ring."""
+        if self.inflight:
+            self.streams.sync(self.inflight[-1][1])
+        self.inflight.clear()
+
+    def close(self) -> None:
+        self.inflight.clear()
+        self.buf.close()
+
+
 Part = tuple[torch.Tensor, Sequence[int], Sequence[int]]   # (host rows, block ids, their rows)
 Run = tuple[torch.Tensor, int, int, int]   # (host, first staging row, first host row, length)
+Group = tuple[torch.Tensor, int, torch.Tensor]   # (rows buffer, first staging row, its rows' index)
 
 
 class DeviceCopier:
@@ -201,6 +284,8 @@ class DeviceCopier:
         self.device = self.flat[0].device
         self._staging: torch.Tensor | None = None
         self.index = IndexRing(streams, self.device, pin)
+        self.pin = pin
+        self.ring: HostRing | None = None   # loads' layer-major host staging (made at the first load)
         self.chunk = max(1, min(staging_bytes // self.block_bytes, self.index.size))
         self.trace: list[tuple[int, int]] | None = None   # host ranges copied, rows and indices (tests)
 
@@ -277,21 +362,65 @@ class DeviceCopier:
 
     def load_parts(self, parts: Sequence[Part]) -> list[Any]:
         """Host rows -> KV blocks, all parts together, after the work queued on the compute stream;
-        returns one event per layer, recorded after that layer's last scatter (`compute_wait` it
-        before that layer's attention)."""
+        returns one event per layer (`compute_wait` it before that layer's attention). Layer-major:
+        each layer's bytes of every chunk are staged on the host in a ring piece of their own (one
+        host copy per layer and host buffer), then one host->device copy and one scatter per layer
+        and chunk; layer i's event follows layers 0..i's bytes only, not the whole load's. Rows
+        already in device memory (GPUDirect Storage's staging) are gathered there, per layer."""
         s = self.streams
         s.fence()
         events: list[Any] = []
         with self._settled(), s.side():
-            chunks = self._chunks(parts)
-            for c, (idx, runs) in enumerate(chunks):
-                s.run(self._stage_rows, idx.numel(), runs)
-                last = c == len(chunks) - 1
-                for li in range(len(self.flat)):
-                    s.run(self._scatter, li, idx)
-                    if last:
-                        events.append(s.record())
+            chunks = self._load_chunks(parts)
+            self._ring_for(sum(idx.numel() for idx, _, _ in chunks) * self.block_bytes)
+            for li in range(len(self.flat)):
+                lo, hi = self.offsets[li], self.offsets[li + 1]
+                for idx, groups, on_device in chunks:
+                    piece = self._host_piece(idx.numel() * (hi - lo)) if groups else None
+                    for host, i, rows in groups:
+                        _gather_rows(host[:, lo:hi], rows, piece.view(-1, hi - lo)[i:i + rows.numel()])
+                    s.run(self._load_layer, li, idx, piece, on_device)
+                events.append(s.record())
+                self.ring.mark(events[-1])
         return events
+
+    def _load_chunks(self, parts: Sequence[Part]) -> list[tuple[torch.Tensor, list[Group], list[Group]]]:
+        """(device indices, groups of host rows, groups of device rows) per chunk of `parts`, as
+        `_chunks` orders them; a group: (rows buffer, first staging row, its rows: an index on the
+        buffer's side, a device one copied through the index ring)."""
+        out = []
+        for idx, runs in self._chunks(parts):
+            groups: list[tuple[torch.Tensor, int, list[int]]] = []
+            for host, i, r0, n in runs:
+                if groups and groups[-1][0] is host and groups[-1][1] + len(groups[-1][2]) == i:
+                    groups[-1][2].extend(range(r0, r0 + n))
+                else:
+                    groups.append((host, i, list(range(r0, r0 + n))))
+            on_host = [(h, i, torch.tensor(r, dtype=torch.int64)) for h, i, r in groups if self.on_host(h)]
+            on_device = [(h, i, self.index.to_device(r)) for h, i, r in groups if not self.on_host(h)]
+            out.append((idx, on_host, on_device))
+        return out
+
+    def on_host(self, rows: torch.Tensor) -> bool:
+        """Whether a rows buffer is host memory (staged through the ring) or the device's own."""
+        return rows.device.type == "cpu"
+
+    def _ring_for(self, nbytes: int) -> None:
+        """A staging ring that holds a load of `nbytes` (up to two chunks of the staging size:
+        larger loads wrap); a smaller one is replaced once its copies completed."""
+        want = min(2 * self.chunk * self.block_bytes, max(1 << 20, 1 << (nbytes - 1).bit_length()))
+        if self.ring is not None and self.ring.size >= want:
+            return
+        if self.ring is not None:
+            self.ring.settle()
+            self.ring.close()
+        self.ring = HostRing(self.streams, want, self.pin)
+
+    def _host_piece(self, n: int) -> torch.Tensor:
+        piece = self.ring.take(n)
+        if self.trace is not None:
+            self.trace.append((piece.data_ptr(), n))
+        return piece
 
     @contextlib.contextmanager
     def _settled(self) -> Iterator[None]:
@@ -315,15 +444,18 @@ class DeviceCopier:
         for host, i, r0, n in runs:
             host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
 
-    def _stage_rows(self, n: int, runs: list[Run]) -> None:
-        st = self._stage(n)
-        for host, i, r0, k in runs:
-            st[i:i + k].copy_(host[r0:r0 + k], non_blocking=True)
-
-    def _scatter(self, li: int, idx: torch.Tensor) -> None:
+    def _load_layer(self, li: int, idx: torch.Tensor, piece: torch.Tensor | None, on_device: list[Group]) -> None:
         f = self.flat[li]
-        f.index_copy_(0, idx, self._stage(idx.numel())[:, self.offsets[li]:self.offsets[li + 1]].view(-1, *f.shape[1:]))
+        lo, hi = self.offsets[li], self.offsets[li + 1]
+        st = self._stage(idx.numel()).view(-1)[:idx.numel() * (hi - lo)]
+        if piece is not None:
+            st.copy_(piece, non_blocking=True)
+        for rows, i, at in on_device:
+            _gather_rows(rows[:, lo:hi], at, st.view(-1, hi - lo)[i:i + at.numel()])
+        f.index_copy_(0, idx, st.view(-1, *f.shape[1:]))
 
     def close(self) -> None:
         self._staging = None
         self.index.close()
+        if self.ring is not None:
+            self.ring.close()

@@ -48,12 +48,15 @@ class SchedulerOptions:
     that computes it; "lazy" walks the GPU free queue (`bind_gpu`) from its LRU head, at most
     `max_blocks_per_step` blocks a step, and stores the blocks kvtier lacks before vLLM reuses
     them (one-group models with prefix caching; else eager). async_shared_loads: a hit that
-    reaches the shared tier loads asynchronously. hold_stores: stores complete in a later step
+    reaches the shared tier loads asynchronously. async_lower_loads: a hit that reaches any tier
+    below DRAM (NVMe, the shared tier) does (a device: its reads never delay the forward's
+    launch; they run after it, the copies queued when they land). hold_stores: stores complete in a later step
     (a GPU): a finished request is held while its stores are unreported (`StoreHolds`)."""
     store: bool = True
     offload: str = "eager"
     max_blocks_per_step: int | None = 64
     async_shared_loads: bool = True
+    async_lower_loads: bool = False
     hold_stores: bool = False
 
     def __post_init__(self) -> None:
@@ -167,14 +170,15 @@ class KVTierScheduler:
         hit = self._lease(r, num_computed_tokens, end)
         if hit is PENDING:
             return None
-        n, plan, shared = hit
+        n, plan, shared, lower = hit
         r.plan, r.hit, r.hit_blocks, r.load_start = plan, n, start + n // bt, start
-        r.load_async = n > 0 and (not self.rules.chain or self.async_shared_loads and shared)
+        r.load_async = n > 0 and (not self.rules.chain or self.async_shared_loads and shared
+                                  or self.options.async_lower_loads and lower)
         return n
 
-    def _lease(self, r: _Req, local: int, end: int) -> tuple[int, list[tuple[int, int]], bool] | Any:
+    def _lease(self, r: _Req, local: int, end: int) -> tuple[int, list[tuple[int, int]], bool, bool] | Any:
         """(the hit's tokens, the (group, block index) it loads, whether the shared tier serves
-        some), or PENDING. A chain leases its present prefix, the shared tier asked too; several
+        some, whether a tier below DRAM does), or PENDING. A chain leases its present prefix, the shared tier asked too; several
         groups lease exactly the blocks every group needs from the local tiers."""
         start = local // self.block_tokens
         if self.rules.chain:
@@ -182,19 +186,20 @@ class KVTierScheduler:
             if lease is PENDING:
                 return PENDING
             if lease is None:
-                return 0, [], False
+                return 0, [], False, False
             gid = self.rules.groups[0].gid
             return (lease.num_blocks * self.block_tokens, [(gid, start + j) for j in range(lease.num_blocks)],
-                    any(t == self.ctrl.shared for t, _ in lease.blocks))
+                    any(t == self.ctrl.shared for t, _ in lease.blocks),
+                    any(self.ctrl.tiers[t].medium is not Medium.HOST for t, _ in lease.blocks))
         q = r.request
         n, plan, keys = self.rules.lookup(q.block_hashes, local, q.num_tokens, lambda k: self.ctrl.find(k) is not None)
         if not n:
             self.ctrl.count(Metric.N_LOOKUPS.key)
             self.ctrl.release(r.req_id)
-            return 0, [], False
+            return 0, [], False, False
         if self.ctrl.acquire_keys(r.req_id, keys) is None:
-            return 0, [], False
-        return n, plan, False
+            return 0, [], False, False
+        return n, plan, False, False
 
     def loads_async(self, request_id: str) -> bool:
         """Whether vLLM loads the request's matched prefix asynchronously (the request waits,

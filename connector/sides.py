@@ -152,6 +152,12 @@ def stores_finish_later(vllm_config: Any) -> bool:
     return device_type(vllm_config) != "cpu"
 
 
+def lower_loads_async(vllm_config: Any) -> bool:
+    """A device's hits that reach a tier below DRAM load asynchronously (`SchedulerOptions.
+    async_lower_loads`: their reads never delay the forward's launch); the CPU backend's in the step."""
+    return device_type(vllm_config) != "cpu"
+
+
 def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, identity: ModelIdentity,
                    fingerprint_of: Callable[[str | None], dict]) -> tuple[Any, Any, KVTierScheduler]:
     """(the persistent tiers or None, the trace recorder or None, the scheduler)."""
@@ -178,6 +184,7 @@ def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVSh
     opts = SchedulerOptions(store=sv.store and shape.enabled, offload=cfg.policy.offload,
                             max_blocks_per_step=sv.max_blocks_per_step,
                             async_shared_loads=sv.async_shared_loads and not shape.hybrid,
+                            async_lower_loads=lower_loads_async(vllm_config),
                             hold_stores=stores_finish_later(vllm_config))
     return persistent, recorder, KVTierScheduler(ctrl, rules, opts, recorder, model_key(identity.value, vllm_config))
 

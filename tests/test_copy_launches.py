@@ -59,16 +59,17 @@ def counting():
 def test_sixteen_requests_launch_what_one_does(counting):
     """16 one-block requests storing (slots 0..15) and 16 loading (slots 20..35) in one step: the
     same launches and events as 1 and 1 (before: 16 times the kernels, one event per layer and
-    request). Rows apart: one host<->device copy more per run, nothing per layer."""
+    request). Rows apart: a store takes one device->host copy more per run; a load none (its rows
+    are staged layer-major on the host: one host->device copy and one scatter per layer)."""
     w, st = counting
     one = counted_step(w, st, [LoadOp("a", 0, [20], [40])], [StoreOp(1, 0, [0], [1])])
-    assert one == (LAYERS + 2, 2 * LAYERS + 2, LAYERS + 3)   # + the indices' copy and one run of rows
+    assert one == (2 * LAYERS + 1, 2 * LAYERS + 2, LAYERS + 3)   # + the indices' copy (+ one run of rows)
     many = counted_step(w, st, [LoadOp(f"l{i}", 0, [20 + i], [40 + i]) for i in range(16)],
                         [StoreOp(10 + i, 0, [i], [1 + i]) for i in range(16)])
     assert many == one
     apart = counted_step(w, st, [LoadOp(f"l{i}", 0, [2 * i], [40 + i]) for i in range(16)],
                          [StoreOp(10 + i, 0, [33 + 2 * i], [1 + i]) for i in range(16)])
-    assert apart == (one[0] + 15, one[1] + 15, one[2])
+    assert apart == (one[0], one[1] + 15, one[2])
 
 
 def test_one_index_copy_per_direction_and_chunks_follow_bytes(counting):
@@ -80,7 +81,7 @@ def test_one_index_copy_per_direction_and_chunks_follow_bytes(counting):
                                                 [4 * i + k for k in range(4)]) for i in range(10)])
     ld, _, _ = counted_step(w, st, [LoadOp(f"l{i}", 0, [4 * i + k for k in range(4)],
                                            [40 + 4 * i + k for k in range(4)]) for i in range(10)], [])
-    assert (ld, sv) == (5 * LAYERS + 5 + 1, 5 * 2 * LAYERS + 5 + 1)
+    assert (ld, sv) == (5 * 2 * LAYERS + 1, 5 * 2 * LAYERS + 5 + 1)
 
 
 CASES = [(lay, 1) for lay in probes.ORDERS] + [("LBNHC", 2), ("LHBNC", 2)]
@@ -212,5 +213,75 @@ def test_launches_benchmark_prints_one_json_line():
         assert k in res, k
     assert res["layers"] == 16
     assert res["store_launches_per_layer_1000_blocks"] <= 4 and res["load_launches_per_layer_1000_blocks"] <= 4
-    assert res["launches_16_requests"] == res["launches_1_request"] + 2 * 15    # one host copy per run more
+    assert res["launches_16_requests"] == res["launches_1_request"] + 15    # one store copy per run more
+    assert res["load_launches_16_requests"] == res["load_launches_1_request"] == 2 * 16 + 1
+    assert res["load_launches_per_layer_1000_blocks_scattered_rows"] <= 4
+    assert res["layer0_wait_fraction"] <= 1 / 16 + 0.05
     assert res["events_16_requests"] == res["events_1_request"]
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC"])
+def test_each_layers_event_follows_its_own_bytes_only(layout):
+    """13 one-block loads, rows apart, from two host buffers in 4 chunks of the staging size: the
+    bytes queued before layer i's event are the indices and layers 0..i's bytes (each layer's
+    host->device copy and scatter), exactly; before, every layer's bytes of the first chunks (and
+    of the last chunk's rows) came before layer 0's event. Byte-exact."""
+    kv = probes.views(layout, LAYERS, 40, 2, 16, 8, torch.bfloat16, "cpu")
+    for t in kv.values():
+        t.normal_()
+    lay = KVLayout(kv)
+    bb, lb = lay.block_bytes, lay.layer_bytes[0]
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(0, 256, (30, bb), generator=g, dtype=torch.uint8)
+    c = torch.randint(0, 256, (8, bb), generator=g, dtype=torch.uint8)
+    parts = [(a, [i], [2 * i]) for i in range(9)] + [(c, [20 + i], [2 * i]) for i in range(4)]
+    st = probes.DeferredStreams(count=True)
+    dc = DeviceCopier(lay.canon, lay.offsets, st, staging_bytes=4 * bb, pin=False)
+    events = dc.load_parts(parts)
+    assert len(events) == LAYERS
+    st.drain()
+    b = st.item_bytes["side"]
+    n = len(parts)
+    assert [sum(b[:ev]) for ev in events] == [8 * n + 2 * (li + 1) * n * lb for li in range(LAYERS)]
+    for host, ids, rows in parts:
+        want = host[rows[0]]
+        got = torch.cat([probes.canonical(t, ids[0]) for t in kv.values()])
+        assert torch.equal(got, want)
+    dc.close()
+
+
+class DeviceRows(DeviceCopier):
+    """Takes one rows buffer as the device's own memory (GPUDirect Storage's staging rows)."""
+
+    def __init__(self, *a, device_rows: torch.Tensor, **k) -> None:
+        super().__init__(*a, **k)
+        self.device_rows = device_rows
+
+    def on_host(self, rows):
+        return rows is not self.device_rows
+
+
+def test_rows_in_device_memory_are_gathered_there_byte_exact():
+    """A load whose rows lie partly in a host buffer and partly in device memory (NVMe read into
+    device staging rows), in chunks of 4 (one mixing both): the device rows are gathered on the
+    device (no host copy, no ring piece for a chunk of device rows only), byte-exact, one event per
+    layer."""
+    kv = probes.views("LBHNC", 4, 32, 2, 16, 8, torch.bfloat16, "cpu")
+    lay = KVLayout(kv)
+    bb = lay.block_bytes
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 256, (10, bb), generator=g, dtype=torch.uint8)
+    d = torch.randint(0, 256, (8, bb), generator=g, dtype=torch.uint8)
+    st = probes.DeferredStreams()
+    dc = DeviceRows(lay.canon, lay.offsets, st, staging_bytes=4 * bb, pin=False, device_rows=d)
+    trace = dc.traced()
+    parts = [(a, [5, 1], [7, 2]), (d, [9, 3, 4], [0, 5, 2]), (a, [11], [3]), (d, [0, 20, 21], [6, 1, 7])]
+    assert len(dc.load_parts(parts)) == 4
+    st.drain()
+    for host, ids, rows in parts:
+        for blk, r in zip(ids, rows):
+            assert torch.equal(torch.cat([probes.canonical(t, blk) for t in kv.values()]), host[r]), (blk, r)
+    ring = dc.ring.buf.tensor
+    pieces = [n for p, n in trace if ring.data_ptr() <= p < ring.data_ptr() + ring.numel()]
+    assert len(pieces) == 4     # chunks of 4: host rows 2, 3, 7 and device row 0; device rows only (twice)
+    dc.close()

@@ -213,9 +213,12 @@ def test_every_host_range_a_copy_touches_lies_in_one_registration(monkeypatch):
     assert trace and all(inside), [t for t, ok in zip(trace, inside) if not ok]
     base = pool.rows.data_ptr()
     row_ranges = [(a - base) // row for a, n in trace if base <= a < base + 16 * row]
-    index_ranges = [a for a, n in trace if not base <= a < base + 16 * row]
+    ring = w.kv.device.ring.buf.tensor
+    staged = [a for a, n in trace if ring.data_ptr() <= a < ring.data_ptr() + ring.numel()]
+    index_ranges = [a for a, n in trace if not base <= a < base + 16 * row and a not in staged]
     assert sorted(row_ranges) == sorted([2, 4, 9] * 2)          # each way: rows 2-3 | 4-6 | 9
     assert len(index_ranges) == 2                                # the store's and the load's indices
+    assert len(staged) == len(caches)                            # the load's bytes, staged layer by layer
     w.close()
 
 

@@ -207,6 +207,34 @@ def test_nvme_restart_restores(model_dir, prompts, baseline, copied, tmp_path, c
         U.shutdown(llm)
 
 
+def test_nvme_hits_load_asynchronously(model_dir, prompts, baseline, copied, tmp_path, monkeypatch):
+    """With hits below DRAM loading asynchronously (on by default for a device; forced here on the
+    CPU build), a restart's NVMe hits go through vLLM's WAITING_FOR_REMOTE_KVS: every prompt's hit
+    is an asynchronous load, its reads and copies run after a step's forward (`get_finished`), it is
+    reported received, and the tokens equal vLLM's own."""
+    from kvtier.connector import sides
+    monkeypatch.setattr(sides, "lower_loads_async", lambda cfg: True)
+    src, _ = copied
+    d = _copy_tier(src, tmp_path / "tier")
+    llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=64, nvme_path=str(d),
+                                                nvme_capacity_blocks=NVME_BLOCKS))
+    try:
+        s, w = _parts()
+        asked = []
+        real = s.sched.loads_async
+        monkeypatch.setattr(s.sched, "loads_async", lambda rid: asked.append(real(rid)) or asked[-1])
+        want = sum(_full_blocks(p) for p in prompts)
+        t0 = dict(s.sched.totals)
+        second = U.generate(llm, prompts, MAX_TOKENS)
+        assert second == baseline
+        assert U.tier_hits(t0, dict(s.sched.totals)) == {"cpu": 0, "nvme": want * U.BLOCK}
+        assert asked == [True] * len(prompts)
+        assert w.worker.totals["blocks_loaded.nvme"] == want and w.worker.loads_in_flight == 0
+        assert s.sched.leases.pinned() == 0 and s.sched.pinned_blocks() == 0
+    finally:
+        U.shutdown(llm)
+
+
 def test_weights_identify_the_model(model_dir, prompts, baseline, copied, tmp_path, capsys):
     """The fingerprint names the weights, not the path: the same weights copied to another path are
     served from the NVMe tier written by the first; other weights written in place under that path

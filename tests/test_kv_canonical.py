@@ -57,6 +57,9 @@ class Now:
     def sync(self, ev):
         pass
 
+    def query(self, ev):
+        return True
+
     def run(self, fn, *args):
         return fn(*args)
 

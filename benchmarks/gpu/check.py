@@ -281,7 +281,7 @@ def two_registrations() -> None:
                        for b, s in zip(ids, slots))
         dc.streams.sync(dc.load(rows, back, slots)[-1])
         load_ok = all(torch.equal(t[b], t[a]) for t in kv.values() for a, b in zip(ids, back))
-        chunks = buf.chunks + dc.index.buf.chunks
+        chunks = buf.chunks + dc.index.buf.chunks + dc.ring.buf.chunks   # the load's layer-major host staging
         inside = all(any(p <= a and a + n <= p + sz for p, sz in chunks) for a, n in trace)
         runs = sum(1 for a, _ in trace if buf.chunks[0][0] <= a < buf.chunks[0][0] + 64 * bb)
         dc.trace = dc.index.trace = None
@@ -344,7 +344,8 @@ def hook_wait() -> None:
 
 @check("scattered_copies", needs_gpu=True)
 def scattered_copies() -> None:
-    """Scattered stores / loads of N blocks (NHD bf16, canonical order) vs one pinned memcpy."""
+    """Scattered stores / loads of N blocks (NHD bf16, canonical order) vs one pinned memcpy, as one
+    request and, at 80 layers, as N one-block requests (one step's batch); byte-exact both ways."""
     import torch
 
     import probes
@@ -352,8 +353,10 @@ def scattered_copies() -> None:
     from kvtier.connector.kv_layout import KVLayout
     from kvtier.tiers.cpu_pool import host_buffer
     out = []
-    for layers, heads, content, bt, n in ((32, 8, 256, 16, 256), (64, 1, 576, 64, 128)):   # GQA; MLA-like
-        kv = probes.views("LBNHC", layers, 2048, heads, bt, content, torch.bfloat16, "cuda")
+    for layers, heads, content, bt, n, reqs, nblocks in ((32, 8, 256, 16, 256, 1, 2048),   # GQA
+                                                         (64, 1, 576, 64, 128, 1, 2048),   # MLA-like
+                                                         (80, 8, 256, 16, 128, 128, 1024)):   # 80 layers, many requests
+        kv = probes.views("LBNHC", layers, nblocks, heads, bt, content, torch.bfloat16, "cuda")
         for t in kv.values():
             t.normal_()
         lay = KVLayout(kv)
@@ -362,46 +365,108 @@ def scattered_copies() -> None:
         rows = buf.tensor.view(-1, bb)
         dc = DeviceCopier(lay.canon, lay.offsets, CudaStreams(lay.device))
         g = torch.Generator().manual_seed(0)
-        ids = torch.randperm(2048, generator=g)[:n].tolist()
+        ids = torch.randperm(nblocks, generator=g)[:n].tolist()
         slots = torch.randperm(2 * n, generator=g)[:n].tolist()
-        dc.streams.sync(dc.store(rows, ids, slots))
-        exact = all(torch.equal(rows[s], torch.cat([probes.canonical(t, b) for t in kv.values()]))
-                    for b, s in zip(ids[:16], slots[:16]))           # the store, checked before any load
+        parts = [(rows, ids[i::reqs], slots[i::reqs]) for i in range(reqs)]
+        dc.streams.sync(dc.store_parts(parts))
+        want = {b: torch.cat([probes.canonical(t, b) for t in kv.values()]) for b in ids[:16]}
+        exact = all(torch.equal(rows[s], want[b]) for b, s in zip(ids[:16], slots[:16]))   # before any load
         dev = torch.empty(n * bb, dtype=torch.uint8, device="cuda")
         host = rows[:n].reshape(-1)
         sync = torch.cuda.synchronize
         d2h = _median_s(lambda: host.copy_(dev, non_blocking=True), 7, sync)
         h2d = _median_s(lambda: dev.copy_(host, non_blocking=True), 7, sync)
-        st = _median_s(lambda: dc.streams.sync(dc.store(rows, ids, slots)), 7, sync)
-        ld = _median_s(lambda: dc.streams.sync(dc.load(rows, ids, slots)[-1]), 7, sync)
+        st = _median_s(lambda: dc.streams.sync(dc.store_parts(parts)), 7, sync)
+        ld = _median_s(lambda: dc.streams.sync(dc.load_parts(parts)[-1]), 7, sync)
+        for t in kv.values():
+            t[ids[:16]] = 0
+        dc.streams.sync(dc.load_parts(parts)[-1])
+        load_exact = all(torch.equal(torch.cat([probes.canonical(t, b) for t in kv.values()]), want[b]) for b in ids[:16])
         nb = n * bb
-        out.append({"block_bytes": bb, "blocks": n, "store_exact": exact, "d2h_gbps": nb / d2h / 1e9,
-                    "h2d_gbps": nb / h2d / 1e9, "store_gbps": nb / st / 1e9, "load_gbps": nb / ld / 1e9,
-                    "store_ratio": d2h / st, "load_ratio": h2d / ld})
+        out.append({"layers": layers, "requests": reqs, "block_bytes": bb, "blocks": n, "store_exact": exact,
+                    "load_exact": load_exact, "d2h_gbps": nb / d2h / 1e9, "h2d_gbps": nb / h2d / 1e9,
+                    "store_gbps": nb / st / 1e9, "load_gbps": nb / ld / 1e9, "store_ratio": d2h / st,
+                    "load_ratio": h2d / ld})
+        dc.close()
         buf.close()
         del kv, lay, dc, dev
         torch.cuda.empty_cache()
-    ok = all(o["store_exact"] for o in out)
+    ok = all(o["store_exact"] and o["load_exact"] for o in out)
     report("scattered_copies", "PASS" if ok else "FAIL", "; ".join(
-        f"{o['blocks']} x {o['block_bytes'] >> 10} KiB: store {o['store_gbps']:.1f} GB/s "
-        f"({o['store_ratio']:.2f}x one memcpy), load {o['load_gbps']:.1f} GB/s ({o['load_ratio']:.2f}x)"
-        for o in out), runs=out)
+        f"{o['layers']} layers, {o['blocks']} x {o['block_bytes'] >> 10} KiB in {o['requests']} request(s): "
+        f"store {o['store_gbps']:.1f} GB/s ({o['store_ratio']:.2f}x one memcpy), load {o['load_gbps']:.1f} GB/s "
+        f"({o['load_ratio']:.2f}x), byte-exact {o['store_exact']}/{o['load_exact']}" for o in out), runs=out)
 
 
-@check("layer_overlap", needs_gpu=True)
-def layer_overlap() -> None:
-    """Per-layer loads against per-layer compute: time of both with `wait_layer` vs each alone."""
+LAYER0_SLACK = 0.05   # layer 0 may wait for its own share of a load's bytes (1/layers) and this much more
+
+
+def layer0_wait(copier: Any = None, layers: int = 80, requests: int = 16, chunks: int = 4) -> dict:
+    """What the forward's first layer waits for, counted on CPU (`probes.DeferredStreams(count=True)`):
+    the share of a load's bytes (host->device copies, scatters, indices) queued before layer 0's
+    event, for `requests` one-block loads with rows apart in one staging chunk, and in `chunks`
+    chunks. `copier`: the device copier class (default `DeviceCopier`)."""
     import torch
 
     import probes
-    layers, n = 16, 256
-    from kvtier.connector.metadata import KVTierMetadata, LoadOp
+    from kvtier.connector.device_copy import DeviceCopier
+    from kvtier.connector.kv_layout import KVLayout
+    kv = probes.views("LBNHC", layers, 4 * requests, 1, 16, 16, torch.bfloat16, "cpu")
+    lay = KVLayout(kv)
+    out = {}
+    for name, n_chunks in (("one_chunk", 1), ("chunks", chunks)):
+        st = probes.DeferredStreams(count=True)
+        per = -(-requests // n_chunks)
+        dc = (copier or DeviceCopier)(lay.canon, lay.offsets, st, staging_bytes=per * lay.block_bytes, pin=False)
+        rows = torch.zeros(3 * requests, lay.block_bytes, dtype=torch.uint8)
+        events = dc.load_parts([(rows, [2 * requests + i], [3 * i]) for i in range(requests)])
+        st.drain()
+        b = st.item_bytes["side"]
+        out[name] = sum(b[:events[0]]) / sum(b)
+        dc.close()
+    return out
+
+
+def layer_overlap(gpu: bool, copier: Any = None) -> None:
+    """Layer 0's wait: at most 1/layers + 5% of a load's bytes come before its event (counted on
+    CPU, one chunk and four); on a GPU also per-layer loads against per-layer compute (both with
+    `wait_layer` vs each alone) and the device time to layer 0's event over the whole load's."""
+    layers = 80
+    frac = layer0_wait(copier, layers)
+    bound = 1 / layers + LAYER0_SLACK
+    ok = all(f <= bound for f in frac.values())
+    detail = (f"layer 0 waits for {frac['one_chunk']:.1%} of a 16-request load's bytes ({frac['chunks']:.1%} "
+              f"in 4 chunks), bound 1/{layers} + {LAYER0_SLACK:.0%} = {bound:.1%}")
+    figures: dict = {"layer0_wait_fraction": frac, "bound": bound}
+    if gpu:
+        figures.update(_overlap_gpu())
+        detail += (f"; GPU, {figures['gpu_layers']} layers: layer 0 done at {figures['gpu_layer0_time_fraction']:.1%} "
+                   f"of the load's device time; load {figures['load_ms']:.1f} ms, compute {figures['compute_ms']:.1f} ms, "
+                   f"both with per-layer waits {figures['both_ms']:.1f} ms ({figures['hidden']:.0%} of the shorter hidden)")
+    report("layer_overlap", "PASS" if ok else "FAIL", detail, **figures)
+
+
+def _overlap_gpu() -> dict:
+    import torch
+
+    import probes
     from kvtier.connector.config import load_settings
+    from kvtier.connector.device_copy import CudaStreams
+    from kvtier.connector.metadata import KVTierMetadata, LoadOp
     from kvtier.connector.worker import KVTierWorker
+
+    class Timed(CudaStreams):
+        def record(self):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(self.stream)
+            return ev
+
+    layers, n = 16, 256
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         kv = probes.views("LBNHC", layers, 2048, 8, 16, 256, torch.bfloat16, "cuda")
-        w = KVTierWorker(load_settings({"cpu_capacity_blocks": n, "pin": True}))
+        st = Timed(torch.device("cuda"))
+        w = KVTierWorker(load_settings({"cpu_capacity_blocks": n, "pin": True}), copy_streams=st)
         w.register_kv_caches(kv)
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         names = list(kv)
@@ -411,8 +476,11 @@ def layer_overlap() -> None:
         def work():
             a @ a
 
-        def load():
+        def bind():
             w.bind(KVTierMetadata(loads=[LoadOp(f"o{next(seq)}", 0, list(range(n)), list(range(n)))]))
+
+        def load():
+            bind()
             w.start_load()
             for name in names:
                 w.wait_layer(name)
@@ -420,7 +488,7 @@ def layer_overlap() -> None:
             w.take_report()
 
         def load_only():
-            w.bind(KVTierMetadata(loads=[LoadOp(f"o{next(seq)}", 0, list(range(n)), list(range(n)))]))
+            bind()
             w.start_load()
             w.take_report()
 
@@ -428,11 +496,15 @@ def layer_overlap() -> None:
         t_c = _median_s(lambda: [work() for _ in names], 5, sync)
         t_l = _median_s(load_only, 5, sync)
         t_both = _median_s(load, 5, sync)
+        sync()
+        start = st.record()          # the side stream is idle: the load's copies start after this
+        events = w.kv.device.load(w.pools[0].buffer.view(n, -1), list(range(n)), list(range(n)))
+        sync()
+        first, whole = start.elapsed_time(events[0]), start.elapsed_time(events[-1])
         w.close()
-    hidden = (t_c + t_l - t_both) / min(t_c, t_l)
-    report("layer_overlap", "PASS", f"{layers} layers, {n} blocks: load {t_l * 1e3:.1f} ms, compute "
-           f"{t_c * 1e3:.1f} ms, both with per-layer waits {t_both * 1e3:.1f} ms ({hidden:.0%} of the shorter hidden)",
-           load_ms=t_l * 1e3, compute_ms=t_c * 1e3, both_ms=t_both * 1e3, hidden=hidden)
+    return {"gpu_layers": layers, "gpu_layer0_time_fraction": first / whole if whole > 0 else 0.0,
+            "load_ms": t_l * 1e3, "compute_ms": t_c * 1e3, "both_ms": t_both * 1e3,
+            "hidden": (t_c + t_l - t_both) / min(t_c, t_l)}
 
 
 @check("kvikio", needs_gpu=True)
@@ -647,7 +719,8 @@ def main() -> int:
         check(f"{which}_probe")(lambda w=which: _probe(use_gpu, w))(use_gpu)
     check("tp_reports")(lambda: tp_reports(use_gpu))(use_gpu)
     check("preempt_probe")(lambda: preempt(use_gpu))(use_gpu)
-    for c in (two_registrations, hook_wait, scattered_copies, layer_overlap, kvikio_check, gds_load):
+    check("layer_overlap")(lambda: layer_overlap(use_gpu))(use_gpu)
+    for c in (two_registrations, hook_wait, scattered_copies, kvikio_check, gds_load):
         c(use_gpu)
     RESULTS["seconds"] = round(time.perf_counter() - t0, 1)
     RESULTS["failed"] = FAILED

@@ -257,15 +257,21 @@ class Executor:
             self._polling = polling
 
     def _poll_done(self) -> set[str]:
+        """Arrived requests' loads, together: on a layered outside (a device) the copies are queued
+        and the consumer's later work waits for them (the host does not); else they run now."""
         done: set[str] = set()
+        ready: list[LoadOp] = []
         for rid, ops in list(self._async.items()):
             if any(not self._fetched[id(op)][-1].done() for op in ops if id(op) in self._fetched):
                 continue
             del self._async[rid]
-            self.load(ops, layered=False)
+            ready.extend(ops)
             done.add(rid)
-        if done:
-            self.finish_loads()
+        if ready:
+            self.load(ready, layered=True)
+            if self.layer_events:
+                self.outside.wait_layer(self.layer_events[-1])
+            self.finish_loads(wait=False)
             self._failed_done.update(rid for rid in done if self.report.load_failed(rid))
         if self._recv_failed:
             done |= self._recv_failed

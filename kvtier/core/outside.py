@@ -36,6 +36,9 @@ class Outside(Protocol):
 
     def load_layered(self, jobs: Sequence[Any]) -> list | None: ...
 
+    def wait_layer(self, event: Any) -> None:
+        """The consumer's later work (a device's compute stream) waits for `event`; the host does not."""
+
     def sync(self, event: Any) -> None: ...
 
     def done(self, event: Any) -> bool:
@@ -75,6 +78,9 @@ class Buffers:
 
     def load_layered(self, jobs):
         self.run(jobs, to_outside=True)
+
+    def wait_layer(self, event) -> None:
+        pass
 
     def sync(self, event) -> None:
         pass
