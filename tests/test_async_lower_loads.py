@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
 import probes  # noqa: E402
 from parts_util import scheduler, worker_settings  # noqa: E402
-from test_connector_nvme import H, NB, D2, caches  # noqa: E402
+from test_connector_nvme import H, D2, caches  # noqa: E402
 from test_connector_scheduler import BT, Req  # noqa: E402
 
 
