@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from kvtier.common.counters import BY_KEY, COUNTER, GAUGE, HISTOGRAM, OBS_PREFIX, TENANT, TIER, Metric, declared
@@ -258,7 +259,8 @@ class SchedulerStats:
             return
         self._stats_at = now
         if self._heartbeat is None and not final and not self.closed:   # first called at start, one thread
-            self._heartbeat = threading.Thread(target=self._beat, name="kvtier-state", daemon=True)
+            self._heartbeat = threading.Thread(target=_beat, args=(weakref.ref(self),), name="kvtier-state",
+                                               daemon=True)
             self._heartbeat.start()
         with self._state_lock:
             if self._stopped:   # the final state stays the last written
@@ -277,14 +279,16 @@ class SchedulerStats:
                 self._once(("server_state",) + cause(e), logging.WARNING,
                            "kvtier: the server's state for kvtier inspect not written: %s", e)
 
-    def _beat(self) -> None:
-        while not self.closed:
-            time.sleep(HEARTBEAT_S)
-            if not self.closed and time.monotonic() - self._stats_at >= HEARTBEAT_S:
-                try:
-                    self.publish(force=True)
-                except Exception as e:  # never out of a daemon thread; the next beat tries again
-                    log.debug("kvtier: state heartbeat: %s", e)
+    def beat(self) -> bool:
+        """One heartbeat: the state rewritten when no step wrote it for HEARTBEAT_S; False once closed."""
+        if self.closed:
+            return False
+        if time.monotonic() - self._stats_at >= HEARTBEAT_S:
+            try:
+                self.publish(force=True)
+            except Exception as e:  # never out of a daemon thread; the next beat tries again
+                log.debug("kvtier: state heartbeat: %s", e)
+        return True
 
     def _server_state(self, totals: dict, final: bool) -> dict:
         cfg, fp, rec = self.config, self.fingerprint, self.recorder
@@ -313,3 +317,14 @@ class SchedulerStats:
         out[Metric.LEASED_BLOCKS.key] = self.sched.leased_blocks()
         out.update(self.sched.tenant_gauges())   # bytes each tenant holds per tier (kvtier.core.tenants)
         return out
+
+
+def _beat(ref: "weakref.ref[SchedulerStats]") -> None:
+    """The state heartbeat's thread: it holds its stats object weakly, so a connector dropped without
+    a shutdown (a test, an engine torn down) stops beating instead of writing a stale state."""
+    while True:
+        time.sleep(HEARTBEAT_S)
+        stats = ref()
+        if stats is None or not stats.beat():
+            return
+        del stats

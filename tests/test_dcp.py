@@ -22,8 +22,11 @@ NUM_BLOCKS = 64
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    saved = dict(os.environ)
     U.set_env()
-    return U.build_tiny_llama(tmp_path_factory.mktemp("dcp") / "m")
+    yield U.build_tiny_llama(tmp_path_factory.mktemp("dcp") / "m")
+    os.environ.clear()      # the environment the module found (later tests start servers of their own)
+    os.environ.update(saved)
 
 
 def engine_config(model, dcp=1, pcp=1, **kw):
@@ -49,13 +52,26 @@ def attention_groups(extra=()):
                          kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec), *extra])
 
 
+_MADE: list = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_schedulers():
+    """Each test's vLLM schedulers shut down (their connectors' state heartbeat stops with them)."""
+    yield
+    while _MADE:
+        _MADE.pop().shutdown()
+
+
 def vllm_scheduler(vc, kvc):
     """vLLM's scheduler, with the block sizes its engine core gives it; it builds kvtier's connector."""
     from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
     bs, hash_bs = resolve_kv_cache_block_sizes(kvc, vc)
-    return Scheduler(vc, kvc, StructuredOutputManager(vc), block_size=bs, hash_block_size=hash_bs), hash_bs
+    s = Scheduler(vc, kvc, StructuredOutputManager(vc), block_size=bs, hash_block_size=hash_bs)
+    _MADE.append(s)
+    return s, hash_bs
 
 
 def request(rid, n, hash_bs):
@@ -69,12 +85,15 @@ def request(rid, n, hash_bs):
 
 
 def step(s, rid, stored=True):
-    """One step of vLLM's scheduler; the workers report this step's stores done."""
+    """One step of vLLM's scheduler; every worker reports this step's stores done."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from kvtier.connector.metadata import KVTierWorkerMeta
     out = s.schedule()
     meta = out.kv_connector_metadata
-    wm = KVTierWorkerMeta(stored={op.op_id: [stored] * len(op.slots) for op in meta.stores})
+    ranks = s.vllm_config.parallel_config.world_size   # every rank reports its shard of each store
+    wm = KVTierWorkerMeta(stored={op.op_id: [stored] * len(op.slots) for op in meta.stores},
+                          stored_ranks={op.op_id: {r: [stored] * len(op.slots) for r in range(ranks)}
+                                        for op in meta.stores})
     s.update_from_output(out, ModelRunnerOutput(req_ids=[rid], req_id_to_index={rid: 0}, sampled_token_ids=[[7]],
                                                 kv_connector_output=KVConnectorOutput(kv_connector_worker_meta=wm)))
     return meta

@@ -155,6 +155,7 @@ class DemoServer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")          # GiB (vLLM-CPU's default: 4)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # small machines: no core reserved per process
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env["VLLM_LOGGING_LEVEL"] = "INFO"   # the log shows kvtier's start and shutdown lines, whatever the caller's level
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -190,13 +191,17 @@ class DemoServer:
             return counters(parse_metrics(r.read().decode()))
 
     def stop(self) -> None:
-        """SIGTERM (kvtier flushes within --shutdown-timeout), then SIGKILL whatever is left in the group."""
+        """SIGTERM (kvtier flushes within --shutdown-timeout), the engine core's own shutdown waited for,
+        then SIGKILL whatever is left in the group."""
         if self.proc.poll() is None:
             try:
                 self.proc.send_signal(signal.SIGTERM)
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 pass
+        t_end = time.monotonic() + 60  # the engine core shuts down after the API server: kvtier's flush
+        while time.monotonic() < t_end and group_running(self.pgid):
+            time.sleep(0.1)
         try:
             os.killpg(self.pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -219,6 +224,20 @@ class DemoServer:
         errs = [ln for ln in lines if re.match(r"^(\w+\.)*\w*(Error|Exception): ", ln)]
         errs = [ln for ln in errs if "Engine core initialization failed" not in ln] or errs
         return (errs or lines or ["empty log"])[-1][:500]
+
+
+def group_running(pgid: int) -> bool:
+    """Whether a process of the group still runs (zombies not counted: they have nothing left to do)."""
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != b"Z":
+                return True
+    return False
 
 
 def group_alive(pgid: int) -> bool:
