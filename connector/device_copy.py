@@ -129,6 +129,20 @@ def split_runs(host: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> list
     return out
 
 
+def settle_before(streams: Streams, inflight: Any, bound: int) -> None:
+    """A ring's pieces in flight (`inflight`: (start, event), oldest first): those starting before
+    `bound` overlap what is handed out next and are waited for; the completed ones after them are
+    dropped, up to the first still running (only the oldest are looked at: O(1) per piece)."""
+    while inflight:
+        first, ev = inflight[0]
+        if first < bound:
+            if not streams.query(ev):
+                streams.sync(ev)
+        elif not streams.query(ev):
+            break
+        inflight.popleft()
+
+
 class IndexRing:
     """The block indices of the gathers and scatters, written into a registered (pinned) host ring
     and copied to the device on the side stream (`Streams.run`). A part of the ring is written again
@@ -156,22 +170,15 @@ class IndexRing:
         if lo % self.size + n > self.size:
             lo += self.size - lo % self.size
         hi = lo + n
-        s, q = self.streams, self.inflight
-        while q:   # a part that starts a ring before `hi` may share entries with [lo, hi)
-            first, ev = q[0]
-            if first < hi - self.size:
-                if not s.query(ev):
-                    s.sync(ev)
-            elif not s.query(ev):
-                break
-            q.popleft()
+        s = self.streams
+        settle_before(s, self.inflight, hi - self.size)   # a part a ring before `hi` may share entries
         src = self.host[lo % self.size:lo % self.size + n]
         src.copy_(torch.as_tensor(ids, dtype=torch.int64))
         if self.trace is not None:
             self.trace.append((src.data_ptr(), n * 8))
         dst = torch.empty(n, dtype=torch.int64, device=self.device)
         s.run(_to_device, dst, src)
-        q.append((lo, s.record()))
+        self.inflight.append((lo, s.record()))
         self.pos = hi
         return dst
 
@@ -229,17 +236,10 @@ class HostRing:
                 raise RuntimeError(f"a {n}-byte piece of a load is larger than a registration of the staging ring")
             lo += ends[0] - (base + lo % self.size)
         hi = lo + n
-        s, q = self.streams, self.inflight
+        s = self.streams
         if self.pending is not None and self.pending < hi - self.size:   # wraps onto this load's own
             self.mark(s.record())
-        while q:
-            first, ev = q[0]
-            if first < hi - self.size:
-                if not s.query(ev):
-                    s.sync(ev)
-            elif not s.query(ev):
-                break
-            q.popleft()
+        settle_before(s, self.inflight, hi - self.size)
         if self.pending is None:
             self.pending = lo
         self.pos = hi
