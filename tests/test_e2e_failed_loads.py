@@ -1,7 +1,7 @@
 """A block whose load failed is not offered again until it is rewritten, inside real vLLM (CPU
 build): a hybrid model (tiny Gemma-3, two KV-cache groups: vLLM loads its hits asynchronously and
 sends a request whose load failed back to the lookup) restarted on an NVMe tier whose every read
-fails (`KVTIER_FAULT` read:EIO / read:EISDIR, tiers/io_hooks.py). Each request finishes in a
+fails (`KVTIER_FAULT` read:EIO / read:EISDIR, tiers/io_engine.py). Each request finishes in a
 bounded number of steps with vLLM's own tokens, each block fails once, and the recomputed blocks,
 stored afresh, are served on the next pass."""
 

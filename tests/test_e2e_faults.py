@@ -1,5 +1,5 @@
 """Faults on the load and store paths inside real vLLM (CPU build), through the fault points any
-checker can set (`KVTIER_FAULT`, tiers/io_hooks.py): the N-th and later NVMe reads fail with EIO,
+checker can set (`KVTIER_FAULT`, tiers/io_engine.py): the N-th and later NVMe reads fail with EIO,
 queuings of a load's copies into the KV raise, the forward's layer waits raise, the KV -> DRAM
 copies of a store raise. Each time the tokens equal a run without kvtier, and a restart on the same
 NVMe directory serves only good blocks (tokens equal, nothing fails verification, fsck clean).
