@@ -1,8 +1,8 @@
 """The NVMe tier's block I/O engines: `select_engine` picks one and says why.
 
-The engines live in modules of their own: the interface and what they share in `io_engine`,
-POSIX O_DIRECT in `io_posix`, kvikio (GDS) in `io_kvikio`, the fault / crash test hooks in
-`io_hooks`. Their public names are importable from here too. Which engine runs, and any
+The engines live in modules of their own: the interface and what they share in `io_engine` (the
+handles and the fault / crash test hooks too), POSIX O_DIRECT in `io_posix`, kvikio (GDS) in
+`io_kvikio`. Their public names are importable from here too. Which engine runs, and any
 fallback (e.g. O_DIRECT refused -> buffered), is logged on ``kvtier.nvme`` and reported in
 `description` / `stats()`, never silent.
 """
