@@ -22,7 +22,8 @@ def test_a_plan_reported_done():
 
 def test_a_plan_reported_failed_by_every_rank():
     rep = Report.of_plan(_plan(), ok=False, ranks=2)
-    assert rep.loaded == {"a": False, "b": False} and rep.stored == {7: [False, False], 3: [False] * 3}
+    assert rep.loaded == {"a": False, "b": False}
+    assert rep.stored_by_rank() == {7: {0: [False, False], 1: [False, False]}, 3: {0: [False] * 3, 1: [False] * 3}}
     assert rep.copied == {} and rep.written_by_rank() == {4: {0: [-1, -1], 1: [-1, -1]}}
 
 
