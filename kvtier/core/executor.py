@@ -124,11 +124,12 @@ class Executor:
         self._copy_s = 0.0
         copy_now = not (layered and self.outside.layered)
         jobs: list[tuple[int, Any]] = []   # (index of its op in _load_done, the copy)
-        staged = sum(len(op.slots) for op in ops if self._needs_staging(op))
-        dstaged = sum(len(op.slots) for op in ops if self._device_staged(op))
+        rows_of = [self._staging_of(op) for op in ops]   # before the loads: a read-ahead op leaves _fetched
+        staged = sum(len(op.slots) for op, w in zip(ops, rows_of) if w == "host")
+        dstaged = sum(len(op.slots) for op, w in zip(ops, rows_of) if w == "device")
         run = LoadRun(jobs, self.staging.views(staged) if staged else [], copy_now, self.LOAD_CHUNK_BYTES,
                       self.outside.device_staging.views(dstaged) if dstaged else [])
-        for op in ops:
+        for op, where in zip(ops, rows_of):
             name = self.name(op.tier)
             oks = [False] * len(op.slots)
             at = len(self._load_done)
@@ -144,9 +145,9 @@ class Executor:
                            len(op.slots), op.req_id, name, e)
                 if op.via:
                     self.report.not_stored(op.op_id, len(op.slots))
-            if self._needs_staging(op):
+            if where == "host":
                 run.row0 += len(op.slots)
-            elif self._device_staged(op):
+            elif where == "device":
                 run.drow0 += len(op.slots)
             self._load_done.append((op, name, oks))
         self._copy_s += run.copy_s   # copies run chunk by chunk as reads landed
@@ -171,16 +172,16 @@ class Executor:
         """Loads whose copies are queued or whose results `finish_loads` has not taken yet."""
         return bool(self._load_done) or self._load_event is not None
 
-    def _needs_staging(self, op: LoadOp) -> bool:
+    def _staging_of(self, op: LoadOp) -> str | None:
+        """Where the op's reads land when it has no promotion slot nor a read ahead: the host's
+        staging rows ("host"), the outside's device staging rows ("device": GPUDirect Storage), or
+        no staging (None)."""
         h = self._handler_of(op.tier, Medium.OUTSIDE)
-        return (h is not None and h.stages and not op.via and id(op) not in self._fetched
-                and not self.outside.direct_reads and not h.device_staged(op, self.planes.get(op.tier)))
-
-    def _device_staged(self, op: LoadOp) -> bool:
-        """The op reads into the outside's device staging rows (GPUDirect Storage)."""
-        h = self._handler_of(op.tier, Medium.OUTSIDE)
-        return (h is not None and h.stages and id(op) not in self._fetched
-                and h.device_staged(op, self.planes.get(op.tier)))
+        if h is None or not h.stages or id(op) in self._fetched:
+            return None
+        if h.device_staged(op, self.planes.get(op.tier)):
+            return "device"
+        return "host" if not op.via and not self.outside.direct_reads else None
 
     def _handler_of(self, tier: int, dst: Medium) -> Any:
         """The handler that moves tier `tier`'s blocks to `dst`, None when there is no plane or handler."""
@@ -502,7 +503,7 @@ class Executor:
         query; the host waits only for copies still running). With `ops` (loads), only when one
         of them writes host rows (a lower tier's read into staging or promotion slots): a copy
         from DRAM slots writes none."""
-        if ops is not None and not any(op.via or self._needs_staging(op) or self._device_staged(op) for op in ops):
+        if ops is not None and not any(op.via or self._staging_of(op) is not None for op in ops):
             return
         ev, self._rows_event = self._rows_event, None
         if ev is None or self.outside.done(ev):
