@@ -39,51 +39,29 @@ from kvtier.tiers.sealing import Sealer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
 import probes  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+from test_io_engines import _make_fake_kvikio  # noqa: E402
+
 
 def _make_gds_kvikio():
-    """A stand-in for `kvikio` in GDS mode: CuFile moves a torch tensor's own memory (as cuFile DMA
-    moves device memory) and host memory through the buffer protocol; `moved` records
-    (op, 'device' | 'host', address, bytes) per payload transfer."""
+    """A stand-in for `kvikio` in GDS mode: test_io_engines' fake CuFile, moving a torch tensor's
+    own memory too (as cuFile DMA moves device memory); `moved` records (op, 'device' | 'host',
+    address, bytes) per payload transfer."""
+    mod = _make_fake_kvikio()
 
-    class Future:
-        def __init__(self, n):
-            self.n = n
-
-        def get(self):
-            return self.n
-
-    class CuFile:
+    class CuFile(mod.CuFile):
         moved: list[tuple[str, str, int, int]] = []
-
-        def __init__(self, path, flags="r"):
-            self._fd = os.open(path, {"r": os.O_RDONLY, "r+": os.O_RDWR}[flags] | os.O_CLOEXEC)
-
-        def fileno(self):
-            return self._fd
 
         def is_compat_mode_preferred(self):
             return False
-
-        def close(self):
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
 
         def _mv(self, op, buf, size):
             if isinstance(buf, torch.Tensor):
                 CuFile.moved.append((op, "device", buf.data_ptr(), size))
                 return memoryview(buf.numpy()).cast("B")[:size]
-            mv = memoryview(buf).cast("B")
             CuFile.moved.append((op, "host", 0, size))
-            return mv[:size]
+            return memoryview(buf).cast("B")[:size]
 
-        def pread(self, buf, size, file_offset=0, task_size=None):
-            return Future(os.preadv(self._fd, [self._mv("pread", buf, size)], file_offset))
-
-        def pwrite(self, buf, size, file_offset=0, task_size=None):
-            return Future(os.pwrite(self._fd, self._mv("pwrite", buf, size), file_offset))
-
-    mod = types.ModuleType("kvikio")
     mod.__version__ = "0.0-gds-fake"
     mod.CuFile = CuFile
     mod.defaults = types.SimpleNamespace(get=lambda name: {"compat_mode": "OFF"}[name])
