@@ -581,10 +581,8 @@ class LoraGate:
 
 
 # ---- the persistent tiers open once the model's identity is known ------------------------------------
-# The persistent tiers (NVMe, shared) open only once the model's identity is known.
-#
-# Their blocks are keyed by the fingerprint, and the fingerprint names the model by the digest of
-# its whole weights (`identity.ModelIdentity`, a thread). At start the scheduler waits up to
+# The persistent tiers' (NVMe, shared) blocks are keyed by the fingerprint, which names the model
+# by the digest of its whole weights (`identity.ModelIdentity`, a thread). At start the scheduler waits up to
 # `WAIT_S` for it (a digest from the cache, or small weights, is done by then); otherwise the
 # persistent tiers are built closed (`tiers.closed.ClosedTier`: lookups miss, copies into them are
 # skipped and counted as `not_open_blocks.<tier>`; the DRAM tier serves) and `poll`, called from the
@@ -648,8 +646,6 @@ class PersistentTiers:
 
 
 # ---- finished requests held for their stores (vLLM's delay-free protocol) ---------------------------
-# Finished requests whose KV is still being copied out: vLLM's delay-free protocol.
-#
 # On a GPU a store's copies run after `wait_for_save` returned (`worker.PendingStores`). A
 # request that finishes while a store of its blocks is still unreported is held: `request_finished`
 # returns delay_free=True, so vLLM keeps its blocks, and the next step's metadata names it with

@@ -522,9 +522,7 @@ class SendingRequests:
         return out
 
 
-# ---- stores whose device copies are still running ----------------------------------------------------
-# A worker's stores whose device copies are still running, reported in a later step.
-#
+# ---- stores whose device copies are still running, reported in a later step ---------------------------
 # `wait_for_save` queues a step's GPU -> CPU copies on the side stream and returns (no host wait;
 # the compute stream does not wait either: the blocks they read are not reused meanwhile, `settle`).
 # Each step's hooks poll the oldest stores' events (`Streams.query`); once one completed, its
