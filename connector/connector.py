@@ -37,7 +37,7 @@ from kvtier.tiers.redact import redact
 from . import start_check
 from .metadata import KVTierMetadata, KVTierStats, KVTierWorkerMeta, block_ids_of
 from .shutdown import close_scheduler, close_worker
-from .sides import (fingerprint, kv_shape, model_identity, scheduler_side, settings, start_scheduler_side,
+from .sides import (block_parts, fingerprint, kv_shape, model_identity, scheduler_side, settings, start_scheduler_side,
                     worker_side)
 from .startup import attach_vllm_log_handler, register_by_name, scheduler_line, worker_line
 from .metrics import SchedulerStats, connector_stats, prom_metrics, worker_stats
@@ -139,16 +139,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = cfg = settings(self._kv_transfer_config.kv_connector_extra_config, shape, on_scheduler,
                                      _worker_pool() if on_scheduler else None)
         self.identity = model_identity(cfg, vllm_config, start=on_scheduler and self.enabled)
-        self.fingerprint = fingerprint(cfg, vllm_config, shape, self.identity.value)
+        self.parts = parts = block_parts(cfg, vllm_config, kv_cache_config, shape)
+        self.fingerprint = fingerprint(cfg, vllm_config, shape, self.identity.value, parts)
         self.sched = self.worker = self.persistent = self.recorder = self.gpu_ctx = self.sched_stats = None
         self.closed = False
         if on_scheduler:
             self.persistent, self.recorder, self.sched = scheduler_side(
                 cfg, vllm_config, kv_cache_config, shape, self.identity,
-                lambda m: fingerprint(cfg, vllm_config, shape, m))
+                lambda m: fingerprint(cfg, vllm_config, shape, m, parts), parts)
             self.sched_stats = SchedulerStats(self.sched, self.recorder, cfg, self.block_tokens, self.fingerprint)
         else:
-            self.worker = worker_side(cfg, vllm_config, kv_cache_config, shape, self.fingerprint)
+            self.worker = worker_side(cfg, vllm_config, kv_cache_config, shape, self.fingerprint, parts)
         _LIVE.add(self)
         if self.sched is not None:
             start_scheduler_side(self.sched, vllm_config, cfg)

@@ -598,11 +598,13 @@ class PersistentTiers:
     `fingerprint_of(model identity)`: the full fingerprint."""
 
     def __init__(self, cfg: Any, identity: ModelIdentity, fingerprint_of: Callable[[str | None], dict],
-                 ranks: int = 1, wait_s: float = WAIT_S) -> None:
+                 ranks: int = 1, wait_s: float = WAIT_S, part_bytes: int | None = None) -> None:
+        """`ranks`: the parts of a stored block; `part_bytes`: one part's bytes."""
         self.cfg = cfg
         self.identity = identity
         self.fingerprint_of = fingerprint_of
         self.ranks = ranks
+        self.part_bytes = part_bytes
         self.t0 = time.monotonic()
         identity.done.wait(wait_s)
         self.closed: list[int] = []          # indices of the tiers still closed
@@ -611,8 +613,10 @@ class PersistentTiers:
     def build(self) -> list[Any]:
         """The tiers: all open when the identity is known now, else the persistent ones closed."""
         if self.identity.value is not None:
-            return build_tiers(self.cfg, "control", self.fingerprint_of(self.identity.value), ranks=self.ranks)
-        tiers = build_tiers(self.cfg, "control", self.fingerprint_of(None), ranks=self.ranks, closed=CLOSED_WHY)
+            return build_tiers(self.cfg, "control", self.fingerprint_of(self.identity.value), ranks=self.ranks,
+                               part_bytes=self.part_bytes)
+        tiers = build_tiers(self.cfg, "control", self.fingerprint_of(None), ranks=self.ranks, closed=CLOSED_WHY,
+                            part_bytes=self.part_bytes)
         self.closed = [i for i, t in enumerate(tiers) if not t.ready]
         return tiers
 
@@ -629,7 +633,7 @@ class PersistentTiers:
         opened = []
         try:
             for i in self.closed:
-                tier = build_tier(self.cfg, i, "control", fp, self.ranks)
+                tier = build_tier(self.cfg, i, "control", fp, self.ranks, part_bytes=self.part_bytes)
                 sched.open_tier(i, tier)
                 opened.append(tier.summary())
         except Exception as e:  # noqa: BLE001 - a directory in use, another fingerprint, ...

@@ -26,7 +26,7 @@ def close_worker(worker: Any, schedulers: list[Any]) -> None:
     final = worker.close(timeout_s=flush_budget_s(SHUTDOWN_FLUSH_TIMEOUT_S))
     if final is None or not final.copied:
         return
-    n = sum(1 for v in final.copied.values() for c in v if c >= 0)
+    n = sum(1 for v in final.copied.values() for c in v if c != -1)
     if schedulers:
         schedulers[0].on_worker_meta(final)
         log.info("kvtier: shutdown: %d NVMe blocks written back after the last step, handed "
@@ -47,7 +47,7 @@ def close_scheduler(sched: Any, stats: Any) -> None:
         rep = read_reports(t.dir)
         if rep is not None:
             sched.on_worker_meta(rep)
-            n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c >= 0)
+            n = sum(1 for v in rep.written_by_rank().values() for c in next(iter(v.values()), []) if c != -1)
             log.info("kvtier: shutdown: workers' last write-back report read from %s: %d blocks", t.dir, n)
     sched.report_shutdown()
     stats.publish(force=True, final=True)

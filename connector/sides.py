@@ -29,7 +29,8 @@ from kvtier.core.identity import ModelIdentity
 from .engine_identity import effective_config_digest, load_source, weights_pin
 from .kv_layout import layout_name
 from .metadata import HOLD_LIMIT_S
-from .parallel import context_parallel, context_parallel_refused, shards, store_rank, world_size
+from .parallel import (Parts, check_parts, context_parallel, context_parallel_refused, storage_parts,
+                       world_size)
 from .scheduler import KVTierScheduler, PersistentTiers, SchedulerOptions
 from .startup import flush_budget_s, shared_opener, warn_per_process_hashes
 from .worker import SHUTDOWN_FLUSH_TIMEOUT_S, KVTierWorker
@@ -123,23 +124,35 @@ def model_key(identity: str | None, vllm_config: Any) -> str | None:
     return None if identity is None else f"{identity};engine={effective_config_digest(vllm_config)}"
 
 
-def fingerprint(cfg: Any, vllm_config: Any, shape: KVShape, model: str | None) -> dict:
+def block_parts(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape) -> Parts | None:
+    """How this engine stores a block in the persistent tiers (`parallel.storage_parts`), None
+    when nothing is served."""
+    if not shape.enabled or kv_cache_config is None:
+        return None
+    rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
+    return storage_parts(vllm_config, kv_cache_config, shape.block_bytes, shape.hybrid, rank,
+                         cfg.serving.parallel_agnostic)
+
+
+def fingerprint(cfg: Any, vllm_config: Any, shape: KVShape, model: str | None, parts: Parts | None = None) -> dict:
     """What must match for a stored block to be served: the model (`model_key`: its weights'
     identity and the engine's effective config), KV dtype, layout (the blocks' byte format,
-    `kv_layout.layout_name`, plus a digest of the groups when several), parallelism (tp, pp; and
-    dcp, pcp and the interleave under context parallelism, which decide a rank's bytes of a block)."""
+    `kv_layout.layout_name`, plus a digest of the groups when several), parallelism: for
+    parallel-agnostic blocks (`parts`) the parts and their size instead of tp and pp; else tp, pp
+    (and dcp, pcp and the interleave under context parallelism, which decide a rank's bytes)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     layout = layout_name(device_type(vllm_config))
     if shape.hybrid:
         layout += ":groups-" + xxhash.xxh3_64_hexdigest(repr(shape.groups).encode())
     dcp, pcp, interleave = context_parallel(vllm_config)
     cp = {"dcp": dcp, "pcp": pcp, "cp_interleave": interleave} if dcp * pcp > 1 else {}
+    where = parts.fingerprint() if parts is not None and parts.agnostic else {
+        "tp": int(getattr(pc, "tensor_parallel_size", 1)), "pp": int(getattr(pc, "pipeline_parallel_size", 1)), **cp}
     return cfg.fingerprint(
         model=model_key(model, vllm_config) or "(not known yet)", revision=str(getattr(mc, "revision", None)),
         dtype=str(getattr(mc, "dtype", "?")),
         kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
-        layout=layout, tp=int(getattr(pc, "tensor_parallel_size", 1)),
-        pp=int(getattr(pc, "pipeline_parallel_size", 1)), **cp)
+        layout=layout, **where)
 
 
 def device_type(vllm_config: Any) -> str:
@@ -159,16 +172,20 @@ def lower_loads_async(vllm_config: Any) -> bool:
 
 
 def scheduler_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, identity: ModelIdentity,
-                   fingerprint_of: Callable[[str | None], dict]) -> tuple[Any, Any, KVTierScheduler]:
+                   fingerprint_of: Callable[[str | None], dict], parts: Parts | None
+                   ) -> tuple[Any, Any, KVTierScheduler]:
     """(the persistent tiers or None, the trace recorder or None, the scheduler)."""
     policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute")
     if policy != "recompute":
         log.warning("kvtier: kv_load_failure_policy=%r: a block kvtier fails to load (I/O error, "
                     "checksum mismatch) fails its request; set 'recompute' to recompute it", policy)
-    ranks = shards(vllm_config, kv_cache_config)
-    persistent = PersistentTiers(cfg, identity, fingerprint_of, ranks) if shape.enabled else None
-    # every rank reports every store (each copies into its own pool), within the workers' hold bound
-    ctrl = build_controller(cfg, persistent.build() if persistent is not None else [], ranks=ranks,
+    persistent = None
+    if parts is not None:
+        persistent = PersistentTiers(cfg, identity, fingerprint_of, parts.count, part_bytes=parts.part_bytes)
+    # every rank reports every store (each copies into its own pool), within the workers' hold bound;
+    # a copy down commits once every writer of the block's parts reported
+    ctrl = build_controller(cfg, persistent.build() if persistent is not None else [],
+                            ranks=parts.writers if parts is not None else 1,
                             reporters=world_size(vllm_config), report_timeout_s=HOLD_LIMIT_S)
     rules = None
     if shape.groups:
@@ -201,11 +218,14 @@ def start_scheduler_side(sched: KVTierScheduler, vllm_config: Any, cfg: Any) -> 
             log.warning("kvtier: %s: dropped a shutdown report an earlier run left unread", t.dir)
 
 
-def worker_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, fp: dict) -> KVTierWorker:
+def worker_side(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape, fp: dict,
+                parts: Parts | None) -> KVTierWorker:
     rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
-    srank = store_rank(vllm_config, rank, kv_cache_config)
     shared = tier_of(cfg, "shared")
-    return KVTierWorker(cfg, rank=rank, ranks=world_size(vllm_config), store_rank=srank,
+
+    def parts_of(layout: Any) -> tuple[Parts, list]:
+        return check_parts(parts, layout, vllm_config, kv_cache_config, rank)
+    return KVTierWorker(cfg, rank=rank, ranks=world_size(vllm_config), parts_of=parts_of if parts is not None else None,
                         expected_block_bytes=shape.block_bytes or None,
                         num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                        shared_fn=shared_opener(shared, fp, srank) if shared else None, shared_needs_identity=True)
+                        shared_fn=shared_opener(shared, fp) if shared else None, shared_needs_identity=True)

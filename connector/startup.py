@@ -84,8 +84,16 @@ def scheduler_line(conn: Any) -> str:
     return (f"kvtier connector (scheduler) started: tiers {'; '.join(parts) or 'none (disabled)'}; "
             f"block {conn.block_tokens} tokens x {_size(bb)}; {policies}, offload {pol.offload}, "
             f"promotion {pol.promotion}, demotion {pol.demotion}, store {st.serving.store}; "
-            f"{_identity_part(conn, fingerprint_hash(fp))} ({fp['dtype']}, tp {fp['tp']} pp {fp['pp']}{_cp(fp)}); "
+            f"{_identity_part(conn, fingerprint_hash(fp))} ({fp['dtype']}, {_parallel(conn, fp)}); "
             f"config {st.source}")
+
+
+def _parallel(conn: Any, fp: dict) -> str:
+    """The parallel layout as the fingerprint names it, and whether blocks are bound to it."""
+    parts = conn.parts.describe() if conn.parts is not None else "not stored"
+    if "tp" not in fp:
+        return parts
+    return f"tp {fp['tp']} pp {fp['pp']}{_cp(fp)}; {parts}"
 
 
 def _cp(fp: dict) -> str:
@@ -127,8 +135,10 @@ def worker_line(conn: Any) -> tuple[str, list[str]]:
         line += f"nvme {nv.path}, io {_io_choice(nv, gpu, warnings)}"
     else:
         line += "no nvme tier"
+    if w.parts is not None and (nv is not None or w.shared is not None):
+        line += f"; {w.parts.describe()}"
     if w.shared is not None:
-        line += f"; shared tier {w.shared.description}, keys of rank {w.shared.ns.rank}"
+        line += f"; shared tier {w.shared.description}"
     return line, warnings
 
 
@@ -155,17 +165,18 @@ def _io_choice(nv: Any, gpu: bool, warnings: list[str]) -> str:
     return f"kvikio (unusable: {why})"
 
 
-def shared_opener(t: Any, fingerprint: dict, rank: int):
-    """The worker's shared-tier data plane, opened once the block size and the model's identity
-    (`model`, from the scheduler's metadata) are known."""
-    def open_(block_bytes: int, count, model: str | None = None):
+def shared_opener(t: Any, fingerprint: dict):
+    """The worker's shared-tier data plane of one part (`part` of the `of` it holds: its keys),
+    opened once the block size and the model's identity (`model`, from the scheduler's metadata)
+    are known."""
+    def open_(block_bytes: int, count, model: str | None, part: int, of: int = 1):
         from kvtier.tiers.shared_conn import Namespace, RedisSettings
         from kvtier.tiers.shared_data import SharedData
         from kvtier.tiers.sealing import sealer_of
         s = RedisSettings.of(t)
         fp = dict(fingerprint, model=model) if model else fingerprint
-        return SharedData(s, Namespace(fp, s.secret, rank, sealer_of(t.encryption)), block_bytes, threads=t.io_threads,
-                         count=count, name=t.name)
+        return SharedData(s, Namespace(fp, s.secret, part, sealer_of(t.encryption)), block_bytes,
+                          threads=max(1, t.io_threads // of), count=count, name=t.name)
     return open_
 
 

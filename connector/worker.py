@@ -29,9 +29,11 @@ from kvtier.core.plan import Counters
 from kvtier.core.staging import Staging
 from kvtier.tiers.cpu_pool import CpuPool
 from kvtier.tiers.io_engine import fault_point
+from kvtier.tiers.parts import PartsPlane
 
 from .config import tier_of
 from .kv_layout import KVCopier, KVLayout
+from .parallel import Parts
 from .metadata import HOLD_LIMIT_S, KVTierMetadata, KVTierStats, KVTierWorkerMeta, interval_stats
 from .startup import fit_pool_slots
 
@@ -46,19 +48,20 @@ class KVTierWorker:
 
     def __init__(self, cfg: StackConfig, rank: int = 0, ranks: int = 1, store_rank: int | None = None,
                  expected_block_bytes: int | None = None, num_blocks: int | None = None, shared_fn=None,
-                 shared_needs_identity: bool = False, copy_streams=None) -> None:
+                 shared_needs_identity: bool = False, copy_streams=None, parts_of=None) -> None:
         """`cfg`: the stack's settings: its cpu tier sizes the pool (and `pin`s it), its nvme tier's
         `io`, `io_threads` and `direct` open the NVMe data file, `serving.nvme_write_lag_steps`;
         its tier names name the counters until the scheduler's first step does.
-        `shared_fn(block_bytes, count)`: opens the shared tier's data plane (`SharedData`) for this
-        rank, or None without a shared tier; with `shared_needs_identity` it is
-        `shared_fn(block_bytes, count, model)`, opened at the first step whose metadata names the
+        `shared_fn(block_bytes, count, model, part, parts held)`: opens the shared tier's data plane
+        (`SharedData`) of one part, or None without a shared tier; with `shared_needs_identity` it is
+        opened at the first step whose metadata names the
         model's identity (the scheduler sends it once the weights' digest is done). `num_blocks`: vLLM's KV-cache blocks (the tensors may
         hold more kernel blocks, `KVLayout`); `expected_block_bytes`: what the scheduler sized its
         tiers with (a layout that disagrees is refused). `copy_streams`: forces the device copier
-        with these streams (tests). `store_rank`: whose shard this worker's blocks are (default
-        its own rank); 0 on every rank when the ranks hold the same KV (MLA under tensor
-        parallelism): only rank 0 writes the NVMe file and the shared tier, every rank reads them."""
+        with these streams (tests). `parts_of(layout)`: the parts of a stored block this worker
+        holds and where each is in its row (`parallel.check_parts`); without it, one part per rank:
+        `store_rank`'s (default its own rank; 0 on every rank when the ranks hold the same KV, MLA
+        under tensor parallelism: only rank 0 writes the NVMe file and the shared tier)."""
         self._cpu_tier = tier_of(cfg, "cpu")
         if self._cpu_tier is None:
             raise ValueError("kvtier worker: the config has no cpu tier")
@@ -74,7 +77,10 @@ class KVTierWorker:
         self._nvme_sealer = tier_sealer(cfg, nvme)   # `sealing.Sealer`: the NVMe tier is encrypted
         self._lag = cfg.serving.nvme_write_lag_steps
         self.rank = rank
-        self.store_rank = rank if store_rank is None else store_rank  # NVMe file data.<it>, its checksums
+        self.store_rank = rank if store_rank is None else store_rank
+        self._parts_of = parts_of
+        self.parts: Parts | None = None       # the parts of a stored block this worker holds
+        self._pieces: list = []               # ... where each is in its row
         self._ranks = ranks                   # workers on this host, each with its own pool
         self.counters = Counters()   # this worker's counters (its executor's too)
         self._once = Once(log)
@@ -122,6 +128,13 @@ class KVTierWorker:
             log.info("kvtier worker: KV re-registered (%s); cpu pool kept, %d slots", lay.describe(),
                      self.pools[0].num_slots)
             return
+        if self._parts_of is not None:
+            self.parts, self._pieces = self._parts_of(lay)
+        else:
+            r = self.store_rank
+            self.parts = Parts(count=max(r + 1, self._ranks), writers=self._ranks, part_bytes=lay.block_bytes,
+                               held=(r, r + 1), writes=r == self.rank, why="one part per rank")
+            self._pieces = [[(0, lay.block_bytes)]]
         self.layout = lay
         n, warning = fit_pool_slots(self._cpu_tier, lay.block_bytes, self._ranks)
         if warning:
@@ -138,10 +151,26 @@ class KVTierWorker:
         self.pending = PendingStores(self.ex)   # stores whose device copies are still running
         log.debug("kvtier worker: %s; cpu pool %d slots", lay.describe(), n)
         if self._shared_fn is not None and self.shared is None and not self._shared_needs_identity:
-            self._open_shared(self._shared_fn(lay.block_bytes, self.count))
+            self._open_shared()
 
-    def _open_shared(self, shared) -> None:
-        self.shared = shared
+    def _held(self, open_part) -> Any:
+        """The data plane of the parts this worker holds: `open_part(part, bytes, of)` each, under
+        one `PartsPlane` unless it is one part that is the whole row."""
+        lo, hi = self.parts.held
+        planes = []
+        try:
+            for j, p in enumerate(range(lo, hi)):
+                planes.append(open_part(p, sum(n for _, n in self._pieces[j]), hi - lo))
+        except BaseException:
+            for pl in planes:
+                pl.close()
+            raise
+        if len(planes) == 1 and self._pieces[0] == [(0, self.layout.block_bytes)]:
+            return planes[0]
+        return PartsPlane(planes, self._pieces, self.layout.block_bytes)
+
+    def _open_shared(self, model: str | None = None) -> None:
+        self.shared = shared = self._held(lambda p, nbytes, of: self._shared_fn(nbytes, self.count, model, p, of))
         why = shared.ping()
         if why:
             log.warning("kvtier worker: shared tier %s not reachable now (%s): misses until it answers",
@@ -170,7 +199,7 @@ class KVTierWorker:
         ex.bind(ntiers=n)
         if meta.shared_tier is not None:
             if self.shared is None and self._shared_needs_identity and meta.model_identity and self.layout:
-                self._open_shared(self._shared_fn(self.layout.block_bytes, self.count, meta.model_identity))
+                self._open_shared(meta.model_identity)
             ex.bind(planes={meta.shared_tier: self.shared})
         if meta.nvme_tier is not None:
             self._open_nvme(meta)
@@ -208,8 +237,9 @@ class KVTierWorker:
             self.nvme = None
         io, threads, direct = self._nvme_args
         try:
-            self.nvme = NvmeData(meta.nvme_dir, meta.nvme_capacity, self.layout.block_bytes, io, threads, direct,
-                                 rank=self.store_rank, sealer=self._nvme_sealer)
+            self.nvme = self._held(lambda p, nbytes, of: NvmeData(
+                meta.nvme_dir, meta.nvme_capacity, nbytes, io, max(1, threads // of), direct, rank=p,
+                sealer=self._nvme_sealer))
         except Exception as e:  # noqa: BLE001 - any failure to open is a tier unavailable, not a crash
             self._nvme_failed_at = now
             self.count(Metric.NVME_OPEN_FAILED.key)
@@ -335,7 +365,7 @@ class KVTierWorker:
                        "dropped (computed over blocks vLLM recomputes)", len(meta.stores))
         stores, meta.stores = meta.stores, []
         copies, meta.copies = meta.copies, []
-        if self.store_rank != self.rank:  # another rank writes the same bytes to the file / shared tier
+        if not self.parts.writes:  # another rank writes the same bytes to the file / shared tier
             copies = [op for op in copies if op.tier not in (meta.nvme_tier, meta.shared_tier)]
         failed = self.ex.store(stores, tainted, defer=True)
         self.pending.add(self.ex.take_deferred())
@@ -457,7 +487,7 @@ class KVTierWorker:
             log.warning("kvtier: shutdown: %d shared-tier write batches still running; left behind", late_puts)
         final = ex.take_report()
         if pending:
-            n = sum(1 for v in (final.copied.values() if final else ()) for c in v if c >= 0)
+            n = sum(1 for v in (final.copied.values() if final else ()) for c in v if c != -1)
             if late:
                 log.error("kvtier: shutdown: %d of %d NVMe write batches still running after %.1f s; "
                           "left behind (their blocks are not indexed)", late, pending, limit)

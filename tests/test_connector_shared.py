@@ -44,7 +44,7 @@ def _instance(url: str, tag: str, async_loads: bool):
     t = cfg.tiers[1]
     fp = cfg.fingerprint()
     w = KVTierWorker(worker_settings(16, nvme_write_lag_steps=0),
-                     shared_fn=lambda bb, count: SharedData(RedisSettings.of(t), Namespace(fp), bb, count=count))
+                     shared_fn=lambda bb, count, model, part, of: SharedData(RedisSettings.of(t), Namespace(fp), bb, count=count))
     caches = _caches()
     w.register_kv_caches(caches)
     return s, w, caches, fp

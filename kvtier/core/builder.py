@@ -56,9 +56,10 @@ def make_promotion(cfg: StackConfig) -> PromotionPolicy:
 
 
 def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: dict | None = None,
-               ranks: int = 1, closed: str | None = None) -> Any:
+               ranks: int = 1, closed: str | None = None, part_bytes: int | None = None) -> Any:
     """Storage tier `index` of the config (the gpu tier is vLLM's block pool, not built here).
-    `ranks`: workers holding a shard of every block (the shared tier asks for all of them).
+    `ranks`: the parts of every block (the shared tier asks for all of them); `part_bytes`: one
+    part's bytes in the persistent tiers (default the block's).
     `closed`: a persistent tier (nvme, redis) is built closed, for this reason (`ClosedTier`)."""
     if data not in DATA_MODES:
         raise ValueError(f"data must be one of {DATA_MODES}, got {data!r}")
@@ -70,6 +71,7 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
                           cfg.block_bytes, closed)
     cap = t.blocks(cfg.block_bytes)
     fp = fingerprint or cfg.fingerprint()
+    bb = part_bytes or cfg.block_bytes   # the persistent tiers store parts of this size
     # checked with or without the data (the connector's scheduler): a bad key fails the start, in one line
     sealer = tier_sealer(cfg, t) if data != "none" else None
     if t.kind == "shared":
@@ -78,7 +80,7 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
             return SimSharedTier(t.name, cap, cfg.block_bytes)
         from kvtier.tiers.shared import SharedTier
         from kvtier.tiers.shared_conn import RedisSettings
-        return SharedTier(t.name, RedisSettings.of(t), fp, cfg.block_bytes, ranks=ranks, capacity_blocks=cap,
+        return SharedTier(t.name, RedisSettings.of(t), fp, bb, ranks=ranks, capacity_blocks=cap,
                          data=data == "full", threads=t.io_threads, sealer=sealer)
     eviction = make_eviction(cfg, t, cap)
     if t.kind == "cpu":
@@ -87,10 +89,10 @@ def build_tier(cfg: StackConfig, index: int, data: str = "full", fingerprint: di
     if t.kind == "nvme":
         if data == "control":
             from kvtier.tiers.nvme_control import NvmeControl
-            return NvmeControl(t.name, t.path, cap, cfg.block_bytes, eviction, fingerprint=fp,
+            return NvmeControl(t.name, t.path, cap, bb, eviction, fingerprint=fp,
                                on_mismatch=t.on_fingerprint_mismatch)
         from kvtier.tiers.nvme import NvmeTier
-        return NvmeTier(t.name, t.path, cap, cfg.block_bytes, eviction, io=t.io, fingerprint=fp,
+        return NvmeTier(t.name, t.path, cap, bb, eviction, io=t.io, fingerprint=fp,
                         on_mismatch=t.on_fingerprint_mismatch, with_data=data == "full", io_threads=t.io_threads,
                         sealer=sealer)
     raise ValueError(f"tier {t.name!r}: kind {t.kind!r} is not a storage tier")
@@ -108,11 +110,11 @@ def tier_sealer(cfg: StackConfig, t: TierConfig | None) -> Any:
 
 
 def build_tiers(cfg: StackConfig, data: str = "full", fingerprint: dict | None = None,
-                ranks: int = 1, closed: str | None = None) -> list[Any]:
+                ranks: int = 1, closed: str | None = None, part_bytes: int | None = None) -> list[Any]:
     tiers: list[Any] = []
     try:
         for i in range(len(cfg.storage_tiers())):
-            tiers.append(build_tier(cfg, i, data, fingerprint, ranks, closed))
+            tiers.append(build_tier(cfg, i, data, fingerprint, ranks, closed, part_bytes))
     except BaseException:
         for t in tiers:
             t.close()

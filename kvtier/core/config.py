@@ -242,6 +242,7 @@ class ServingConfig(_Model):
     nvme_write_lag_steps: int = Field(default=4, ge=0)  # NVMe writes reported within N steps (0: in the step)
     max_blocks_per_step: int = 64      # lazy offload bound per scheduler step (<= 0: unbounded)
     async_shared_loads: bool = True    # a shared-tier hit loads while the request waits (no step waits)
+    parallel_agnostic: bool = True     # blocks any TP size can read where certified (connector/canonical.py)
     record_trace: str | None = None    # record the traffic here (connector/recorder.py; for `kvtier plan`)
     record_max_bytes: int = 256 << 20  # ... rotated at this size (the previous file kept as PATH.1)
     model_identity: str | None = Field(default=None, min_length=1, max_length=256)  # names the weights (no digest)

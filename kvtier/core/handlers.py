@@ -511,7 +511,7 @@ class CopiesDown:
                 n, name = 0, None
                 for op, out in done:
                     self.report.copied(op.op_id, out)
-                    n += sum(1 for c in out if c >= 0)
+                    n += sum(1 for c in out if c != -1)
                     name = self.planes.name(op.tier)
                 if errors:  # the engine's words: errno and path
                     self.errors.extend(errors)

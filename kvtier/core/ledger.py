@@ -247,8 +247,8 @@ class InFlight:
 
 
 def rank_sums(by_rank: dict[int, list], n: int, ranks: int) -> list:
-    """Per slot: the checksum (one rank), the tuple of every rank's (several), or -1 when a
-    rank failed the write."""
+    """Per slot: the checksum (one rank), the tuple of every rank's (several; a rank's own tuple
+    when it writes several parts, flattened in rank order), or -1 when a rank failed the write."""
     if ranks == 1:
         sums = next(iter(by_rank.values())) if len(by_rank) == 1 else by_rank.get(0, [])
         return list(sums[:n]) + [-1] * (n - len(sums))
@@ -257,7 +257,11 @@ def rank_sums(by_rank: dict[int, list], n: int, ranks: int) -> list:
                     sorted(by_rank), ranks - 1, n)
         return [-1] * n
     cols = [list(by_rank[r][:n]) + [-1] * (n - len(by_rank[r])) for r in range(ranks)]
-    return [-1 if -1 in t else t for t in zip(*cols)]
+    out: list = []
+    for t in zip(*cols):   # a rank holding several parts reports a tuple: the parts in rank order
+        flat = tuple(c for x in t for c in (x if isinstance(x, tuple) else (x,)))
+        out.append(-1 if -1 in flat else flat)
+    return out
 
 
 # ---- failed loads ------------------------------------------------------------------------------------
