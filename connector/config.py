@@ -32,6 +32,7 @@ _OVERRIDES: dict[str, tuple[str | None, str]] = {
     "shared_admission": ("shared", "admission"), "shared_timeout_s": ("shared", "timeout_s"), "async_shared_loads": (None, "serving.async_shared_loads"),
     "record_trace": (None, "serving.record_trace"), "record_max_bytes": (None, "serving.record_max_bytes"),
     "model_identity": (None, "serving.model_identity"), "data_dir": (None, "serving.data_dir"),
+    "parallel_agnostic": (None, "serving.parallel_agnostic"),
 }
 _OLD_NAMES = {f"redis_{k}": f"shared_{k}" for k in ("url", "cluster", "admission", "timeout_s")}  # still read
 _KNOWN = {"config", "promote"} | set(_OVERRIDES) | set(_OLD_NAMES)

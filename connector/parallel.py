@@ -196,15 +196,6 @@ def check_parts(parts: Parts, layout: Any, vllm_config: Any, kv_cache_config: An
         raise ValueError(f"kvtier: the KV layout does not bear out parallel-agnostic blocks "
                          f"({cmap.describe()}; the config says {parts.describe()}); set "
                          f"serving.parallel_agnostic: false to store topology-bound blocks")
+    from kvtier.tiers.parts import merged
     pieces = slice_pieces(cmap, model_of(layout, H, kinds))
-    return parts, [_merged(pieces[p]) for p in range(*parts.held)]
-
-
-def _merged(pieces: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for off, n in pieces:
-        if out and out[-1][0] + out[-1][1] == off:
-            out[-1] = (out[-1][0], out[-1][1] + n)
-        else:
-            out.append((off, n))
-    return out
+    return parts, [merged(pieces[p]) for p in range(*parts.held)]

@@ -80,7 +80,8 @@ def test_disk_full_then_read_only_mid_run(model_dir, prompts, baseline):
     every request completes with the baseline's tokens, the failures are counted, none raised."""
     with fs_util.small_fs("24M") as fs:
         mnt = fs.path
-        llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=128, nvme_path=os.path.join(mnt, "kv"),
+        # DRAM below the NVMe tier's 128 blocks: the reversed pass is planned from NVMe
+        llm = U.make_llm(model_dir, U.kvtier_config(cpu_capacity_blocks=48, nvme_path=os.path.join(mnt, "kv"),
                                                     nvme_capacity="4MiB", nvme_write_lag_steps=0))
         try:
             s, w = _parts()

@@ -69,7 +69,7 @@ def test_encrypted_nvme_right_key_hits_wrong_key_recomputes(model_dir, prompts, 
         assert U.generate(llm, prompts, MAX_TOKENS) == baseline
         U.run_steps(llm, 5)  # write-behind: every NVMe write reported
         assert s.sched.totals["stored_blocks.nvme"] == stored
-        assert w.worker.nvme.codec.sealer is not None
+        assert all(p.codec.sealer is not None for p in w.worker.nvme.planes)   # each part's file
     finally:
         U.shutdown(llm)
     right, wrong = shutil.copytree(d, tmp_path / "right"), shutil.copytree(d, tmp_path / "wrong")

@@ -220,7 +220,7 @@ def test_two_instances_share(models, baseline, instances, redis_factory, tmp_pat
     assert st["sched"].get("hit_tokens", 0) == 0
     st = a.ask({"op": "drain"})["stats"]
     stored = sum(_stored(p) for p in SHARE)
-    assert _keys(server) == stored          # every computed block written through to the server
+    assert _keys(server) == stored * U.PARTS   # every computed block written through, one value per part
     assert st["worker"]["blocks_stored.cpu"] == stored
 
     toks_b, st = b.generate(SHARE)
@@ -260,7 +260,7 @@ def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_p
     b.ready()
     toks_a, _ = a.generate(KILL)
     a.ask({"op": "drain"})
-    assert _keys(server) == sum(_stored(p) for p in KILL)
+    assert _keys(server) == sum(_stored(p) for p in KILL) * U.PARTS
 
     b.send({"op": "generate", "prompts": KILL, "max_tokens": MT, "pause_after": 2})
     assert b.recv() == {"paused": 2}
@@ -302,7 +302,7 @@ def test_server_killed_mid_run(models, baseline, instances, redis_factory, tmp_p
     assert toks_a2 == baseline["SHARE"]
     assert st["sched"].get("store_failed_blocks.shared", 0) == sum(_stored(p) for p in SHARE), st["sched"]
     assert st["worker"].get("put_failed_blocks.shared", 0) + st["worker"].get("put_skipped_blocks.shared", 0) \
-        == sum(_stored(p) for p in SHARE), st["worker"]
+        == sum(_stored(p) for p in SHARE) * U.PARTS, st["worker"]   # the worker counts each part's value
     print(f"{how}, B after:", {k: v for k, v in sched.items() if "shared" in k or "fail" in k},
           "A after:", {k: v for k, v in st["sched"].items() if "shared" in k or "fail" in k})
     a.quit()                                # shutdown with the server dead or hung: bounded
@@ -320,7 +320,7 @@ def test_other_models_entries_give_no_hits(models, baseline, instances, redis_fa
     a.generate(OTHER)
     a.ask({"op": "drain"})
     n = _keys(server)
-    assert n == sum(_stored(p) for p in OTHER)
+    assert n == sum(_stored(p) for p in OTHER) * U.PARTS
 
     toks_b, st = b.generate(OTHER)
     sched = st["sched"]
@@ -385,7 +385,8 @@ def test_corrupt_values_are_read_once(models, baseline, instances, redis_factory
     assert r["tokens"] == baseline["SHARE"]
     want = sum(_asked(p) for p in SHARE)
     assert sched["hit_blocks.shared"] == want, sched          # each planned once, none again
-    assert worker["corrupt_blocks.shared"] == sched["bad_blocks.shared"] == want, worker   # each read once
+    # each read once: the worker counts each part's value, the scheduler each block
+    assert worker["corrupt_blocks.shared"] == U.PARTS * sched["bad_blocks.shared"] == U.PARTS * want, worker
     assert sched["load_failed_requests"] == len(SHARE)        # each request rescheduled once
     st = b.ask({"op": "drain"})["stats"]
     assert st["shared"]["bad_marked_blocks"] == 0            # B wrote them again: the marks cleared

@@ -27,6 +27,7 @@ def test_tp2_nvme_shards_restart_and_corruption(tmp_path, capsys):
     d = json.loads(p.stdout.strip().splitlines()[-1])
     with capsys.disabled():
         print(f"\n[kvtier e2e] TP=2 (two worker processes): {json.dumps(d)}")
+    assert d["parts"] == "parallel-agnostic blocks (canonical v1, 2 parts of 16384 B; parts 0-0)"
     assert d["pass1"] == {"same_tokens": True, "stored_cpu": 16, "stored_nvme": 16}
     assert d["files"] == ["data.0", "data.1"] and d["restored"] == 16 and d["rank_sums"] == 2
     assert d["pass2"] == {"same_tokens": True, "hits": {"cpu": 0, "nvme": 16 * U.BLOCK}, "corrupt": 0}
@@ -44,6 +45,8 @@ def test_tp2_hybrid_model(tmp_path, capsys):
     with capsys.disabled():
         print(f"\n[kvtier e2e] TP=2 hybrid (Gemma-3): {json.dumps(d)}")
     assert d["hma"] is True
+    # an uncertified layout stays bound to the topology and says so
+    assert d["parts"] == "topology-bound blocks (several KV-cache groups (hybrid model): not certified yet)"
     assert d["pass1"] == {"same_tokens": True, "stored_cpu": 4 * 12, "stored_nvme": 4 * 12}  # 6 blocks x 2 groups
     assert d["files"] == ["data.0", "data.1"] and d["restored"] == 4 * 12 and d["rank_sums"] == 2
     # the full group loads the prefix (6 blocks), the sliding group its window (2): hit blocks

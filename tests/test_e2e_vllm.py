@@ -288,7 +288,7 @@ def test_fsck_checks_the_connectors_directory_without_its_config(copied, tmp_pat
     src, _ = copied
     d = _copy_tier(src, tmp_path / "tier")
     rec = json.loads((d / "fingerprint.json").read_text())
-    assert rec["model"].startswith("weights:") and rec["tp"] == 1
+    assert rec["model"].startswith("weights:") and rec["parts"] == U.PARTS and "tp" not in rec
     assert rec["layout"] == "vllm-kv-blocks/cpu-packed-v1"   # the CPU backend's packed slabs, named (issue 29)
     for extra in ([], ["--rebuild"]):
         r = subprocess.run([sys.executable, "-m", "kvtier", "fsck", "--dir", str(d), "--json", *extra],
@@ -438,7 +438,7 @@ serving: {{nvme_write_lag_steps: 0}}
     nv = json.loads(r.stdout.strip().splitlines()[-1])["tiers"][1]
     assert nv["resident_blocks"] == held and "model" in nv["config_differs_in"]
     assert nv["fingerprint_is"].startswith("written by the vLLM connector")
-    assert nv["block_bytes"] == s.config.block_bytes   # the tier's own, not the YAML's default
+    assert nv["block_bytes"] == s.parts.part_bytes   # the tier's own (one part), not the YAML's default
     sv = nv["serving"]   # the scheduler's totals, left in the directory at shutdown
     hits = {k.split(".")[1]: int(v) for k, v in t2.items() if k.startswith("hit_blocks.")}
     assert sv["blocks_looked_up"] == sum(hits.values()) + int(t2.get("miss_blocks", 0))

@@ -57,6 +57,8 @@ def main(work: str, kind: str = "llama") -> None:
     U.run_steps(e, 6)  # write-behind: every rank's report is in within the lag
     t = dict(sched().totals)
     out["hma"] = e.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    import kvtier.connector as C
+    out["parts"] = [c for c in C.live_connectors("scheduler") if c.sched is not None][-1].parts.describe()
     out["pass1"] = {"same_tokens": first == baseline, "stored_cpu": t.get("stored_blocks.cpu", 0),
                     "stored_nvme": t.get("stored_blocks.nvme", 0)}
     U.shutdown(e)

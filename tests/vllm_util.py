@@ -23,6 +23,9 @@ def set_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+PARTS = 2   # the tiny Llama's 2 KV heads: a parallel-agnostic block is stored as 2 parts (files, values)
+
+
 def build_tiny_llama(path: str | Path, seed: int = 0) -> str:
     """Save a random 2-layer Llama (head_dim 32, 2 KV heads, vocab 512) under `path`."""
     import torch

@@ -21,6 +21,17 @@ from .io_engine import IOHandle, IOResult
 Pieces = list[tuple[int, int]]   # (offset in the row, bytes): one part's value, in order
 
 
+def merged(pieces: Sequence[tuple[int, int]]) -> Pieces:
+    """`pieces` with adjacent ones joined."""
+    out: Pieces = []
+    for off, n in pieces:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return out
+
+
 class PartsHandle(IOHandle):
     """The parts' handles of one batch; `wait` merges them (per block: ok when every part is,
     bad when any part failed verification) and puts the parts read into scratch into the rows."""
@@ -71,7 +82,7 @@ class PartsPlane:
         if not planes or len(planes) != len(pieces):
             raise ValueError(f"parts plane: {len(planes)} planes for {len(pieces)} parts")
         self.planes = list(planes)
-        self.pieces = [list(p) for p in pieces]
+        self.pieces = [merged(p) for p in pieces]
         self.row_bytes = row_bytes
         self.part_bytes = [sum(n for _, n in p) for p in self.pieces]
         self.whole = [p == [(0, row_bytes)] for p in self.pieces]
