@@ -311,6 +311,7 @@ class StoreBounce:
             e[1] = event
 
     def drop_unmarked(self) -> None:
+        """Forget the pieces of the store being queued (it failed)."""
         while self.inflight and self.inflight[-1][1] is None:
             self.inflight.pop()
 

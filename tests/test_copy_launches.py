@@ -395,27 +395,37 @@ class Failing(probes.DeferredStreams):
 
 
 def test_a_failed_scattered_store_never_reaches_its_rows():
-    """A scattered store whose copy reports an error is not stored and its bounce piece is
-    forgotten: its rows are never written (before: the device's copy wrote them), not even once
-    a later store into the same rows is scattered, which is byte-exact."""
+    """A scattered store whose copy reports an error when polled is not stored and its bounce
+    piece is forgotten: its rows are never written (before: the device's copy wrote them), not
+    even when a later store's pieces are scattered; one whose wait fails (`handle_preemptions`
+    settling its blocks) likewise, the rows keeping the bytes last stored there. Byte-exact."""
     st = Failing()
     kv = probes.views("LBNHC", LAYERS, 80, 2, 16, 8, torch.bfloat16, "cpu")
     for t in kv.values():
         t.normal_()
     w = KVTierWorker(worker_settings(64), copy_streams=st)
     w.register_kv_caches(kv)
-    slots = [1, 3, 5, 7, 9, 11, 13, 15]
-    step_hooks(w, stores=[StoreOp(1, 0, slots, list(range(8)))])
-    st.bad.add(st.record())           # the store's event: nothing is queued after it
-    st.drain()
-    rep = w.take_report()
-    assert rep.stored == {1: [False] * 8}
-    assert w.totals[Metric.STORE_COPY_FAILED.key] == 1
     rows = w.pools[0].buffer.view(64, -1)
+    slots, other = [1, 3, 5, 7, 9, 11, 13, 15], [41 + 2 * i for i in range(8)]
+
+    def stored(op_id, at, blocks, fail=False, settle=False):
+        step_hooks(w, stores=[StoreOp(op_id, 0, at, blocks)])
+        if fail:
+            st.bad.add(st.record())       # the store's event: nothing is queued after it
+        if settle:
+            w.handle_preemptions(KVTierMetadata(settle=[blocks[0]]))
+        st.drain()
+        ok = w.take_report().stored == {op_id: [not fail] * len(at)}
+        st.bad.clear()
+        return ok and (fail or all(torch.equal(rows[s], want) for s, want in zip(at, canon_rows(kv, blocks))))
+
+    assert stored(1, slots, list(range(8)), fail=True)
+    assert w.totals[Metric.STORE_COPY_FAILED.key] == 1
+    assert stored(2, other, list(range(40, 48)))          # its pieces scattered: not the failed one's
     assert not rows[slots].any()
-    st.bad.clear()
-    step_hooks(w, stores=[StoreOp(2, 0, slots, list(range(20, 28)))])
-    st.drain()
-    assert w.take_report().stored == {2: [True] * 8}
+    assert stored(3, slots, list(range(20, 28)))
+    assert stored(4, slots, list(range(30, 38)), fail=True, settle=True)
+    assert w.totals[Metric.STORES_DROPPED.key] == 8
+    assert stored(5, other, list(range(50, 58)))
     assert all(torch.equal(rows[s], want) for s, want in zip(slots, canon_rows(kv, range(20, 28))))
     w.close()
