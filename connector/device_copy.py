@@ -21,7 +21,10 @@ The copies are batched per step and direction: every request's blocks (`store_pa
 index tensor (copied to the device once) through a device staging buffer, so a constant number
 of kernels per layer moves the blocks, however many requests; no per-block, per-layer views are
 kept. A store stages as the host rows are laid out (all layers of a block, layer after layer):
-one device->host copy per run of consecutive rows. A load stages layer-major: the host first
+one device->host copy per run of consecutive rows, or, for a chunk whose rows fall in more runs
+than the KV has layers, one copy into a registered bounce ring (`StoreBounce`) that the host
+scatters into the rows once the copy completed, before the store is seen complete (`done`,
+`sync`: a host memcpy per run, not a launch). A load stages layer-major: the host first
 copies each layer's bytes of the rows into a registered ring (`HostRing`: one host copy per layer
 and host buffer), then one host->device copy and one scatter per layer and chunk. Consecutive chunks of the staging size reuse
 the staging buffer in stream order (no host wait). Every host buffer a copy touches is registered
@@ -35,12 +38,17 @@ runs copies later.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
-from kvtier.tiers.cpu_pool import host_buffer, registration_ends
+from kvtier.common.counters import Metric
+from kvtier.common.once import Once
+from kvtier.tiers.cpu_pool import copy_blocks, host_buffer, registration_ends
+
+log = logging.getLogger("kvtier.connector")
 
 STAGING_BYTES = 64 << 20  # device staging per chunk of blocks (at least one block)
 INDEX_ENTRIES = 1 << 16   # the index ring's int64 entries (512 KiB, pinned once)
@@ -262,6 +270,77 @@ class HostRing:
         self.buf.close()
 
 
+class StoreBounce:
+    """A registered (pinned) host ring of rows that a store's chunk of scattered rows lands in with
+    one device->host copy; the host scatters each piece's runs into their rows (`reap`: a host
+    memcpy per run) once the piece's event completed. A piece is handed out only over pieces
+    already scattered: `take` never waits (None: the ring is still in use). The pieces of a store
+    being queued have no event until `mark`; `drop_unmarked` forgets them (their store failed)."""
+
+    def __init__(self, streams: Streams, rows: int, block_bytes: int, pin: bool | str) -> None:
+        self.streams = streams
+        self.buf = host_buffer(rows * block_bytes, pin, row_bytes=block_bytes, what="store bounce")
+        self.rows = self.buf.tensor.view(rows, block_bytes)
+        self.size = rows
+        self.pos = 0   # rows handed out so far (a piece never wraps: the ring's tail is skipped)
+        self.inflight: deque[list] = deque()   # [first row, event or None, [(rows, piece rows)]], in order
+
+    def take(self, n: int) -> tuple[int, torch.Tensor] | None:
+        """(position, `n` rows) that no copy or scatter still uses, or None (nothing waits)."""
+        if n > self.size:
+            return None
+        lo = self.pos
+        if lo % self.size + n > self.size:
+            lo += self.size - lo % self.size
+        hi = lo + n
+        self.reap()
+        if self.inflight and self.inflight[0][0] < hi - self.size:
+            return None
+        self.pos = hi
+        return lo, self.rows[lo % self.size:lo % self.size + n]
+
+    def add(self, lo: int, scatters: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The piece at `lo` goes to these rows ((destination rows, its rows of the piece) each)."""
+        self.inflight.append([lo, None, scatters])
+
+    def mark(self, event: Any) -> None:
+        """The pieces added since the last mark are copied before `event`."""
+        for e in reversed(self.inflight):
+            if e[1] is not None:
+                break
+            e[1] = event
+
+    def drop_unmarked(self) -> None:
+        """Forget the pieces of the store being queued (it failed)."""
+        while self.inflight and self.inflight[-1][1] is None:
+            self.inflight.pop()
+
+    def drop_through(self, event: Any) -> None:
+        """Forget the pieces up to the one copied before `event` (its copies failed); none when no
+        piece has it (a load's event)."""
+        if any(e[1] == event for e in self.inflight):
+            while self.inflight.popleft()[1] != event:
+                pass
+
+    def reap(self) -> None:
+        """Scatter the pieces whose copies completed, oldest first, into their rows; a piece whose
+        event reports an error is forgotten (nothing of it reaches the rows) and the error goes on."""
+        while self.inflight and self.inflight[0][1] is not None:
+            try:
+                if not self.streams.query(self.inflight[0][1]):
+                    return
+            except BaseException:
+                self.inflight.popleft()
+                raise
+            _, _, scatters = self.inflight.popleft()
+            nbytes = sum(d.numel() for d, _ in scatters)
+            copy_blocks([d for d, _ in scatters], [p for _, p in scatters], nbytes // len(scatters))
+
+    def close(self) -> None:
+        self.inflight.clear()
+        self.buf.close()
+
+
 Part = tuple[torch.Tensor, Sequence[int], Sequence[int]]   # (host rows, block ids, their rows)
 Run = tuple[torch.Tensor, int, int, int]   # (host, first staging row, first host row, length)
 Group = tuple[torch.Tensor, int, torch.Tensor]   # (rows buffer, first staging row, its rows' index)
@@ -272,11 +351,13 @@ class DeviceCopier:
     index order: `kv_layout.canonical_view`) <-> rows of host tensors ([rows, block_bytes] uint8:
     layer 0's bytes of a block, then layer 1's, ...). Per chunk of the staging size, whatever the
     number of parts (requests): a store is two kernels per layer (gather, into staging) and a load
-    one (scatter), plus one host<->device copy per run of consecutive rows and one copy of the
-    indices per call."""
+    one (scatter), plus one copy of the indices per call and the host<->device copies: a load's one
+    per layer, a store's one per run of consecutive rows, or one through the bounce ring for a
+    chunk whose runs outnumber the layers (`direct_runs`). `count`: the counters (the worker's)."""
 
     def __init__(self, flat: Sequence[torch.Tensor], offsets: Sequence[int], streams: Streams,
-                 staging_bytes: int = STAGING_BYTES, pin: bool | str = "auto") -> None:
+                 staging_bytes: int = STAGING_BYTES, pin: bool | str = "auto",
+                 count: Callable[[str, float], None] | None = None) -> None:
         self.flat = list(flat)
         self.offsets = list(offsets)
         self.block_bytes = self.offsets[-1]
@@ -286,7 +367,11 @@ class DeviceCopier:
         self.index = IndexRing(streams, self.device, pin)
         self.pin = pin
         self.ring: HostRing | None = None   # loads' layer-major host staging (made at the first load)
+        self.bounce: StoreBounce | None = None   # stores' scattered rows (made at the first such store)
+        self.direct_runs = len(self.flat)   # a store chunk of more runs goes through the bounce ring
         self.chunk = max(1, min(staging_bytes // self.block_bytes, self.index.size))
+        self.count = count
+        self.once = Once(log)
         self.trace: list[tuple[int, int]] | None = None   # host ranges copied, rows and indices (tests)
 
     def traced(self) -> list[tuple[int, int]]:
@@ -337,9 +422,11 @@ class DeviceCopier:
             for k, r0, n in split_runs(host, row_runs([r for _, r, _ in sub[i:j]])):
                 runs.append((host, i + k, r0, n))
             i = j
+        return runs
+
+    def _traced(self, runs: list[Run]) -> None:
         if self.trace is not None:
             self.trace.extend((h.data_ptr() + r0 * h.stride(0), n * h.stride(0)) for h, _, r0, n in runs)
-        return runs
 
     def store(self, host: torch.Tensor, block_ids: Sequence[int], rows: Sequence[int]) -> Any:
         """`store_parts` of one part."""
@@ -351,14 +438,81 @@ class DeviceCopier:
 
     def store_parts(self, parts: Sequence[Part]) -> Any:
         """KV blocks -> host rows, after the forward, all parts together; returns the event to poll
-        (`query`) before the host bytes are used. Nothing waits for it: the caller keeps the blocks
-        from being reused until it completed (the module's docstring)."""
+        (`done`, or `sync`: not the streams' own, which skip the bounce ring's scatter) before the
+        host bytes are used. Nothing waits for it: the caller keeps the blocks from being reused
+        until it completed (the module's docstring)."""
         s = self.streams
         s.fence()
         with self._settled(), s.side():
-            for idx, runs in self._chunks(parts):
-                s.run(self._gather, idx, runs)
-            return s.record()
+            chunks = self._chunks(parts)
+            scattered = [len(runs) > self.direct_runs and all(self.on_host(h) for h, _, _, _ in runs)
+                         for _, runs in chunks]
+            if any(scattered):
+                self._bounce_for(sum(idx.numel() for (idx, _), b in zip(chunks, scattered) if b))
+            for (idx, runs), b in zip(chunks, scattered):
+                got = self.bounce.take(idx.numel()) if b else None
+                if b and got is None:
+                    self._bounce_full(idx.numel())
+                if got is None:
+                    self._traced(runs)
+                    s.run(self._gather, idx, runs)
+                    continue
+                lo, piece = got
+                pieces = split_runs(self.bounce.rows, [(0, lo % self.bounce.size, idx.numel())])
+                if self.trace is not None:
+                    self.trace.extend((piece[i].data_ptr(), n * self.block_bytes) for i, _, n in pieces)
+                s.run(self._gather_into, idx, piece, pieces)
+                self.bounce.add(lo, [(h[r0:r0 + n], piece[i:i + n]) for h, i, r0, n in runs])
+            ev = s.record()
+            if self.bounce is not None:
+                self.bounce.mark(ev)
+            return ev
+
+    def done(self, event: Any) -> bool:
+        """Whether the copies before `event` completed, their rows scattered (the host does not wait
+        for the device; it scatters the bounce ring's completed pieces); an error forgets the
+        pieces up to `event` (their store is not stored)."""
+        try:
+            ok = self.streams.query(event)
+        except BaseException:
+            if self.bounce is not None:
+                self.bounce.drop_through(event)
+            raise
+        if self.bounce is not None:
+            self.bounce.reap()
+        return ok
+
+    def sync(self, event: Any) -> None:
+        """The host waits for `event`, then scatters the bounce ring's completed pieces; an error
+        forgets the pieces up to `event` (their store is not stored)."""
+        try:
+            self.streams.sync(event)
+        except BaseException:
+            if self.bounce is not None:
+                self.bounce.drop_through(event)
+            raise
+        if self.bounce is not None:
+            self.bounce.reap()
+
+    def _bounce_for(self, rows: int) -> None:
+        """A bounce ring of `rows` (up to two chunks of the staging size); a smaller one is replaced
+        once nothing in it waits for its scatter (else it serves as it is)."""
+        want = min(2 * self.chunk, max(-(-(1 << 20) // self.block_bytes), 1 << (rows - 1).bit_length()))
+        if self.bounce is not None and self.bounce.size >= want:
+            return
+        if self.bounce is not None:
+            self.bounce.reap()
+            if self.bounce.inflight:
+                return
+            self.bounce.close()
+        self.bounce = StoreBounce(self.streams, want, self.block_bytes, self.pin)
+
+    def _bounce_full(self, n: int) -> None:
+        if self.count is not None:
+            self.count(Metric.STORE_BOUNCE_FULL.key, 1)
+        self.once(("bounce_full",), logging.WARNING, "kvtier: a store of %d scattered rows found the store "
+                  "bounce ring (%d rows) still in use: copied run by run (more copies, no wait)", n,
+                  self.bounce.size)
 
     def load_parts(self, parts: Sequence[Part]) -> list[Any]:
         """Host rows -> KV blocks, all parts together, after the work queued on the compute stream;
@@ -390,6 +544,7 @@ class DeviceCopier:
         buffer's side, a device one copied through the index ring)."""
         out = []
         for idx, runs in self._chunks(parts):
+            self._traced(runs)
             groups: list[tuple[torch.Tensor, int, list[int]]] = []
             for host, i, r0, n in runs:
                 if groups and groups[-1][0] is host and groups[-1][1] + len(groups[-1][2]) == i:
@@ -434,15 +589,29 @@ class DeviceCopier:
                 self.streams.sync(self.streams.record())
             except Exception:  # noqa: BLE001 - the device itself failed: the first error goes on
                 pass
+            if self.bounce is not None:   # a failed store's pieces never reach its rows
+                self.bounce.drop_unmarked()
             raise
 
     # the copies themselves, queued on the side stream by `Streams.run`
-    def _gather(self, idx: torch.Tensor, runs: list[Run]) -> None:
+    def _staged(self, idx: torch.Tensor) -> torch.Tensor:
+        """The blocks `idx` gathered into staging rows (two kernels per layer)."""
         st = self._stage(idx.numel())
         for li, f in enumerate(self.flat):
             st[:, self.offsets[li]:self.offsets[li + 1]].copy_(f.index_select(0, idx).flatten(1))
+        return st
+
+    def _gather(self, idx: torch.Tensor, runs: list[Run]) -> None:
+        st = self._staged(idx)
         for host, i, r0, n in runs:
             host[r0:r0 + n].copy_(st[i:i + n], non_blocking=True)
+
+    def _gather_into(self, idx: torch.Tensor, piece: torch.Tensor, pieces: list[tuple[int, int, int]]) -> None:
+        """The blocks `idx` into the bounce ring's `piece`: one device->host copy (one per
+        registration the piece lies in)."""
+        st = self._staged(idx)
+        for i, _, n in pieces:
+            piece[i:i + n].copy_(st[i:i + n], non_blocking=True)
 
     def _load_layer(self, li: int, idx: torch.Tensor, piece: torch.Tensor | None, on_device: list[Group]) -> None:
         f = self.flat[li]
@@ -459,3 +628,5 @@ class DeviceCopier:
         self.index.close()
         if self.ring is not None:
             self.ring.close()
+        if self.bounce is not None:
+            self.bounce.close()

@@ -230,10 +230,11 @@ class KVCopier:
     device copier (`device_copy.DeviceCopier`: a step's jobs batched together, on a side stream
     ordered against the forward). Otherwise per-layer canonical views (`ViewCopy`).
     `streams` forces the device copier (tests drive it on CPU tensors with a fake that runs the
-    copies later, as a GPU does: `benchmarks/gpu/probes.DeferredStreams`).
+    copies later, as a GPU does: `benchmarks/gpu/probes.DeferredStreams`); `count`: the counters
+    the device copier counts into (the worker's).
     """
 
-    def __init__(self, layout: KVLayout, pool: CpuPool, streams=None) -> None:
+    def __init__(self, layout: KVLayout, pool: CpuPool, streams=None, count=None) -> None:
         self.layout = lay = layout
         self.pool = pool
         n = pool.num_slots
@@ -245,7 +246,7 @@ class KVCopier:
         if streams is None and lay.device.type == "cuda" and cuda_available():  # pragma: no cover
             streams = CudaStreams(lay.device)
         if streams is not None:   # gathers / scatters each layer's canonical view, whatever its layout
-            self.device = DeviceCopier(lay.canon, lay.offsets, streams, pin=pool.pinned)
+            self.device = DeviceCopier(lay.canon, lay.offsets, streams, pin=pool.pinned, count=count)
         # rows in the KV's device memory that GPUDirect Storage reads land in (verified there, then
         # scattered like host rows): with the device copier only
         self.device_staging = Staging(lay.block_bytes, device=lay.device) if self.device is not None else None
@@ -323,11 +324,11 @@ class KVCopier:
 
     def sync(self, event) -> None:
         if event is not None and self.device is not None:
-            self.device.streams.sync(event)
+            self.device.sync(event)
 
     def done(self, event) -> bool:
         """Whether the copies before `event` completed (the host does not wait)."""
-        return event is None or self.device is None or self.device.streams.query(event)
+        return event is None or self.device is None or self.device.done(event)
 
     # ---- the host (CPU backend) and per-view copies -----------------------------------------
     def run(self, jobs: Sequence[Job], to_outside: bool) -> None:
@@ -347,9 +348,9 @@ class KVCopier:
             if to_outside:
                 events = dev.load_parts(_parts(dj))
                 if events:
-                    dev.streams.sync(events[-1])
+                    dev.sync(events[-1])
             else:
-                dev.streams.sync(dev.store_parts(_parts(dj)))
+                dev.sync(dev.store_parts(_parts(dj)))
 
     def copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         # shapes differ only for non-contiguous layer blocks: view the byte side accordingly

@@ -123,7 +123,7 @@ class KVTierWorker:
             self.ex.finish_loads()
             self.pending.drain(SHUTDOWN_FLUSH_TIMEOUT_S)
             self.layout = lay
-            self.kv = KVCopier(lay, self.pools[0], self._copy_streams)
+            self.kv = KVCopier(lay, self.pools[0], self._copy_streams, self.count)
             self.ex.bind(self.kv)
             log.info("kvtier worker: KV re-registered (%s); cpu pool kept, %d slots", lay.describe(),
                      self.pools[0].num_slots)
@@ -143,7 +143,7 @@ class KVTierWorker:
         self._capacity = {0: n}   # the scheduler's tier follows (the first report)
         pool = CpuPool(n, lay.block_bytes, self._pin)
         self.pools = [pool]
-        self.kv = KVCopier(lay, pool, self._copy_streams)
+        self.kv = KVCopier(lay, pool, self._copy_streams, self.count)
         self.ex = Executor(self.kv, [pool], lay.block_bytes, tier_names=self._tier_names, write_lag_steps=self._lag,
                            rank=self.rank,
                            staging=Staging(lay.block_bytes, self._pin), report_cls=KVTierWorkerMeta,

@@ -4,7 +4,8 @@ item's launches): all requests' stores of a step, and all their loads, take the 
 layer as one request's (only host<->device copies follow runs of rows); every layout round-trips
 byte-exact with many requests and chunks crossing the staging size, each layer's reads on the
 compute stream seeing its blocks; the index ring looks at its oldest copies only (O(1) per copy);
-`benchmarks/gpu/launches.py --json` prints the figures."""
+a store's scattered rows take one device->host copy (a bounce ring the host scatters from before
+the store is reported); `benchmarks/gpu/launches.py --json` prints the figures."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.common.counters import Metric
 from kvtier.connector.device_copy import DeviceCopier, IndexRing
 from kvtier.connector.kv_layout import KVLayout
 from kvtier.connector.metadata import KVTierMetadata, LoadOp, StoreOp
@@ -47,20 +49,27 @@ def counted_step(w: KVTierWorker, st: probes.DeferredStreams, loads, stores) -> 
 
 
 @pytest.fixture
-def counting():
+def counting_kv():
     st = probes.DeferredStreams(count=True)
     kv = probes.views("LBNHC", LAYERS, 80, 2, 16, 8, torch.bfloat16, "cpu")
     w = KVTierWorker(worker_settings(64), copy_streams=st)
     w.register_kv_caches(kv)
-    yield w, st
+    yield w, st, kv
     w.close()
+
+
+@pytest.fixture
+def counting(counting_kv):
+    yield counting_kv[:2]
 
 
 def test_sixteen_requests_launch_what_one_does(counting):
     """16 one-block requests storing (slots 0..15) and 16 loading (slots 20..35) in one step: the
     same launches and events as 1 and 1 (before: 16 times the kernels, one event per layer and
-    request). Rows apart: a store takes one device->host copy more per run; a load none (its rows
-    are staged layer-major on the host: one host->device copy and one scatter per layer)."""
+    request). Rows apart (16 runs, more than the 6 layers): a store takes the same launches (one
+    device->host copy into the bounce ring, scattered on the host; before: one copy per run, 15
+    more); a load too (its rows are staged layer-major on the host: one host->device copy and one
+    scatter per layer)."""
     w, st = counting
     one = counted_step(w, st, [LoadOp("a", 0, [20], [40])], [StoreOp(1, 0, [0], [1])])
     assert one == (2 * LAYERS + 1, 2 * LAYERS + 2, LAYERS + 3)   # + the indices' copy (+ one run of rows)
@@ -69,7 +78,7 @@ def test_sixteen_requests_launch_what_one_does(counting):
     assert many == one
     apart = counted_step(w, st, [LoadOp(f"l{i}", 0, [2 * i], [40 + i]) for i in range(16)],
                          [StoreOp(10 + i, 0, [33 + 2 * i], [1 + i]) for i in range(16)])
-    assert apart == (one[0], one[1] + 15, one[2])
+    assert apart == one
 
 
 def test_one_index_copy_per_direction_and_chunks_follow_bytes(counting):
@@ -151,7 +160,7 @@ def test_parts_of_two_host_buffers_in_chunks_byte_exact():
     c = torch.zeros(6, lay.block_bytes, dtype=torch.uint8)
     parts = [(a, [5, 1], [7, 2]), (c, [9, 3, 4], [0, 1, 2]), (a, [11], [3]), (c, [0], [5])]
     ev = dc.store_parts(parts)
-    st.sync(ev)
+    dc.sync(ev)
     for host, ids, rws in parts:
         for blk, r in zip(ids, rws):
             assert torch.equal(host[r], torch.cat([probes.canonical(t, blk) for t in orig.values()]))
@@ -213,7 +222,8 @@ def test_launches_benchmark_prints_one_json_line():
         assert k in res, k
     assert res["layers"] == 16
     assert res["store_launches_per_layer_1000_blocks"] <= 4 and res["load_launches_per_layer_1000_blocks"] <= 4
-    assert res["launches_16_requests"] == res["launches_1_request"] + 15    # one store copy per run more
+    assert res["launches_16_requests"] == res["launches_1_request"] + 15    # 16 runs, 16 layers: a copy per run
+    assert res["store_launches_per_layer_1000_blocks_scattered_rows"] <= 4
     assert res["load_launches_16_requests"] == res["load_launches_1_request"] == 2 * 16 + 1
     assert res["load_launches_per_layer_1000_blocks_scattered_rows"] <= 4
     assert res["layer0_wait_fraction"] <= 1 / 16 + 0.05
@@ -285,3 +295,137 @@ def test_rows_in_device_memory_are_gathered_there_byte_exact():
     pieces = [n for p, n in trace if ring.data_ptr() <= p < ring.data_ptr() + ring.numel()]
     assert len(pieces) == 4     # chunks of 4: host rows 2, 3, 7 and device row 0; device rows only (twice)
     dc.close()
+
+
+def step_hooks(w: KVTierWorker, loads=(), stores=()) -> None:
+    """One step's hooks, no report (the copies stay queued)."""
+    w.bind(KVTierMetadata(loads=list(loads), stores=list(stores)))
+    w.start_load()
+    w.save()
+
+
+def canon_rows(kv: dict[str, torch.Tensor], blocks) -> list[torch.Tensor]:
+    return [torch.cat([probes.canonical(t, b) for t in kv.values()]) for b in blocks]
+
+
+def test_scattered_store_rows_take_one_copy_and_round_trip_byte_exact(counting_kv):
+    """20 blocks stored into slots two apart in random order (20 runs, more than the 6 layers):
+    the kernels per layer and one device->host copy (before: one per run, 19 more); the DRAM rows
+    are written by the host once the copy completed, when the store is reported (not before),
+    byte-exact; loaded back (rows apart), byte-exact."""
+    w, st, kv = counting_kv
+    g = torch.Generator().manual_seed(11)
+    for t in kv.values():
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+    orig = {n: t.clone() for n, t in kv.items()}
+    slots = (2 * torch.randperm(20, generator=g)).tolist()
+    blocks = list(range(3, 23))
+    rows = w.pools[0].buffer.view(64, -1)
+    st.drain()
+    s0 = len(st.q["side"])
+    step_hooks(w, stores=[StoreOp(1 + i, 0, slots[2 * i:2 * i + 2], blocks[2 * i:2 * i + 2]) for i in range(10)])
+    s1 = len(st.q["side"])
+    st.drain()
+    assert sum(st.item_launches["side"][s0:s1]) == 2 * LAYERS + 2      # the kernels, the indices, one copy
+    assert not rows[slots].any()                                      # in the bounce ring until the report
+    assert w.take_report().stored == {1 + i: [True, True] for i in range(10)}
+    assert all(torch.equal(rows[s], want) for s, want in zip(slots, canon_rows(orig, blocks)))
+    for t in kv.values():
+        t[40:60].zero_()
+    ld, _, _ = counted_step(w, st, [LoadOp("r", 0, slots, list(range(40, 60)))], [])
+    assert ld == 2 * LAYERS + 1
+    for n, t in kv.items():
+        assert torch.equal(t[40:60].view(torch.uint8), orig[n][3:23].view(torch.uint8)), n
+    assert w.totals.get(Metric.STORE_BOUNCE_FULL.key, 0) == 0
+
+
+def test_a_full_bounce_ring_copies_run_by_run_counted_byte_exact(counting_kv, caplog):
+    """Chunks of 4 blocks, a store bounce ring of 8 rows: a step of 8 scattered blocks fills it; the
+    next step's 4, queued while the first's copies have not run, find it in use: copied run by
+    run (no host wait), counted and logged once; a third step, once the first two were reported,
+    uses the ring again. Every row byte-exact."""
+    w, st, kv = counting_kv
+    for t in kv.values():
+        t.normal_()
+    dc = w.kv.device
+    dc.chunk, dc.direct_runs = 4, 2
+    per_chunk = 2 * LAYERS + 1
+    st.drain()
+    s0 = len(st.q["side"])
+    step_hooks(w, stores=[StoreOp(1, 0, [0, 2, 4, 6, 8, 10, 12, 14], list(range(8)))])
+    s1 = len(st.q["side"])
+    step_hooks(w, stores=[StoreOp(2, 0, [20, 22, 24, 26], [10, 11, 12, 13])])
+    s2 = len(st.q["side"])
+    assert dc.bounce.size == 8
+    st.drain()
+    n = st.item_launches["side"]
+    assert sum(n[s0:s1]) == 2 * per_chunk + 1 and sum(n[s1:s2]) == 2 * LAYERS + 4 + 1
+    assert w.totals[Metric.STORE_BOUNCE_FULL.key] == 1
+    assert "bounce ring" in caplog.text
+    assert w.take_report().stored == {1: [True] * 8, 2: [True] * 4}
+    s3 = len(st.q["side"])
+    step_hooks(w, stores=[StoreOp(3, 0, [30, 32, 34, 36], [20, 21, 22, 23])])
+    s4 = len(st.q["side"])
+    st.drain()
+    assert sum(st.item_launches["side"][s3:s4]) == per_chunk + 1
+    assert w.take_report().stored == {3: [True] * 4}
+    assert w.totals[Metric.STORE_BOUNCE_FULL.key] == 1
+    rows = w.pools[0].buffer.view(64, -1)
+    for sl, b in zip([0, 2, 4, 6, 8, 10, 12, 14, 20, 22, 24, 26, 30, 32, 34, 36],
+                     list(range(8)) + [10, 11, 12, 13, 20, 21, 22, 23]):
+        assert torch.equal(rows[sl], canon_rows(kv, [b])[0]), (sl, b)
+
+
+class Failing(probes.DeferredStreams):
+    """Events in `bad` report a device error when queried or waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad: set[int] = set()
+
+    def query(self, event):
+        if event in self.bad:
+            raise RuntimeError("device copy failed")
+        return super().query(event)
+
+    def sync(self, event):
+        if event in self.bad:
+            raise RuntimeError("device copy failed")
+        super().sync(event)
+
+
+def test_a_failed_scattered_store_never_reaches_its_rows():
+    """A scattered store whose copy reports an error when polled is not stored and its bounce
+    piece is forgotten: its rows are never written (before: the device's copy wrote them), not
+    even when a later store's pieces are scattered; one whose wait fails (`handle_preemptions`
+    settling its blocks) likewise, the rows keeping the bytes last stored there. Byte-exact."""
+    st = Failing()
+    kv = probes.views("LBNHC", LAYERS, 80, 2, 16, 8, torch.bfloat16, "cpu")
+    for t in kv.values():
+        t.normal_()
+    w = KVTierWorker(worker_settings(64), copy_streams=st)
+    w.register_kv_caches(kv)
+    rows = w.pools[0].buffer.view(64, -1)
+    slots, other = [1, 3, 5, 7, 9, 11, 13, 15], [41 + 2 * i for i in range(8)]
+
+    def stored(op_id, at, blocks, fail=False, settle=False):
+        step_hooks(w, stores=[StoreOp(op_id, 0, at, blocks)])
+        if fail:
+            st.bad.add(st.record())       # the store's event: nothing is queued after it
+        if settle:
+            w.handle_preemptions(KVTierMetadata(settle=[blocks[0]]))
+        st.drain()
+        ok = w.take_report().stored == {op_id: [not fail] * len(at)}
+        st.bad.clear()
+        return ok and (fail or all(torch.equal(rows[s], want) for s, want in zip(at, canon_rows(kv, blocks))))
+
+    assert stored(1, slots, list(range(8)), fail=True)
+    assert w.totals[Metric.STORE_COPY_FAILED.key] == 1
+    assert stored(2, other, list(range(40, 48)))          # its pieces scattered: not the failed one's
+    assert not rows[slots].any()
+    assert stored(3, slots, list(range(20, 28)))
+    assert stored(4, slots, list(range(30, 38)), fail=True, settle=True)
+    assert w.totals[Metric.STORES_DROPPED.key] == 8
+    assert stored(5, other, list(range(50, 58)))
+    assert all(torch.equal(rows[s], want) for s, want in zip(slots, canon_rows(kv, range(20, 28))))
+    w.close()

@@ -23,7 +23,7 @@ import torch
 from kvtier.common.counters import Metric
 from kvtier.core.config import ConfigError, parse_config
 from kvtier.core.executor import Executor
-from kvtier.core.plan import LoadOp
+from kvtier.core.plan import LoadOp, Plan
 from kvtier.core.staging import Staging
 from kvtier.connector.kv_layout import KVCopier, KVLayout
 from kvtier.policies import EVICTION
@@ -384,3 +384,243 @@ def test_gds_worker_loads_nvme_into_device_staging_and_sets_the_gauge(gds_kvikio
     finally:
         w.close()
         ctl.close()
+
+
+# ---- stores device -> file: a stack whose top tier is NVMe (no DRAM tier) ----------------------------
+def _nvme_top(tmp_path, kv_seed, io="kvikio"):
+    """The controller over one NVMe tier (no DRAM tier: its stores go straight into the file) on
+    `io`, a KV on CPU tensors driven by the device copier (`probes.DeferredStreams`), the executor
+    between them (each counting into its own counters, as the connector's two sides do)."""
+    from kvtier.core.controller import TierController
+    from kvtier.tiers.nvme import NvmeTier
+    g = torch.Generator().manual_seed(kv_seed)
+    buf = torch.randn(2, NB, H, BT, D, generator=g)
+    caches = {f"l{i}": buf[i] for i in range(2)}
+    lay = KVLayout(caches, NB)
+    bb = lay.block_bytes
+    tier = NvmeTier("nvme", str(tmp_path / "nvme"), 8, bb, EVICTION.get("lru")(8), io=io, fingerprint={"model": "t"})
+    pool = CpuPool(2, bb, pin=False)   # the copier's own; not a tier
+    kv = KVCopier(lay, pool, streams=probes.DeferredStreams())
+    ctrl = TierController([tier])
+    ex = Executor(kv, [tier.data_plane], bb, tier_names=["nvme"], staging=Staging(bb, pin=False))
+    return caches, tier, pool, kv, ctrl, ex
+
+
+def _close(tier, pool, ex):
+    ex.close()
+    tier.close()
+    pool.close()
+
+
+def _round(ctrl, ex) -> set[int]:
+    """Run the controller's plan through the executor and complete it; the load errors."""
+    ctrl.complete(ex.run(ctrl.take_plan()))
+    return ex.take_load_errors()
+
+
+def _load(ctrl, ex, keys, dst) -> set[int]:
+    lease = ctrl.acquire("r", keys)
+    assert lease is not None
+    ctrl.load("r", lease.num_blocks, dst)
+    errors = _round(ctrl, ex)
+    ctrl.release("r")
+    return errors
+
+
+def test_gds_store_with_no_dram_tier_goes_device_to_file_and_reads_back_verified(gds_kvikio, tmp_path, caplog):
+    """A store into an NVMe top tier on io: kvikio: the KV blocks gathered into the device staging
+    rows, each payload written from there (no host buffer, no host copy; format 4, its keyed sum
+    computed on the device), flushed, then indexed with the tags the executor reported; loaded
+    back file -> device staging -> KV byte-exact and verified. Counted per block, the path logged
+    once for the tier."""
+    caches, tier, pool, kv, ctrl, ex = _nvme_top(tmp_path, 1)
+    try:
+        ids, keys = [1, 2, 3, 4], [b"k%d" % i for i in range(6)]
+        want = [_block(caches, b).clone() for b in ids + [5, 6]]
+        gds_kvikio.CuFile.moved.clear()
+        with caplog.at_level(logging.INFO, logger="kvtier.executor"):
+            ctrl.store(keys[:4], ids)
+            plan = ctrl.take_plan()
+            assert [(op.tier, op.keys) for op in plan.stores] == [(0, keys[:4])] and not plan.copies
+            ctrl.complete(ex.run(plan))
+            ctrl.store(keys[4:], [5, 6])
+            assert _round(ctrl, ex) == set()
+        assert ctrl.lookup(keys) == 6
+        rows = kv.device_staging.rows()
+        lo, hi = rows.data_ptr(), rows.data_ptr() + rows.numel()
+        moved = gds_kvikio.CuFile.moved
+        assert [m[:2] for m in moved] == [("pwrite", "device")] * 6
+        assert all(lo <= m[2] < hi for m in moved)                   # from the device staging rows
+        st = tier.data.engine.stats()
+        assert st["host_payload_bytes"] == 0 and st["host_fallback_blocks"] == 0
+        for k in keys:
+            assert struct.unpack_from("<H", os.pread(tier.data.file.fd, 16, tier.find(k) * tier.data.stride), 8)[0] \
+                == DEVICE_VERSION
+        totals = ex.counters.totals
+        assert totals[Metric.DEVICE_STORED_BLOCKS.at("nvme")] == 6 and totals[Metric.BLOCKS_STORED.at("nvme")] == 6
+        assert totals[Metric.BYTES_STORED.at("nvme")] == 6 * tier.block_bytes
+        assert ctrl.totals[Metric.STORED_BLOCKS.at("nvme")] == 6    # committed: indexed
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO and "stores into nvme" in r.getMessage()]
+        assert len(said) == 1 and "device -> file" in said[0] and "GDS" in said[0]
+        for t in caches.values():
+            t.zero_()
+        moved.clear()
+        dst = [7, 0, 5, 6, 1, 2]
+        assert _load(ctrl, ex, keys, dst) == set()
+        assert all(torch.equal(_block(caches, b), w) for b, w in zip(dst, want))
+        rows = kv.device_staging.rows()   # grown to 6 rows for the load
+        lo, hi = rows.data_ptr(), rows.data_ptr() + rows.numel()
+        assert [m[:2] for m in moved] == [("pread", "device")] * 6 and all(lo <= m[2] < hi for m in moved)
+        assert tier.data.engine.stats()["host_payload_bytes"] == 0
+    finally:
+        _close(tier, pool, ex)
+
+
+def test_gds_stored_block_with_a_flipped_byte_is_a_miss_and_counted(gds_kvikio, tmp_path):
+    """A block stored device -> file whose payload has one flipped byte on disk: its load fails
+    verification on the device, counted corrupt, a load error whose KV block keeps its bytes,
+    quarantined (the next lookup ends before it); the others load byte-exact."""
+    caches, tier, pool, kv, ctrl, ex = _nvme_top(tmp_path, 2)
+    try:
+        keys = [b"k%d" % i for i in range(4)]
+        want = [_block(caches, b).clone() for b in (1, 2, 3, 4)]
+        ctrl.store(keys, [1, 2, 3, 4])
+        assert _round(ctrl, ex) == set() and ctrl.lookup(keys) == 4
+        off = tier.find(keys[2]) * tier.data.stride + ALIGN + 5
+        fd = os.open(tier.data.path, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, off)[0] ^ 0xFF]), off)
+        finally:
+            os.close(fd)
+        for t in caches.values():
+            t.fill_(3.0)
+        before = _block(caches, 0).clone()
+        assert _load(ctrl, ex, keys, [5, 6, 0, 7]) == {0}
+        assert ctrl.totals[Metric.CORRUPT_BLOCKS.at("nvme")] == 1 and ex.counters.totals[Metric.CORRUPT_BLOCKS.at("nvme")] == 1
+        assert torch.equal(_block(caches, 0), before)                # never scattered
+        assert torch.equal(_block(caches, 5), want[0]) and torch.equal(_block(caches, 6), want[1])
+        assert torch.equal(_block(caches, 7), want[3])
+        assert ctrl.lookup(keys) == 2
+    finally:
+        _close(tier, pool, ex)
+
+
+def test_gds_device_written_blocks_are_served_by_the_host_path_after_a_restart(gds_kvikio, tmp_path):
+    """Blocks stored device -> file (format 4) and indexed; the directory reopened on io: posix:
+    the host path (O_DIRECT into host buffers, the keyed sum checked on the host) serves every
+    one byte-exact, none through kvikio."""
+    from kvtier.core.stack import TierStack
+    caches, tier, pool, kv, ctrl, ex = _nvme_top(tmp_path, 3)
+    try:
+        keys = [b"k%d" % i for i in range(5)]
+        want = [_block(caches, b).clone() for b in (3, 1, 4, 6, 5)]
+        ctrl.store(keys, [3, 1, 4, 6, 5])
+        assert _round(ctrl, ex) == set()
+    finally:
+        _close(tier, pool, ex)
+    cfg = parse_config({"block_bytes": want[0].numel(), "tiers": [
+        {"name": "nvme", "kind": "nvme", "path": str(tmp_path / "nvme"), "capacity_blocks": 8, "io": "posix"}]},
+        "t", check_env=False)
+    gds_kvikio.CuFile.moved.clear()
+    with TierStack.from_config(cfg, fingerprint={"model": "t"}) as stack:
+        assert stack.tiers[0].restored_blocks == 5 and "posix" in stack.tiers[0].data.description
+        dst = [torch.zeros_like(w) for w in want]
+        assert stack.get(keys, dst) == 5
+        assert all(torch.equal(a, b) for a, b in zip(dst, want))
+    assert gds_kvikio.CuFile.moved == []
+
+
+def test_gds_store_paths_where_they_are_not_device_to_file(gds_kvikio, tmp_path):
+    """Where a store does not go device -> file: on io: posix (the engine moves host memory) an
+    NVMe top tier's store gathers into host staging rows and writes host -> file; with a DRAM tier
+    above NVMe (every stack of the connector) the store lands in DRAM and the copy down writes the
+    DRAM slot, host -> file, even on io: kvikio. Neither counts device_stored_blocks."""
+    caches, tier, pool, kv, ctrl, ex = _nvme_top(tmp_path, 4, io="posix")
+    try:
+        keys = [b"k%d" % i for i in range(3)]
+        want = [_block(caches, b).clone() for b in (1, 2, 3)]
+        ctrl.store(keys, [1, 2, 3])
+        assert _round(ctrl, ex) == set() and ctrl.lookup(keys) == 3
+        assert ctrl.totals[Metric.STORED_BLOCKS.at("nvme")] == 3 and ex.counters.totals[Metric.BLOCKS_STORED.at("nvme")] == 3
+        assert Metric.DEVICE_STORED_BLOCKS.at("nvme") not in ex.counters.totals
+        for t in caches.values():
+            t.zero_()
+        assert _load(ctrl, ex, keys, [4, 5, 6]) == set()
+        assert all(torch.equal(_block(caches, b), w) for b, w in zip((4, 5, 6), want))
+    finally:
+        _close(tier, pool, ex)
+    caches, lay, ctl, data, pool, kv, staging, ex = _stack(tmp_path / "dram", 5)   # cpu, nvme on io: kvikio
+    try:
+        from kvtier.core.plan import CopyOp, StoreOp
+        gds_kvikio.CuFile.moved.clear()
+        keys = [b"d%d" % i for i in range(2)]
+        ex.run(Plan(stores=[StoreOp(1, 0, [0, 1], [1, 2])], copies=[CopyOp(2, [0, 1], [0, 1], keys)]))
+        moved = gds_kvikio.CuFile.moved   # (CPU tensors pose as device memory here: told apart by address)
+        lo, hi = pool.buffer.data_ptr(), pool.buffer.data_ptr() + pool.buffer.numel()
+        assert [m[0] for m in moved] == ["pwrite"] * 2 and all(lo <= m[2] < hi for m in moved)   # the DRAM slots
+        assert Metric.DEVICE_STORED_BLOCKS.at("nvme") not in ex.counters.totals
+    finally:
+        ex.close()
+        data.close()
+        ctl.close()
+        pool.close()
+
+
+def test_gds_failed_device_write_is_not_indexed_and_is_counted(gds_kvikio, tmp_path, caplog, monkeypatch):
+    """kvikio fails one block's device -> file write (EIO): that block is not committed (counted in
+    store_failed_blocks and the engine's io_errors, logged once), its slot released, a later
+    lookup misses it; the op's other blocks are indexed and load byte-exact."""
+    caches, tier, pool, kv, ctrl, ex = _nvme_top(tmp_path, 6)
+    try:
+        keys = [b"k%d" % i for i in range(3)]
+        want = [_block(caches, b).clone() for b in (1, 2, 3)]
+        real = gds_kvikio.CuFile.pwrite
+        bad_off = {}
+
+        def pwrite(self, buf, size, file_offset=0, task_size=None):
+            if file_offset == bad_off.get("at"):
+                raise RuntimeError(f"KvikIO failure at: /src/posix_io.cpp:42: {os.strerror(errno.EIO)}")
+            return real(self, buf, size, file_offset, task_size)
+        monkeypatch.setattr(gds_kvikio.CuFile, "pwrite", pwrite)
+        ctrl.store(keys, [1, 2, 3])
+        plan = ctrl.take_plan()
+        bad_off["at"] = plan.stores[0].slots[1] * tier.data.stride + ALIGN
+        with caplog.at_level(logging.ERROR):
+            ctrl.complete(ex.run(plan))
+        assert ctrl.totals[Metric.STORE_FAILED_BLOCKS.at("nvme")] == 1
+        assert ctrl.totals[Metric.STORED_BLOCKS.at("nvme")] == 2 and tier.data.engine.stats()["io_errors"] == 1
+        assert [tier.find(k) is not None for k in keys] == [True, False, True]
+        said = [r.getMessage() for r in caplog.records if "stored into nvme failed" in r.getMessage()]
+        assert len(said) == 1 and "Input/output error" in said[0]
+        for t in caches.values():
+            t.zero_()
+        assert _load(ctrl, ex, keys[2:], [6]) == set() and torch.equal(_block(caches, 6), want[2])
+        assert ctrl.lookup(keys) == 1
+    finally:
+        _close(tier, pool, ex)
+
+
+@pytest.mark.parametrize("io", ["posix", "kvikio"])
+def test_gds_nvme_only_stack_puts_from_the_callers_tensors(gds_kvikio, tmp_path, io):
+    """`TierStack.put` into `tiers: [nvme]` (no DRAM tier): each block written from the caller's
+    own tensor (on io: kvikio a device tensor goes device -> file from its own memory, no staging
+    copy), flushed and indexed; `get` serves them byte-exact, after a restart too."""
+    from kvtier.core.stack import TierStack
+    bb = 8192
+    cfg = parse_config({"block_bytes": bb, "tiers": [
+        {"name": "nvme", "kind": "nvme", "path": str(tmp_path / "n"), "capacity_blocks": 8, "io": io}]},
+        "t", check_env=False)
+    keys = [b"p%d" % i for i in range(4)]
+    srcs = [_rand(bb, 40 + i) for i in range(4)]
+    gds_kvikio.CuFile.moved.clear()
+    with TierStack.from_config(cfg, fingerprint={"model": "t"}) as stack:
+        assert stack.put(keys, srcs) == 4
+        assert stack.metrics.stored == {"nvme": 4}
+    moved = gds_kvikio.CuFile.moved
+    if io == "kvikio":
+        assert sorted(m[:3] for m in moved) == sorted(("pwrite", "device", t.data_ptr()) for t in srcs)
+    else:
+        assert moved == []
+    with TierStack.from_config(cfg, fingerprint={"model": "t"}) as stack:
+        dst = [torch.zeros(bb, dtype=torch.uint8) for _ in keys]
+        assert stack.get(keys, dst) == 4 and all(torch.equal(a, b) for a, b in zip(dst, srcs))

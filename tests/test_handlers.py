@@ -46,6 +46,7 @@ def _stacks(tmp_path):
     yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), nvme()]
     yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), nvme(), SimSharedTier("shared", 0, 4096)]
     yield lambda: [SlotTier("cpu", 4, 4096, LRU(4)), SimSharedTier("shared", 0, 4096)]
+    yield lambda: [nvme()]   # no DRAM tier: stores go straight into the file
 
 
 def test_the_table_covers_every_medium_pair_the_plans_produce(tmp_path):

@@ -83,7 +83,7 @@ def _controller_calls() -> set[str]:
 
 
 # what `Tier` declares for the drivers (stack, connector, executor), not the controller
-FOR_DRIVERS = {"kind", "medium", "verifies", "data_plane", "summary", "drain"}
+FOR_DRIVERS = {"kind", "medium", "data_plane", "summary", "drain"}
 
 
 def test_the_contracts_list_exactly_the_calls_the_controller_makes():

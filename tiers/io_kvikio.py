@@ -2,7 +2,10 @@
 
 Device tensors (CUDA) move between the file and device memory through kvikio's CuFile: with
 cuFile usable (kvikio's mode "GDS") by DMA, with no host copy; in kvikio's compatibility mode by
-kvikio's own POSIX reads and bounce buffers. Keyed blocks are format 4 (`nvme_block`): the
+kvikio's own POSIX reads and bounce buffers. kvtier hands it device memory in two places: loads
+without a promotion slot read into an outside's device staging rows (`FileLoad`), and stores into
+an NVMe top tier write from them (`FileStore`, kvtier/core/handlers.py); copies down from DRAM
+hand it host memory. Keyed blocks are format 4 (`nvme_block`): the
 header page is read and written on the host (os.pread / os.pwrite), the payload's hash is
 `block_sum.KeyedSum`, computed by torch on the payload's own device. A format-2 (xxh3) block
 read into device memory is read and verified on the host, then copied to the device (counted

@@ -276,10 +276,10 @@ def two_registrations() -> None:
         dc = DeviceCopier(lay.canon, lay.offsets, CudaStreams(lay.device), pin=True)
         trace = dc.traced()
         ids, slots, back = list(range(16)), list(range(24, 40)), list(range(32, 48))   # rows 24..39
-        dc.streams.sync(dc.store(rows, ids, slots))
+        dc.sync(dc.store(rows, ids, slots))
         store_ok = all(torch.equal(rows[s], torch.cat([probes.canonical(t, b) for t in kv.values()]))
                        for b, s in zip(ids, slots))
-        dc.streams.sync(dc.load(rows, back, slots)[-1])
+        dc.sync(dc.load(rows, back, slots)[-1])
         load_ok = all(torch.equal(t[b], t[a]) for t in kv.values() for a, b in zip(ids, back))
         chunks = buf.chunks + dc.index.buf.chunks + dc.ring.buf.chunks   # the load's layer-major host staging
         inside = all(any(p <= a and a + n <= p + sz for p, sz in chunks) for a, n in trace)
@@ -368,7 +368,7 @@ def scattered_copies() -> None:
         ids = torch.randperm(nblocks, generator=g)[:n].tolist()
         slots = torch.randperm(2 * n, generator=g)[:n].tolist()
         parts = [(rows, ids[i::reqs], slots[i::reqs]) for i in range(reqs)]
-        dc.streams.sync(dc.store_parts(parts))
+        dc.sync(dc.store_parts(parts))
         want = {b: torch.cat([probes.canonical(t, b) for t in kv.values()]) for b in ids[:16]}
         exact = all(torch.equal(rows[s], want[b]) for b, s in zip(ids[:16], slots[:16]))   # before any load
         dev = torch.empty(n * bb, dtype=torch.uint8, device="cuda")
@@ -376,11 +376,11 @@ def scattered_copies() -> None:
         sync = torch.cuda.synchronize
         d2h = _median_s(lambda: host.copy_(dev, non_blocking=True), 7, sync)
         h2d = _median_s(lambda: dev.copy_(host, non_blocking=True), 7, sync)
-        st = _median_s(lambda: dc.streams.sync(dc.store_parts(parts)), 7, sync)
-        ld = _median_s(lambda: dc.streams.sync(dc.load_parts(parts)[-1]), 7, sync)
+        st = _median_s(lambda: dc.sync(dc.store_parts(parts)), 7, sync)
+        ld = _median_s(lambda: dc.sync(dc.load_parts(parts)[-1]), 7, sync)
         for t in kv.values():
             t[ids[:16]] = 0
-        dc.streams.sync(dc.load_parts(parts)[-1])
+        dc.sync(dc.load_parts(parts)[-1])
         load_exact = all(torch.equal(torch.cat([probes.canonical(t, b) for t in kv.values()]), want[b]) for b in ids[:16])
         nb = n * bb
         out.append({"layers": layers, "requests": reqs, "block_bytes": bb, "blocks": n, "store_exact": exact,

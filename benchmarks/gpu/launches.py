@@ -7,8 +7,9 @@ an aten op that is neither a view nor an allocation, a kernel or a memcpy on CUD
 An 80-layer KV (vLLM's per-layer NHD views, bf16, 512 B per layer and block) and a worker on it:
 - 1,000 blocks of 1,000 one-block requests stored in one step (consecutive DRAM slots, as a fresh
   pool hands them out), then loaded: launches per layer each way; `..._one_request`: the same
-  blocks as one request; `..._scattered_rows`: every slot apart (one host<->device memcpy per run
-  of consecutive rows for a store; a load stages its rows layer-major on the host: none);
+  blocks as one request; `..._scattered_rows`: every slot apart (a store's chunk of more runs of
+  rows than layers takes one device->host memcpy into a pinned bounce ring that the host scatters
+  from; a load stages its rows layer-major on the host: no memcpy per run either way);
 - one step of 16 one-block requests loading and 16 storing (slots apart), and of 1 and 1:
   every launch of the step (`launches_16_requests`, `launches_1_request`), the events recorded, the
   compute stream's waits on store events (`compute_waits_on_stores_per_step`) and the share of

@@ -146,6 +146,10 @@ class Metric(Enum):
     STORES_DROPPED = ("stores_dropped", NONE, None, None, "Pending stores dropped (request gone or tier closed).")
     STORE_SETTLE_WAITS = ("store_settle_waits", NONE, None, None,
                           "Host waits for a store still reading GPU blocks vLLM hands out again (preemption, reuse).")
+    STORE_BOUNCE_FULL = ("store_bounce_full", NONE, None, None,
+                         "Store chunks of scattered rows copied run by run: the store bounce ring was still in use.")
+    DEVICE_STORED_BLOCKS = ("device_stored_blocks", TIER, None, None,
+                            "Blocks stored into a data file straight from device memory (GPUDirect Storage writes).")
     LOAD_COPY_FAILED = ("load_copy_failed", NONE, None, None, "Copies into vLLM's KV cache that failed.")
     BLOCKS_STORE_DROPPED = ("blocks_store_dropped", NONE, None, None, "Blocks whose store the worker dropped.")
     # lazy offload

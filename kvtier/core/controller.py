@@ -325,7 +325,7 @@ class TierController:
         op_id = next(self._op_ids)
         self.inflight.add_store(op_id, StoreInFlight(0, slots, ks, info=info, pos=[info.start + i for i in want],
                                                      deadline=self._report_by()))
-        self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want]))
+        self._plan.stores.append(StoreOp(op_id, 0, slots, [srcs[i] for i in want], ks if top.verifies else []))
         self.count(Metric.STORE_PLANNED_BLOCKS.at(top.name), len(slots))
         for t in self._through:  # written through from the top tier
             lower = [j for j, k in enumerate(ks) if not self.holds(k, t)]
@@ -544,7 +544,7 @@ class TierController:
             st = self.inflight.store_of(op_id)
             if st is None:
                 continue
-            oks = st.reported(by_rank, self.reporters)   # several ranks: once every rank reported
+            oks = st.reported(by_rank, self.reporters, rep.store_tags.get(op_id))   # once every rank reported
             if oks is None:
                 continue
             self.inflight.take_store(op_id)
@@ -580,10 +580,21 @@ class TierController:
         """Every rank reported store `st` (`oks`: per block, stored by all): commit what was, abort
         the rest; an exclusive promotion's lower copies to drop go to `exclusive`."""
         tier = self.tiers[st.tier]
+        sums = st.sums(self.ranks)   # a store into a file: its blocks' tags (written and flushed)
+        if sums is not None:
+            oks = [ok and c != -1 for ok, c in zip(oks, sums)]
         good = [j for j, ok in enumerate(oks[:len(st.slots)]) if ok]
         bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
+        if good and sums is not None:
+            try:
+                st.commit(tier, good, sums)
+            except OSError as e:  # the index write failed: nothing of it indexed, the slots aborted
+                self._once(("commit", st.tier, e.errno), logging.ERROR, "kvtier: tier %s: commit of %d stored "
+                           "blocks failed: %s (counted in store_failed_blocks)", tier.name, len(good), e)
+                bad, good = bad + [st.slots[j] for j in good], []
         if good:
-            st.commit(tier, good)
+            if sums is None:
+                st.commit(tier, good)
             self.failed.forget(st.keys[j] for j in good)
             self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
             if st.promotion:

@@ -11,7 +11,9 @@ Each tier's data plane (`kvtier.tiers.contract.DataPlane`, looked up in `kvtier.
 declares its medium; an op is run by the handler of its (source medium, destination medium), one
 of each class of `kvtier.core.handlers.HANDLERS`, built from the executor's parts (`Handlers`): a
 load is (tier, OUTSIDE), a store (OUTSIDE, tier), a copy down (tier, tier), the last written
-behind the step (`kvtier.core.handlers.CopiesDown`).
+behind the step (`kvtier.core.handlers.CopiesDown`). A store into a data file (a stack with no
+DRAM tier above NVMe) is written, flushed and reported within the call; with an engine that writes
+device memory (kvikio) its payload goes device staging rows -> file (`kvtier.core.handlers.FileStore`).
 
 Every failure is a per-block result (a miss, a load error the caller recomputes, a store not
 committed), logged once per cause and counted; nothing here raises into the caller's step.
@@ -420,7 +422,9 @@ class Executor:
 
     # ---- stores and copies -------------------------------------------------------------------
     def store(self, ops: Sequence[StoreOp], tainted: bool = False, defer: bool = False) -> set[tuple[int, int]]:
-        """outside -> DRAM slots, all in one batch (after the step's compute; a device: one sync).
+        """outside -> the top tier's slots, all in one batch (after the step's compute; a device:
+        one sync): DRAM slots, or a data file when the stack has no DRAM tier (`FileStore`: written
+        and flushed now; from device staging rows when its engine writes device memory).
         `tainted`: this step's loads failed, so what it computed is not stored. Returns the
         (tier, slot) pairs whose store failed (a copy down from them must not run). `defer`: a
         device's copies are left running, in `deferred` (`take_deferred`, `store_done`, `store_lost`)."""
@@ -433,6 +437,9 @@ class Executor:
                 by.setdefault(self.handlers.of(Medium.OUTSIDE, p.medium), []).append(op)
             except Exception as e:  # noqa: BLE001 - this op fails, the others run
                 self.store_failed(op, e, tainted, failed)
+        if any(h.stages for h in by):   # staging rows handed out again: the loads reading them done first
+            self.finish_loads()
+            self.settle_rows()
         planned: list = []
         ev = None
         for h, group in by.items():

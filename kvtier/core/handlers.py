@@ -8,6 +8,8 @@ class from its parts (`Handlers`) and hands each op to the handler of its pair:
     FILE    -> OUTSIDE  FileLoad     NVMe read into promotion slots, staging rows or device staging, verified
     SHARED  -> OUTSIDE  SharedLoad   shared-tier GET, verified (read ahead when asynchronous)
     OUTSIDE -> HOST     HostStore    store: the caller's blocks into DRAM slots, one batch
+    OUTSIDE -> FILE     FileStore    store into NVMe (no DRAM tier above it): written, flushed, tagged;
+                                     from device staging rows when the engine writes device memory (GDS)
     HOST    -> HOST     HostCopy     DRAM -> DRAM copy down, a memcpy done at once
     HOST    -> FILE     FileCopy     copy down: NVMe write, fdatasync, written behind
     HOST    -> SHARED   SharedCopy   copy to the fleet's server, written behind
@@ -232,6 +234,7 @@ class SharedLoad(ReadLoad):
 # ---- stores: the caller's blocks -> DRAM slots -------------------------------------------------
 class HostStore:
     pair = (OUTSIDE, HOST)
+    stages = False   # copies into DRAM slots: no staging rows
 
     def __init__(self, planes: Planes, outside: Outside) -> None:
         self.planes, self.outside = planes, outside
@@ -263,6 +266,151 @@ class HostStore:
                 failed.append(([op for op, _ in planned], e, False))
                 planned, ev = [], None
         return planned, ev, failed
+
+
+# ---- stores: the caller's blocks -> a data file (a stack whose top tier is NVMe) -----------------
+class FileStore:
+    """A store into a data file's pending slots, done before `store` returns: each block sealed
+    under its key (`op.keys`), the file flushed (fdatasync), then reported with its tags
+    (`ReportBuilder.stored`), which the controller indexes. The payload is written from
+    (`source`):
+
+    - "direct": the caller's own tensors (an outside with `direct_reads`: the CLI's buffers);
+    - "device": rows of the outside's device staging (`Outside.device_staging`), when the file's
+      engine writes device memory (`device_reads`: kvikio, GPUDirect Storage): the blocks are
+      gathered there on the device, their keyed payload sum (`block_sum.KeyedSum`) computed there
+      and the payload written device -> file; only the header page is built on the host;
+    - "host": the executor's host staging rows, the blocks gathered into them first.
+    """
+
+    pair = (OUTSIDE, FILE)
+    stages = True   # hands out staging rows: the executor settles its loads' rows first
+
+    def __init__(self, planes: Planes, outside: Outside, report: ReportBuilder, staging: Staging | None,
+                 count: Callable[..., None], once: Once) -> None:
+        self.planes, self.outside, self.report, self.staging = planes, outside, report, staging
+        self.count, self.once = count, once
+
+    def source(self, plane: DataPlane) -> str:
+        """Where a store into `plane` writes its payload from: "direct", "device" or "host"."""
+        if self.outside.direct_reads:
+            return "direct"
+        if plane.device_reads and self.outside.device_staging is not None:
+            return "device"
+        return "host"
+
+    def store(self, ops: Sequence[StoreOp], tainted: bool, defer: bool = False) -> tuple[list, Any, list]:
+        """Writes, flushes and reports `ops` now (`defer` is not taken: nothing is left running);
+        returns ([], None, the ops that failed whole as (ops, why, quiet)). A block whose write
+        failed is reported not stored (tag -1), the others of its op stored."""
+        if tainted:
+            return [], None, [(list(ops), RuntimeError("a load failed this step"), True)]
+        t0 = time.perf_counter()
+        failed: list[tuple[list[StoreOp], BaseException, bool]] = []
+        runs: list[tuple[StoreOp, Any, str]] = []
+        for op in ops:
+            try:
+                plane = self.planes.plane_of(op.tier, FILE)
+                if len(op.keys) != len(op.slots):
+                    raise RuntimeError("a store into a file without its blocks' keys")
+                runs.append((op, plane, self.source(plane)))
+            except Exception as e:  # noqa: BLE001 - this op fails, the others run
+                failed.append(([op], e, False))
+        bufs = self._gather(runs, failed)
+        writes = []
+        for op, plane, src in runs:
+            if id(op) not in bufs:
+                continue
+            try:
+                writes.append((op, plane, src, plane.write(op.slots, bufs[id(op)], op.keys)))
+            except Exception as e:  # noqa: BLE001 - not handed over: this op fails
+                failed.append(([op], e, False))
+        done = [(op, plane, src, h.wait()) for op, plane, src, h in writes]
+        synced: dict[int, BaseException | None] = {}
+        for _, plane, _, r in done:   # one fdatasync per file written: durable before the index says so
+            if id(plane) not in synced and any(r.ok):
+                try:
+                    synced[id(plane)] = None
+                    plane.sync()
+                except Exception as e:  # noqa: BLE001 - nothing of this file is durable
+                    synced[id(plane)] = e
+        self._report(done, synced, time.perf_counter() - t0)
+        return [], None, failed
+
+    def _gather(self, runs: list, failed: list) -> dict[int, list]:
+        """op id -> the buffers its blocks are written from: the caller's own, or staging rows the
+        blocks were copied into (one batch, waited for)."""
+        outside, out = self.outside, {}
+        jobs, staged = [], []
+        for where in ("device", "host"):
+            mine = [(op, plane) for op, plane, src in runs if src == where]
+            if not mine:
+                continue
+            try:
+                st = outside.device_staging if where == "device" else self.staging
+                if st is None:
+                    raise RuntimeError("no host staging rows to gather the blocks into")
+                views, rows, r0 = st.views(sum(len(op.slots) for op, _ in mine)), st.rows(), 0
+            except Exception as e:  # noqa: BLE001 - e.g. out of device memory: these ops fail
+                failed.append(([op for op, _ in mine], e, False))
+                continue
+            for op, _ in mine:
+                n = len(op.slots)
+                out[id(op)] = views[r0:r0 + n]
+                jobs.append(outside.job(rows, op.block_ids, list(range(r0, r0 + n)), out[id(op)]))
+                staged.append(op)
+                r0 += n
+        for op, _, src in runs:
+            if src == "direct":
+                try:
+                    out[id(op)] = outside.direct(op.block_ids)
+                except Exception as e:  # noqa: BLE001 - this op fails
+                    failed.append(([op], e, False))
+        if jobs:
+            try:
+                fault_point("store_copy")
+                outside.sync(outside.store_async(jobs))
+            except Exception as e:  # noqa: BLE001 - the gather failed: none of them is written
+                failed.append((staged, e, False))
+                for op in staged:
+                    out.pop(id(op), None)
+        return out
+
+    def _report(self, done: list, synced: dict, dt: float) -> None:
+        """Each op's per-block tags (-1: not written or not durable), counted; the path each
+        tier's stores take is logged once."""
+        bb = self.planes.block_bytes
+        by_tier: dict[str, int] = {}
+        for op, plane, src, r in done:
+            name = self.planes.name(op.tier)
+            err = synced.get(id(plane))
+            tags = [c if ok and err is None else -1 for c, ok in zip(r.tags or [0] * len(r.ok), r.ok)]
+            tags += [-1] * (len(op.slots) - len(tags))
+            self.report.stored(op.op_id, [c != -1 for c in tags], tags=tags)
+            n = sum(1 for c in tags if c != -1)
+            by_tier[name] = by_tier.get(name, 0) + n
+            if n and src == "device":
+                self.count(Metric.DEVICE_STORED_BLOCKS.at(name), n)
+            self.once(("file_store", name, src), logging.INFO, "kvtier: stores into %s: %s (%s)", name,
+                      _STORE_PATHS[src], plane.description)
+            why = err if err is not None else (r.errors[0] if r.errors else None)
+            if n < len(tags) and why is not None:
+                self.once(("file_store_failed", name) + (cause(err) if err is not None else ()), logging.ERROR,
+                          "kvtier: %d of %d blocks stored into %s failed: %s (not committed; counted in "
+                          "store_failed_blocks)", len(tags) - n, len(tags), name, why)
+        for name, n in by_tier.items():
+            if n:
+                self.count(Metric.BYTES_STORED.at(name), n * bb)
+                self.count(Metric.BLOCKS_STORED.at(name), n)
+            self.count(Metric.SECONDS_STORED.at(name), dt)
+
+
+_STORE_PATHS = {
+    "direct": "payload written from the caller's buffers",
+    "device": "gathered into device staging rows, payload sum computed on the device, payload written "
+              "device -> file (no host copy of it; header pages on the host)",
+    "host": "gathered into host staging rows, written host -> file",
+}
 
 
 # ---- copies down: DRAM -> a lower tier -----------------------------------------------------------
@@ -330,7 +478,7 @@ class FileCopy(BehindCopy):
 
 
 HANDLERS: dict[tuple[Medium, Medium], type] = {
-    h.pair: h for h in (HostLoad, FileLoad, SharedLoad, HostStore, HostCopy, SharedCopy, FileCopy)}
+    h.pair: h for h in (HostLoad, FileLoad, SharedLoad, HostStore, FileStore, HostCopy, SharedCopy, FileCopy)}
 
 
 class Handlers:
@@ -340,7 +488,7 @@ class Handlers:
                  count: Callable[..., None], once: Once, writes: WriteBehind, puts: WriteBehind) -> None:
         reads = (planes, outside, report, staging, count, once)
         made = (HostLoad(planes, outside, report), FileLoad(*reads), SharedLoad(*reads), HostStore(planes, outside),
-                HostCopy(planes, report, count), SharedCopy(planes, puts), FileCopy(planes, writes))
+                FileStore(*reads), HostCopy(planes, report, count), SharedCopy(planes, puts), FileCopy(planes, writes))
         self._by_pair: dict[tuple[Medium, Medium], Any] = {h.pair: h for h in made}
 
     def get(self, src: Medium, dst: Medium) -> Any:

@@ -155,13 +155,20 @@ class StoreInFlight:
     pos: list[int] | None = None      # chain position of each slot (the policies' insert order)
     deadline: float = float("inf")    # aborted when some rank has not reported it by then
     reports: dict[int, list[bool]] = field(default_factory=dict)  # rank -> per-block ok, so far
+    tags: dict[int, list[int]] = field(default_factory=dict)      # a store into a file: rank -> per-block tag
 
-    def reported(self, by_rank: dict[int, list[bool]], ranks: int) -> list[bool] | None:
-        """Add ranks' reports (ranks 0..`ranks`-1; a rank reporting twice: ANDed); once every rank
-        reported, per block whether every rank stored it, else None. A failure decides the outcome
-        but not the moment: another rank may still be copying the same blocks."""
+    def reported(self, by_rank: dict[int, list[bool]], ranks: int,
+                 tags: dict[int, list[int]] | None = None) -> list[bool] | None:
+        """Add ranks' reports (ranks 0..`ranks`-1; a rank reporting twice: ANDed) and, for a store
+        into a file, their tags; once every rank reported, per block whether every rank stored it,
+        else None. A failure decides the outcome but not the moment: another rank may still be
+        copying the same blocks."""
         if ranks <= 1:  # one worker, whatever its rank
             by_rank = {0: oks for oks in by_rank.values()}
+            tags = {0: t for t in (tags or {}).values()}
+        for r, t in (tags or {}).items():
+            if 0 <= r < ranks:
+                self.tags[r] = list(t)
         for r, oks in by_rank.items():
             if 0 <= r < ranks:
                 mine = self.reports.get(r)
@@ -172,12 +179,26 @@ class StoreInFlight:
         cols = [list(oks[:n]) + [False] * (n - len(oks)) for oks in self.reports.values()]
         return [all(t) for t in zip(*cols)]
 
-    def commit(self, tier: SlotTierContract, good: list[int]) -> None:
+    def sums(self, ranks: int) -> list | None:
+        """A store into a file: per block its tag (several ranks: the tuple of theirs; -1: some
+        rank did not write it); None for a store whose report carries no tags (DRAM)."""
+        if not self.tags:
+            return None
+        return rank_sums({r: t for r, t in self.tags.items() if r < ranks}, len(self.slots), ranks)
+
+    def commit(self, tier: SlotTierContract, good: list[int], sums: list | None = None) -> None:
         """Commit slots (indices `good`) run by run of consecutive chain positions, each run with
-        its own RequestInfo.start, so the eviction policy learns where each block sits."""
+        its own RequestInfo.start, so the eviction policy learns where each block sits. `sums`
+        (a store into a file, `self.sums`): written and flushed with these tags, published."""
         slots, pos = self.slots, self.pos
+
+        def publish(run: list[int], info: RequestInfo) -> None:
+            if sums is None:
+                tier.commit([slots[x] for x in run], info)
+            else:
+                tier.commit_written([slots[x] for x in run], [sums[x] for x in run], info)
         if pos is None or self.info is NO_INFO:
-            tier.commit([slots[j] for j in good], self.info)
+            publish(good, self.info)
             return
         i = 0
         while i < len(good):
@@ -186,7 +207,7 @@ class StoreInFlight:
                 j += 1
             run = good[i:j]
             info = self.info if pos[run[0]] == self.info.start else replace(self.info, start=pos[run[0]])
-            tier.commit([slots[x] for x in run], info)
+            publish(run, info)
             i = j
 
 

@@ -35,6 +35,7 @@ class StoreOp:
     tier: int
     slots: list[int]
     block_ids: list[int]
+    keys: list[bytes] = field(default_factory=list)  # a tier that verifies (NVMe): sealed into each header
 
 
 @dataclass
@@ -82,6 +83,7 @@ class Report:
     capacity: dict[int, int] = field(default_factory=dict)  # tier -> slots its data plane holds (when fewer)
     unread: dict[int, list] = field(default_factory=dict)   # tier -> blocks whose load failed: slots (keys: shared)
     stored_ranks: dict[int, dict[int, list[bool]]] = field(default_factory=dict)  # aggregated: op -> rank -> oks
+    store_tags: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # op -> rank -> per block tag (a file)
 
     @classmethod
     def of_plan(cls, plan: Plan, ok: bool, ranks: int = 0) -> "Report":
@@ -147,14 +149,17 @@ class Report:
         unread = {t: list(v) for t, v in self.unread.items()}
         for t, v in other.unread.items():
             unread.setdefault(t, []).extend(x for x in v if x not in unread[t])
+        tags = {op: dict(r) for op, r in self.store_tags.items()}
+        for op, by_rank in other.store_tags.items():
+            tags.setdefault(op, {}).update(by_rank)
         return type(self)(stored=stored, loaded=loaded, corrupt=corrupt, rank=self.rank,
                           copied_ranks=written, gone=gone, bad=bad, capacity=capacity, unread=unread,
-                          stored_ranks=stored_ranks)
+                          stored_ranks=stored_ranks, store_tags=tags)
 
     def is_empty(self) -> bool:
         return not self.stored and not self.loaded and not self.copied and not self.corrupt \
             and not self.copied_ranks and not self.gone and not self.bad and not self.capacity and not self.unread \
-            and not self.stored_ranks
+            and not self.stored_ranks and not self.store_tags
 
 
 class ReportBuilder:
@@ -168,13 +173,17 @@ class ReportBuilder:
         self._rep = cls(rank=rank)
         self.corrupt_blocks = 0   # blocks that failed verification, over every report taken
 
-    def stored(self, op_id: int, oks: Sequence[bool], rank: int | None = None) -> None:
+    def stored(self, op_id: int, oks: Sequence[bool], rank: int | None = None,
+               tags: Sequence[int] | None = None) -> None:
         """Store (or promotion) `op_id`: per block, whether its bytes are in its slot; `rank`: as
-        that rank's."""
+        that rank's. `tags`: a store into a data file, per block the tag it was sealed with (-1:
+        not written), durable already (the controller indexes them)."""
         if rank is None:
             self._rep.stored[op_id] = list(oks)
         else:
             self._rep.stored_ranks.setdefault(op_id, {})[rank] = list(oks)
+        if tags is not None:
+            self._rep.store_tags.setdefault(op_id, {})[self.rank if rank is None else rank] = list(tags)
 
     def not_stored(self, op_id: int, n: int, unless_reported: bool = False) -> int:
         """Store `op_id`'s `n` blocks failed (`unless_reported`: only if it has no result yet);
