@@ -472,27 +472,23 @@ class DeviceCopier:
         """Whether the copies before `event` completed, their rows scattered (the host does not wait
         for the device; it scatters the bounce ring's completed pieces); an error forgets the
         pieces up to `event` (their store is not stored)."""
-        try:
-            ok = self.streams.query(event)
-        except BaseException:
-            if self.bounce is not None:
-                self.bounce.drop_through(event)
-            raise
-        if self.bounce is not None:
-            self.bounce.reap()
-        return ok
+        return self._then_scatter(self.streams.query, event)
 
     def sync(self, event: Any) -> None:
         """The host waits for `event`, then scatters the bounce ring's completed pieces; an error
         forgets the pieces up to `event` (their store is not stored)."""
+        self._then_scatter(self.streams.sync, event)
+
+    def _then_scatter(self, ask: Any, event: Any) -> Any:
         try:
-            self.streams.sync(event)
+            out = ask(event)
         except BaseException:
             if self.bounce is not None:
                 self.bounce.drop_through(event)
             raise
         if self.bounce is not None:
             self.bounce.reap()
+        return out
 
     def _bounce_for(self, rows: int) -> None:
         """A bounce ring of `rows` (up to two chunks of the staging size); a smaller one is replaced
