@@ -78,6 +78,7 @@ class _Req:
     load_async: bool = False        # vLLM loads the hit asynchronously (shared tier, several groups)
     load_start: int = 0             # chain position where the planned load starts
     plan: list[tuple[int, int]] = field(default_factory=list)  # (group, block index) the hit loads
+    deferred: int = 0               # blocks the last store found no room for: offered again next step
 
 
 class KVTierScheduler:
@@ -403,8 +404,20 @@ class KVTierScheduler:
             pairs, first = self.rules.stores(r.request.block_hashes, computed_after, r.tables, r.done,
                                              self._boundaries.get(rid, ()))
             if pairs:
-                _, op_id, _ = self.ctrl.store([k for k, _ in pairs], [b for _, b in pairs], self._info(r, first))
+                keys = [k for k, _ in pairs]
+                _, op_id, deferred = self.ctrl.store(keys, [b for _, b in pairs], self._info(r, first),
+                                                     retry=self.rules.chain)
                 self.holds.planned(rid, op_id)
+                self._defer(r, first, keys, deferred)
+
+    def _defer(self, r: _Req, first: int, keys: list[bytes], deferred: list[int]) -> None:
+        """A chain's blocks the top tier found no room for now (every slot pinned: copies down
+        still running, loads, promotions) are offered again in the request's next steps, while
+        vLLM still holds them; those still unstored when it finishes are counted dropped then."""
+        r.deferred = len(deferred)
+        if deferred:
+            gid = self.rules.groups[0].gid
+            r.done[gid] = min(r.done[gid], r.keys.index(keys[deferred[0]], first))
 
     def has_pending_push_work(self) -> bool:
         """Lazy offload still has finished requests' blocks to write behind (connector/lazy_offload.py),
@@ -447,6 +460,8 @@ class KVTierScheduler:
         full blocks (`tables`, each group's block ids) to be written behind."""
         self.lora.finished(req_id)
         r = self._reqs.pop(req_id, None)
+        if r is not None and r.deferred:   # no room for them before vLLM frees them
+            self.ctrl.count_dropped(0, r.deferred)
         if r is not None and tables and tables[0] and self.store_enabled and self.lazy is not None:
             self._track(r.request)
             self.lazy.write_behind(r.keys, tables[0])

@@ -144,15 +144,38 @@ def test_eviction_skips_leased_blocks():
     s.on_alloc(other, [list(range(50, 55))], 0)
     meta = run_step(s, [("o", 17, list(range(50, 55)))])
     assert not meta.stores                                             # nothing evictable
-    assert s.totals["store_dropped_blocks.cpu"] == 4
+    assert s.totals.get("store_dropped_blocks.cpu", 0) == 0           # offered again while "o" runs
     assert all(tier.find(k) is not None for k in s._reqs["h"].keys[:4])
     s.on_finished("h")
-    s.on_finished("o")
+    s.on_finished("o")                                                 # finished before a step found room
+    assert s.totals["store_dropped_blocks.cpu"] == 4
     other2 = Req("o2", [1000 + i for i in range(17)])
     s.lookup(other2, 0)
     s.on_alloc(other2, [list(range(60, 65))], 0)
     meta = run_step(s, [("o2", 17, list(range(60, 65)))])
     assert sum(len(op.slots) for op in meta.stores) == 4              # LRU victims now free
+
+
+def test_blocks_without_room_are_stored_in_a_later_step():
+    """Blocks the top tier has no room for in their step (every slot pinned) are offered again in
+    the request's next step and stored once a slot frees, into the same vLLM blocks; none dropped."""
+    s, tier = make(cap=4)
+    store_request(s, Req("a", list(range(17))))
+    holder = Req("h", list(range(17)))
+    assert s.lookup(holder, 0) == 16                                   # pins every slot
+    other = Req("o", [1000 + i for i in range(17)])
+    ids = list(range(50, 55))
+    s.lookup(other, 0)
+    s.on_alloc(other, [ids], 0)
+    assert not run_step(s, [("o", 17, ids)]).stores
+    s.on_finished("h")                                                 # its lease goes: room
+    meta = run_step(s, [("o", 18, ids)])                               # o's next (decode) step
+    assert [op.slots and op.block_ids for op in meta.stores] == [[50, 51, 52, 53]]
+    assert [tier.find(k) is not None for k in s._reqs["o"].keys[:4]] == [True] * 4
+    assert not run_step(s, [("o", 19, ids)]).stores                   # stored once
+    s.on_finished("o")
+    assert s.totals.get("store_dropped_blocks.cpu", 0) == 0
+    assert s.lookup(Req("o2", [1000 + i for i in range(17)]), 0) == 16
 
 
 def test_store_off_never_plans():

@@ -184,7 +184,9 @@ def bench(srv: "S.Server", model: str, label: str, ds: list[str], a, out: Path) 
     if rc != 0:
         raise RuntimeError(f"bench failed ({rc}), see {out / (label + '.bench.log')}")
     res = json.loads((out / f"{label}.json").read_text())
-    m = S.parse_metrics(srv.metrics_text())
+    text = srv.metrics_text()
+    (out / f"{label}.metrics.txt").write_text(text)
+    m = S.parse_metrics(text)
     return {"label": label, "wall_s": round(time.monotonic() - t0, 1),
             "completed": res.get("completed"), "req_s": res.get("request_throughput"),
             "ttft_p50_ms": res.get("median_ttft_ms"), "ttft_p99_ms": res.get("p99_ttft_ms"),
