@@ -181,7 +181,8 @@ def check_parts(parts: Parts, layout: Any, vllm_config: Any, kv_cache_config: An
     """A worker's parts checked against its KV (`layout`, a `KVLayout`): (the parts, for each held
     part its pieces (offset, size) in the worker's row, in order). A parallel-agnostic decision the
     layout does not bear out raises (the worker then serves nothing: loud, never wrong bytes)."""
-    if not parts.agnostic:
+    if not parts.agnostic or parts.count == 1 and layout.block_bytes == parts.part_bytes:
+        # one part (an MLA latent, one KV head): every rank's row is the whole block
         return parts, [[(0, layout.block_bytes)] for _ in range(*parts.held)]
     from .canonical import Topology, layer_kinds, layout_map, model_of, slice_pieces
     from .kv_layout import layout_name

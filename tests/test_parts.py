@@ -175,3 +175,32 @@ def test_uncertified_topology_quantized_kv_or_turned_off():
     assert storage_parts(_vllm(), _kv_config(pth), 8192, False).why == "KV quantization FP8_PER_TOKEN_HEAD"
     off = storage_parts(_vllm(), _kv_config(), 8192, False, enabled=False)
     assert off.why == "turned off: serving.parallel_agnostic is false" and off.count == 1
+
+
+def _layout(heads: int):
+    from kvtier.connector.kv_layout import KVLayout
+    caches = {f"a{i}": torch.zeros(4, heads, 16, 32) for i in range(2)}   # [blocks, heads, tokens, content]
+    return KVLayout(caches, 4)
+
+
+def test_parallel_agnostic_worker_checks_the_config_against_its_kv():
+    """Each worker checks the scheduler's decision against its own KV: its parts' pieces come
+    from the canonical map; a layout that does not bear the decision out is refused loudly."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from kvtier.connector.parallel import check_parts
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    lay = _layout(2)
+    row = lay.block_bytes
+    vc = _vllm(tp=1, heads=2)
+    parts = storage_parts(vc, _kv_config(spec), row, False)
+    assert parts == Parts(2, 1, row // 2, (0, 2), True)
+    got, pieces = check_parts(parts, lay, vc, _kv_config(spec), 0)
+    assert got == parts and merged(sorted(sum(pieces, []))) == [(0, row)]   # the parts tile the row
+    assert sum(n for p in pieces for _, n in p) == row and all(sum(n for _, n in p) == row // 2 for p in pieces)
+    assert pieces[0] != [(0, row // 2)]   # part 0 is head 0 in each layer: not the row's first half
+    with pytest.raises(ValueError, match="does not bear out parallel-agnostic blocks"):
+        check_parts(storage_parts(_vllm(tp=1, heads=4), _kv_config(spec), row, False), lay, _vllm(tp=1, heads=4),
+                    _kv_config(spec), 0)
+    one = storage_parts(_vllm(tp=2, heads=1), _kv_config(spec), row, False, 1)
+    assert check_parts(one, lay, _vllm(tp=2, heads=1), _kv_config(spec), 1) == (one, [[(0, row)]])
