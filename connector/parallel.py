@@ -120,13 +120,14 @@ def _bound(vllm_config: Any, kv_cache_config: Any, row_bytes: int, rank: int, wh
     return Parts(count=n, writers=n, part_bytes=row_bytes, held=(r, r + 1), writes=r == rank, why=why)
 
 
-def storage_parts(vllm_config: Any, kv_cache_config: Any, row_bytes: int, hybrid: bool, rank: int = 0,
+def storage_parts(vllm_config: Any, kv_cache_config: Any, row_bytes: int, rank: int = 0,
                   enabled: bool = True) -> Parts:
     """The parts of a stored block under this engine's parallelism, from vLLM's config alone (the
     scheduler and every worker compute the same; a worker checks it against its KV, `check_parts`).
     Parallel-agnostic where kvtier certifies the layout (`canonical.canonical_map`'s rules: GQA /
     MHA heads sharded evenly, or one slice replicated, or an MLA latent; no context or pipeline
-    parallelism, KV unquantized or fp8 per tensor), topology-bound otherwise."""
+    parallelism, KV unquantized or fp8 per tensor, every layer the model's heads; hybrid groups
+    where every layer certifies), topology-bound otherwise."""
     from .canonical import Kind, layer_kinds
     from .kv_layout import layout_name
 
@@ -142,8 +143,6 @@ def storage_parts(vllm_config: Any, kv_cache_config: Any, row_bytes: int, hybrid
         return bound(f"context parallel (dcp {dcp}, pcp {pcp}) changes a block's tokens")
     if pp > 1:
         return bound(f"pipeline stages (pp {pp})")
-    if hybrid:
-        return bound("several KV-cache groups (hybrid model): not certified yet")
     if world_size(vllm_config) != tp:
         return bound(f"world size {world_size(vllm_config)} is not tp {tp}")
     kinds, quant = layer_kinds(kv_cache_config)
@@ -163,6 +162,9 @@ def storage_parts(vllm_config: Any, kv_cache_config: Any, row_bytes: int, hybrid
         S = int(vllm_config.model_config.get_total_num_kv_heads())
     if S <= 0:
         return bound("no KV heads")
+    heads = _rank_heads(kv_cache_config) if found == {Kind.HEADS} else {max(1, S // tp)}
+    if heads != {max(1, S // tp)}:   # a draft model's own heads, or heads vLLM shards otherwise
+        return bound(f"layers with {sorted(heads)} KV heads per rank, not {max(1, S // tp)} of {S}")
     if tp <= S and S % tp == 0:
         lo, hi, writes, per = rank * S // tp, (rank + 1) * S // tp, True, S // tp
     elif tp > S and tp % S == 0 and (S == 1 or found == {Kind.HEADS}):
@@ -174,6 +176,17 @@ def storage_parts(vllm_config: Any, kv_cache_config: Any, row_bytes: int, hybrid
     if row_bytes % per:
         return bound(f"a block of {row_bytes} B does not split into {per} parts")
     return Parts(count=S, writers=min(tp, S), part_bytes=row_bytes // per, held=(lo, hi), writes=writes)
+
+
+def _rank_heads(kv_cache_config: Any) -> set[int]:
+    """The KV heads per rank of every attention layer in vLLM's `KVCacheConfig`."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+    out = set()
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        specs = spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        out.update(int(x.num_kv_heads) for x in specs)
+    return out
 
 
 def check_parts(parts: Parts, layout: Any, vllm_config: Any, kv_cache_config: Any, rank: int

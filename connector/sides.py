@@ -130,7 +130,7 @@ def block_parts(cfg: Any, vllm_config: Any, kv_cache_config: Any, shape: KVShape
     if not shape.enabled or kv_cache_config is None:
         return None
     rank = int(getattr(getattr(vllm_config, "parallel_config", None), "rank", 0) or 0)
-    return storage_parts(vllm_config, kv_cache_config, shape.block_bytes, shape.hybrid, rank,
+    return storage_parts(vllm_config, kv_cache_config, shape.block_bytes, rank,
                          cfg.serving.parallel_agnostic)
 
 

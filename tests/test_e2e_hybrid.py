@@ -159,6 +159,9 @@ def test_mamba_hybrid_serves_the_state(tmp_path):
     try:
         s, w = _sched()
         assert _hma_on(llm) and [g.kind for g in s.groups] == [GroupKind.MAMBA, GroupKind.FULL]
+        # a Mamba state is not certified: blocks stay bound to the topology, and the start line says why
+        assert s.parts.describe() == "topology-bound blocks (a layer that is not attention KV (a state, or an " \
+            "unknown spec))" and s.fingerprint["tp"] == 1
         assert U.generate(llm, prompts, MAX_TOKENS) == base
         assert s.sched.totals["stored_blocks.cpu"] == 3 * (2 + 1)    # 2 attention blocks + the state at 256
         llm.reset_prefix_cache()                                     # vLLM forgets; kvtier serves

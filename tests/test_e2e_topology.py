@@ -54,6 +54,18 @@ def test_parallel_agnostic_topology_through_nvme(tmp_path, capsys):
     assert d["files"] == ["data.0", "data.1"]   # one directory, one file per part, whatever tp
 
 
+def test_parallel_agnostic_topology_hybrid_through_nvme(tmp_path, capsys):
+    """Gemma-3 (full + sliding-window groups): each group's blocks cross TP sizes too."""
+    d = _run(tmp_path, capsys, "nvme", "-", "gemma3")
+    clean = {"same_tokens": True, "corrupt": 0, "load_failed": 0, "hook_errors": 0}
+    # 3 prompts x 4 blocks x 2 groups stored; a hit loads the full group's 4 blocks and the window's 2
+    assert d["tp1_writes_a"] == {**clean, "hits": 0, "stored": 24, "parts": AGNOSTIC + "0-1)"}
+    assert d["tp2_reads_a"] == {**clean, "hits": 3 * 6 * 32, "stored": 24, "parts": AGNOSTIC + "0-0)"}
+    assert d["tp1_reads_b"] == {**clean, "hits": 3 * 6 * 32, "stored": 0, "parts": AGNOSTIC + "0-1)"}
+    for name in ("tp2_reads_flipped_a", "tp1_reads_flipped_b"):
+        assert d[name]["same_tokens"] is True and d[name]["corrupt"] == 6 and d[name]["load_failed"] == 6, d[name]
+
+
 def test_parallel_agnostic_topology_through_redis(tmp_path, capsys, redis_factory):
     server = redis_factory(maxmemory="64mb")
     d = _run(tmp_path, capsys, "shared", server.url)

@@ -45,8 +45,8 @@ def test_tp2_hybrid_model(tmp_path, capsys):
     with capsys.disabled():
         print(f"\n[kvtier e2e] TP=2 hybrid (Gemma-3): {json.dumps(d)}")
     assert d["hma"] is True
-    # an uncertified layout stays bound to the topology and says so
-    assert d["parts"] == "topology-bound blocks (several KV-cache groups (hybrid model): not certified yet)"
+    # every layer (full and sliding attention) certifies: parallel-agnostic (tests/test_e2e_topology.py)
+    assert d["parts"] == "parallel-agnostic blocks (canonical v1, 2 parts of 16384 B; parts 0-0)"
     assert d["pass1"] == {"same_tokens": True, "stored_cpu": 4 * 12, "stored_nvme": 4 * 12}  # 6 blocks x 2 groups
     assert d["files"] == ["data.0", "data.1"] and d["restored"] == 4 * 12 and d["rank_sums"] == 2
     # the full group loads the prefix (6 blocks), the sliding group its window (2): hit blocks

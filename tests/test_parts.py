@@ -126,10 +126,19 @@ def _vllm(tp=1, pp=1, dcp=1, heads=2, mla=False, device="cpu", rank=0):
                            kv_transfer_config=None)
 
 
-def _kv_config(spec=None):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    spec = spec or FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)
-    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a0", "a1"], spec)])
+def _kv_config(spec=None, heads: int = 2, draft_heads: int | None = None, window: bool = False):
+    """Two full-attention layers of `heads` KV heads per rank (+ a sliding-window group, + a draft
+    layer of its own heads)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+    spec = spec or FullAttentionSpec(block_size=16, num_kv_heads=heads, head_size=64, dtype=torch.float16)
+    groups = [KVCacheGroupSpec(["a0", "a1"], spec)]
+    if window:
+        groups.append(KVCacheGroupSpec(["w0", "w1"], SlidingWindowSpec(
+            block_size=16, num_kv_heads=heads, head_size=64, dtype=torch.float16, sliding_window=64)))
+    if draft_heads is not None:
+        groups.append(KVCacheGroupSpec(["d0"], FullAttentionSpec(block_size=16, num_kv_heads=draft_heads,
+                                                                 head_size=64, dtype=torch.float16)))
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 @pytest.mark.parametrize("tp,heads,want", [
@@ -138,28 +147,30 @@ def _kv_config(spec=None):
     (2, 8, [Parts(8, 2, 2048, (0, 4), True), Parts(8, 2, 2048, (4, 8), True)]),
     (2, 1, [Parts(1, 1, 8192, (0, 1), True), Parts(1, 1, 8192, (0, 1), False)]),   # one head replicated
 ])
-def test_parallel_agnostic_parts_of_each_rank(tp, heads, want):
-    got = [storage_parts(_vllm(tp=tp, heads=heads, rank=r), _kv_config(), 8192, False, r) for r in range(tp)]
+@pytest.mark.parametrize("window", [False, True])   # a hybrid model whose every layer certifies
+def test_parallel_agnostic_parts_of_each_rank(tp, heads, want, window):
+    kv = _kv_config(heads=max(1, heads // tp), window=window)
+    got = [storage_parts(_vllm(tp=tp, heads=heads, rank=r), kv, 8192, r) for r in range(tp)]
     assert got == want
 
 
 def test_parallel_agnostic_mla_latent_is_one_part_rank0_writes():
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
     spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float16)
-    got = [storage_parts(_vllm(tp=2, heads=1, mla=True, rank=r), _kv_config(spec), 8192, False, r) for r in (0, 1)]
+    got = [storage_parts(_vllm(tp=2, heads=1, mla=True, rank=r), _kv_config(spec), 8192, r) for r in (0, 1)]
     assert got == [Parts(1, 1, 8192, (0, 1), True), Parts(1, 1, 8192, (0, 1), False)]
 
 
-@pytest.mark.parametrize("kw,hybrid,why", [
-    (dict(tp=2, pp=2), False, "pipeline stages (pp 2)"),
-    (dict(dcp=2), False, "context parallel (dcp 2, pcp 1) changes a block's tokens"),
-    (dict(tp=4, heads=2), False, "tp 4 replicates 2 KV heads"),
-    (dict(tp=2, heads=3), False, "3 KV heads not divisible by tp 2"),
-    (dict(), True, "several KV-cache groups (hybrid model): not certified yet"),
-    (dict(device="tpu-like"), False, None),
+@pytest.mark.parametrize("kw,kv,why", [
+    (dict(tp=2, pp=2), dict(heads=1), "pipeline stages (pp 2)"),
+    (dict(dcp=2), dict(), "context parallel (dcp 2, pcp 1) changes a block's tokens"),
+    (dict(tp=4, heads=2), dict(heads=1), "tp 4 replicates 2 KV heads"),
+    (dict(tp=2, heads=3), dict(heads=1), "3 KV heads not divisible by tp 2"),
+    (dict(), dict(draft_heads=4), "layers with [2, 4] KV heads per rank, not 2 of 2"),   # a draft's own heads
+    (dict(device="tpu-like"), dict(), None),
 ])
-def test_uncertified_topology_stays_bound_and_says_why(kw, hybrid, why):
-    p = storage_parts(_vllm(**kw), _kv_config(), 8192, hybrid)
+def test_uncertified_topology_stays_bound_and_says_why(kw, kv, why):
+    p = storage_parts(_vllm(**kw), _kv_config(**kv), 8192)
     if why is None:   # any device but the CPU backend: the canonical GPU format, certified
         assert p.agnostic
         return
@@ -172,8 +183,8 @@ def test_uncertified_topology_quantized_kv_or_turned_off():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
     pth = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8,
                             kv_quant_mode=KVQuantMode.FP8_PER_TOKEN_HEAD)
-    assert storage_parts(_vllm(), _kv_config(pth), 8192, False).why == "KV quantization FP8_PER_TOKEN_HEAD"
-    off = storage_parts(_vllm(), _kv_config(), 8192, False, enabled=False)
+    assert storage_parts(_vllm(), _kv_config(pth), 8192).why == "KV quantization FP8_PER_TOKEN_HEAD"
+    off = storage_parts(_vllm(), _kv_config(), 8192, enabled=False)
     assert off.why == "turned off: serving.parallel_agnostic is false" and off.count == 1
 
 
@@ -190,17 +201,18 @@ def test_parallel_agnostic_worker_checks_the_config_against_its_kv():
 
     from kvtier.connector.parallel import check_parts
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    lay = _layout(2)
+    lay = _layout(2)   # at TP=1: the model's 2 heads on this rank
     row = lay.block_bytes
     vc = _vllm(tp=1, heads=2)
-    parts = storage_parts(vc, _kv_config(spec), row, False)
+    parts = storage_parts(vc, _kv_config(spec), row)
     assert parts == Parts(2, 1, row // 2, (0, 2), True)
     got, pieces = check_parts(parts, lay, vc, _kv_config(spec), 0)
     assert got == parts and merged(sorted(sum(pieces, []))) == [(0, row)]   # the parts tile the row
     assert sum(n for p in pieces for _, n in p) == row and all(sum(n for _, n in p) == row // 2 for p in pieces)
     assert pieces[0] != [(0, row // 2)]   # part 0 is head 0 in each layer: not the row's first half
     with pytest.raises(ValueError, match="does not bear out parallel-agnostic blocks"):
-        check_parts(storage_parts(_vllm(tp=1, heads=4), _kv_config(spec), row, False), lay, _vllm(tp=1, heads=4),
-                    _kv_config(spec), 0)
-    one = storage_parts(_vllm(tp=2, heads=1), _kv_config(spec), row, False, 1)
-    assert check_parts(one, lay, _vllm(tp=2, heads=1), _kv_config(spec), 1) == (one, [[(0, row)]])
+        four = _kv_config(heads=4)   # the config says 4 heads, the KV holds 2
+        check_parts(storage_parts(_vllm(tp=1, heads=4), four, row), lay, _vllm(tp=1, heads=4), four, 0)
+    kv1 = _kv_config(heads=1)
+    one = storage_parts(_vllm(tp=2, heads=1), kv1, row, 1)
+    assert check_parts(one, lay, _vllm(tp=2, heads=1), kv1, 1) == (one, [[(0, row)]])

@@ -2,7 +2,7 @@
 served at another, through NVMe or the shared tier. Run as a script (vLLM spawns its TP workers
 from `__main__`); prints one JSON line.
 
-    python tests/topology_e2e.py WORKDIR nvme|shared [REDIS_URL]
+    python tests/topology_e2e.py WORKDIR nvme|shared [REDIS_URL|-] [llama|gemma3]
 
 Engines, one after another on one store: TP=1 writes prompts A; TP=2 reads A (hits) and writes
 B; TP=1 reads B. Then a payload byte of part 1 (the second KV head's bytes, which TP=2's rank 1
@@ -23,10 +23,11 @@ import vllm_util as U  # noqa: E402
 CAP = 64
 
 
-def main(work: str, medium: str, url: str | None = None) -> None:
+def main(work: str, medium: str, url: str = "-", kind: str = "llama") -> None:
     cores = sorted(os.sched_getaffinity(0))[:2]
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, cores)))
-    model = U.build_tiny_llama(os.path.join(work, "model"))
+    build = U.build_tiny_gemma3 if kind == "gemma3" else U.build_tiny_llama   # gemma3: a hybrid model
+    model = build(os.path.join(work, "model"))
     A, B = U.prompts(3, 4, seed=11), U.prompts(3, 4, seed=12)
     nvme = os.path.join(work, "nvme")
     lower = (f'  - {{name: nvme, kind: nvme, path: "{nvme}", capacity_blocks: {CAP}}}' if medium == "nvme"
@@ -113,4 +114,4 @@ def flip_shared(url: str) -> int:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
