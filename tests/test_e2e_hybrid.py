@@ -135,7 +135,7 @@ def test_as_a_child_of_multiconnector_with_another_hma_connector(gemma, gemma_pr
         U.shutdown(llm)
 
 
-def test_mamba_hybrid_serves_the_state(tmp_path):
+def test_mamba_hybrid_serves_the_state_topology_bound(tmp_path):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     from kvtier.connector.groups import GroupKind
