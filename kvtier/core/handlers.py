@@ -326,15 +326,13 @@ class FileStore:
             except Exception as e:  # noqa: BLE001 - not handed over: this op fails
                 failed.append(([op], e, False))
         done = [(op, plane, src, h.wait()) for op, plane, src, h in writes]
-        synced: dict[int, BaseException | None] = {}
-        for _, plane, _, r in done:   # one fdatasync per file written: durable before the index says so
-            if id(plane) not in synced and any(r.ok):
-                try:
-                    synced[id(plane)] = None
-                    plane.sync()
-                except Exception as e:  # noqa: BLE001 - nothing of this file is durable
-                    synced[id(plane)] = e
-        self._report(done, synced, time.perf_counter() - t0)
+        tags: dict[int, list[int]] = {}                # op id -> per block tag, durable
+        synced: dict[int, BaseException | None] = {}   # plane id -> its fdatasync's failure
+        for plane in {id(p): p for _, p, _, _ in done}.values():   # durable before the index says so
+            mine = [(op, r) for op, p, _, r in done if p is plane]
+            per_op, synced[id(plane)] = durable_tags(plane, [r for _, r in mine])
+            tags.update((id(op), t) for (op, _), t in zip(mine, per_op))
+        self._report(done, tags, synced, time.perf_counter() - t0)
         return [], None, failed
 
     def _gather(self, runs: list, failed: list) -> dict[int, list]:
@@ -376,16 +374,15 @@ class FileStore:
                     out.pop(id(op), None)
         return out
 
-    def _report(self, done: list, synced: dict, dt: float) -> None:
-        """Each op's per-block tags (-1: not written or not durable), counted; the path each
-        tier's stores take is logged once."""
+    def _report(self, done: list, durable: dict, synced: dict, dt: float) -> None:
+        """Each op's per-block tags (`durable`; -1: not written or not durable), counted; the path
+        each tier's stores take is logged once."""
         bb = self.planes.block_bytes
         by_tier: dict[str, int] = {}
         for op, plane, src, r in done:
             name = self.planes.name(op.tier)
             err = synced.get(id(plane))
-            tags = [c if ok and err is None else -1 for c, ok in zip(r.tags or [0] * len(r.ok), r.ok)]
-            tags += [-1] * (len(op.slots) - len(tags))
+            tags = durable[id(op)] + [-1] * (len(op.slots) - len(durable[id(op)]))
             self.report.stored(op.op_id, [c != -1 for c in tags], tags=tags)
             n = sum(1 for c in tags if c != -1)
             by_tier[name] = by_tier.get(name, 0) + n
@@ -609,16 +606,30 @@ class WriteBehind:
         self._pending = []
 
 
+def durable_tags(plane: Any, results: Sequence[IOResult]) -> tuple[list[list[int]], BaseException | None]:
+    """Writes into one data file made durable: one fdatasync when any block was written, then per
+    result, per block its tag (-1: not written, or the fdatasync failed: returned)."""
+    err = None
+    if any(any(r.ok) for r in results):
+        try:
+            plane.sync()
+        except Exception as e:  # noqa: BLE001 - nothing of this file is durable
+            err = e
+    return [[c if ok and err is None else -1 for c, ok in zip(r.tags or [0] * len(r.ok), r.ok)]
+            for r in results], err
+
+
 def _flush(nvme: Any, batch: list, failed_src: set[int], t0: float) -> Done:
     """The flusher thread: wait for a batch's writes, fdatasync once, per-op tags (-1: failed)."""
     try:
         results = [(op, h.wait()) for op, h in batch]
-        if any(any(r.ok) for _, r in results):
-            nvme.sync()
     except Exception as e:  # noqa: BLE001 - the batch is not durable: reported, the sources stay
         return [(op, [-1] * len(op.src_slots)) for op, _ in batch], time.perf_counter() - t0, [str(e)]
-    out = [(op, [c if ok and src not in failed_src else -1
-                 for c, ok, src in zip(r.tags or [0] * len(r.ok), r.ok, op.src_slots)]) for op, r in results]
+    tags, err = durable_tags(nvme, [r for _, r in results])
+    if err is not None:
+        return [(op, [-1] * len(op.src_slots)) for op, _ in batch], time.perf_counter() - t0, [str(err)]
+    out = [(op, [c if src not in failed_src else -1 for c, src in zip(t, op.src_slots)])
+           for (op, _), t in zip(results, tags)]
     return out, time.perf_counter() - t0, [e for _, r in results for e in r.errors]
 
 
