@@ -585,16 +585,14 @@ class TierController:
             oks = [ok and c != -1 for ok, c in zip(oks, sums)]
         good = [j for j, ok in enumerate(oks[:len(st.slots)]) if ok]
         bad = [s for s, ok in zip(st.slots, oks) if not ok] + list(st.slots[len(oks):])
-        if good and sums is not None:
+        if good:
             try:
                 st.commit(tier, good, sums)
-            except OSError as e:  # the index write failed: nothing of it indexed, the slots aborted
+            except OSError as e:  # a file's index write failed: nothing of it indexed, the slots aborted
                 self._once(("commit", st.tier, e.errno), logging.ERROR, "kvtier: tier %s: commit of %d stored "
                            "blocks failed: %s (counted in store_failed_blocks)", tier.name, len(good), e)
                 bad, good = bad + [st.slots[j] for j in good], []
         if good:
-            if sums is None:
-                st.commit(tier, good)
             self.failed.forget(st.keys[j] for j in good)
             self.count(Metric.STORED_BLOCKS.at(tier.name), len(good))
             if st.promotion:
