@@ -624,3 +624,32 @@ def test_gds_nvme_only_stack_puts_from_the_callers_tensors(gds_kvikio, tmp_path,
     with TierStack.from_config(cfg, fingerprint={"model": "t"}) as stack:
         dst = [torch.zeros(bb, dtype=torch.uint8) for _ in keys]
         assert stack.get(keys, dst) == 4 and all(torch.equal(a, b) for a, b in zip(dst, srcs))
+
+
+def test_gds_store_whose_write_handle_raises_fails_only_that_op(gds_kvikio, tmp_path, monkeypatch):
+    """An engine whose handle raises when waited for (a thread's exception, not a per-block
+    result) fails that store op, counted and not indexed; `Executor.store` never raises, and the
+    next store writes and indexes."""
+    from kvtier.tiers.io_engine import IOHandle
+
+    class Raising(IOHandle):
+        def done(self) -> bool:
+            return True
+
+        def wait(self, timeout=None):
+            raise RuntimeError("an I/O thread died")
+    caches, tier, pool, kv, ctrl, ex = _nvme_top(tmp_path, 7)
+    try:
+        plane = tier.data_plane
+        real = plane.write
+        monkeypatch.setattr(plane, "write", lambda *a, **k: Raising())
+        ctrl.store([b"a", b"b"], [1, 2])
+        ctrl.complete(ex.run(ctrl.take_plan()))
+        assert ctrl.totals[Metric.STORE_FAILED_BLOCKS.at("nvme")] == 2
+        assert [tier.find(k) for k in (b"a", b"b")] == [None, None]
+        monkeypatch.setattr(plane, "write", real)
+        ctrl.store([b"c"], [3])
+        ctrl.complete(ex.run(ctrl.take_plan()))
+        assert ctrl.totals[Metric.STORED_BLOCKS.at("nvme")] == 1 and tier.find(b"c") is not None
+    finally:
+        _close(tier, pool, ex)

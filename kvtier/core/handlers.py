@@ -325,7 +325,12 @@ class FileStore:
                 writes.append((op, plane, src, plane.write(op.slots, bufs[id(op)], op.keys)))
             except Exception as e:  # noqa: BLE001 - not handed over: this op fails
                 failed.append(([op], e, False))
-        done = [(op, plane, src, h.wait()) for op, plane, src, h in writes]
+        done = []
+        for op, plane, src, h in writes:
+            try:
+                done.append((op, plane, src, h.wait()))
+            except Exception as e:  # noqa: BLE001 - the engine failed the whole op: it fails, the others go on
+                failed.append(([op], e, False))
         tags: dict[int, list[int]] = {}                # op id -> per block tag, durable
         synced: dict[int, BaseException | None] = {}   # plane id -> its fdatasync's failure
         for plane in {id(p): p for _, p, _, _ in done}.values():   # durable before the index says so
